@@ -1,0 +1,69 @@
+"""`sparse_decode`: one decode step of attention over the tokens a `SparseIndex` selects."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .index import SparseIndex
+from .torch_decode import torch_sparse_decode
+from .triton_decode import TRITON_HEAD_DIMS
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package can be imported (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
+                  *, scale: float | None = None, backend: str = "auto", out: torch.Tensor | None = None,
+                  validate_index: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attend one query token per head to the cached tokens selected by ``index``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, D)``, fp16 / bf16 / fp32, last dim contiguous. ``H_q = G * H_kv`` with G in
+        1..8; query head ``h`` uses KV head ``h // G`` (HF ``repeat_kv`` order).
+    k_cache, v_cache : torch.Tensor
+        ``(B, H_kv, T_cap, D)``, q's dtype and device. Only the last dim must be contiguous
+        (stride 1); batch, head and token strides are free, so the tokens of one head are rows
+        ``k_cache[b, h, t, :]`` of a strided view (HF caches are fully contiguous).
+    index : SparseIndex
+        Tokens to attend per (row, KV head): sinks U tail U selected blocks, deduplicated,
+        restricted to ``[seq_start, seq_len)``.
+    scale : float, optional
+        Score scale, default ``1 / sqrt(D)``.
+    backend : {"auto", "triton", "torch"}
+        ``"triton"``: CUDA tensors, head_dim 64 or 128. ``"torch"``: any device (the fast path
+        on CPU: it gathers only the selected rows). ``"auto"``: triton for CUDA tensors with a
+        supported head_dim when triton is importable, else torch.
+    out : torch.Tensor, optional
+        Preallocated ``(B, H_q, D)`` output in q's dtype.
+    validate_index : bool
+        Check index values against the cache (a device sync); pass False in hot loops once the
+        index was validated at plan time.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``(B, H_q, D)`` in q's dtype; zeros for a (row, head) that attends to nothing.
+    lse : torch.Tensor
+        fp32 ``(B, H_q)``, natural log-sum-exp of the scaled scores; -inf when nothing is attended
+        (ready for `merge_states`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        use_triton = (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 3
+                      and q.shape[-1] in TRITON_HEAD_DIMS and triton_available())
+        backend = "triton" if use_triton else "torch"
+    if backend == "triton":
+        from .triton_decode import triton_sparse_decode
+
+        return triton_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out,
+                                    validate_index=validate_index)
+    return torch_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out,
+                               validate_index=validate_index)
