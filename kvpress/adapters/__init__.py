@@ -1,0 +1,148 @@
+"""Model adapters: the only code that knows a model family.
+
+An adapter answers what policies need to know about a loaded model — its decoder layers and
+attention modules, head counts, head_dim, and how its rotary position embedding (RoPE) rotates
+a vector — so policies never walk ``model.model.layers`` themselves.
+
+Supported families: Llama (SmolLM2, Llama 2/3), Qwen2 and Mistral. They share the HF attention
+layout (``q_proj/k_proj/v_proj``, ``rotate_half`` RoPE applied to the whole head, no q/k norm),
+so one class serves all three; another family gets a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+# RoPE variants whose frequencies do not depend on the sequence length, so a rotation by an
+# angle difference is exact. "dynamic" NTK scaling re-derives frequencies per length: refused.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    """Facts about one loaded model, plus its RoPE rotation.
+
+    Attributes
+    ----------
+    family : str
+        ``config.model_type`` ("llama", "mistral" or "qwen2").
+    num_layers, num_heads, num_kv_heads, head_dim : int
+        Decoder layers, query heads, key/value heads and the per-head dimension.
+    """
+
+    model: nn.Module
+    family: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    model_id: str
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA ratio)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The decoder stack (``LlamaModel`` etc.) whose forward receives ``past_key_values``."""
+        return self.model.base_model
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.base_model.layers)
+
+    def attention_modules(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.decoder_layers()]
+
+    # ------------------------------------------------------------------ RoPE
+    def inv_freq(self, device) -> torch.Tensor:
+        """RoPE inverse frequencies, fp32 [head_dim // 2]."""
+        rotary = self.base_model.rotary_emb
+        return rotary.inv_freq.detach().to(device=device, dtype=torch.float32)
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` by RoPE angles ``positions * inv_freq`` (negative positions invert).
+
+        RoPE at position p is a rotation by p * theta_i in each channel pair, so applying it with
+        ``positions = -p`` undoes it exactly (up to fp32 rounding), and a rotation by ``p2 - p1``
+        moves a vector rotated at p1 to p2. Any attention scaling factor of the RoPE variant is
+        already inside the rotated vector and is left untouched.
+
+        Parameters
+        ----------
+        x : Tensor [B, H, T, head_dim]
+        positions : Tensor broadcastable to [B, 1 or H, T] (integer or float)
+
+        Returns
+        -------
+        Tensor of x's shape and dtype.
+        """
+        theta = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq(x.device)  # (B, H|1, T, D/2)
+        cos = torch.cat([theta.cos(), theta.cos()], dim=-1)
+        sin = torch.cat([theta.sin(), theta.sin()], dim=-1)
+        xf = x.to(torch.float32)
+        half = xf.shape[-1] // 2
+        rotated_half = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated_half * sin).to(x.dtype)
+
+    def invert_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE vectors from post-RoPE ``x`` at ``positions`` (exact inverse rotation)."""
+        return self.rotate(x, -positions)
+
+
+def get_adapter(model) -> ModelAdapter:
+    """Return the adapter for a loaded HF causal LM, or raise a clear error.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a transformers ``PreTrainedModel``.
+    ValueError
+        The family is not supported (the message lists the supported ones), the model has no KV
+        cache support, or its RoPE variant cannot be rotated exactly.
+    """
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as exc:  # pragma: no cover - transformers is a hard dependency
+        raise ImportError("kvpress needs transformers>=5.0") from exc
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"kvpress expects a Hugging Face transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    config = model.config
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model family {family!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    base = model.base_model
+    if not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        raise ValueError(f"{type(model).__name__} has no decoder layers / rotary embedding kvpress can use")
+    if getattr(config, "use_cache", True) is False and not hasattr(model, "generate"):
+        raise ValueError(f"{type(model).__name__} does not use a KV cache")
+    rope_type = _rope_type(config)
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return ModelAdapter(
+        model=model,
+        family=family,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        model_id=str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "")),
+    )
+
+
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict):
+        return params.get("rope_type", params.get("type", "default")) or "default"
+    return "default"

@@ -1,0 +1,178 @@
+"""Pure-torch attention used by the cache layers for prefill and dense decode.
+
+Conventions: ``q`` is [B, H_q, T_q, D] and ``k``/``v`` are [B, H_kv, T_k, D] with
+``H_q = G * H_kv`` (query head h reads KV head h // G, as transformers' ``repeat_kv``). Positions
+are *sequence indices* (left padding included); ``row_start[b]`` is the first real token of row
+b, so keys before it are never attended. A padded query (position < row_start) attends only to
+itself, which keeps its output finite: a NaN there would reach real tokens through 0 * NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Upper bound on the fp32 score block one query chunk may materialise (bytes).
+_SCORE_BYTES = 256 * 2**20
+
+
+def _query_chunk(batch: int, heads: int, keys: int, total: int) -> int:
+    per_query = max(1, batch * heads * keys * 4)
+    return int(max(1, min(total, _SCORE_BYTES // per_query)))
+
+
+def dense_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    *,
+    q_start: int,
+    row_start: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of new queries over a contiguous cache.
+
+    Parameters
+    ----------
+    q : Tensor [B, H_q, T_q, D]
+        Queries at sequence indices ``q_start .. q_start + T_q - 1``.
+    k, v : Tensor [B, H_kv, T_k, D]
+        Keys/values at sequence indices ``0 .. T_k - 1`` (``T_k = q_start + T_q``).
+    scaling : float
+        Softmax scale (``head_dim ** -0.5`` for the supported families).
+    row_start : Tensor [B] (long) or None
+        First real token per row (left padding); None when no row is padded.
+
+    Returns
+    -------
+    Tensor [B, H_q, T_q, D] in q's dtype.
+    """
+    batch, _, t_q, _ = q.shape
+    t_k = k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if row_start is None and (t_q == 1 or q_start == 0):
+        # Plain causal (or single-query) attention: SDPA's fused CPU/GPU kernels apply.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=t_q > 1, scale=scaling, enable_gqa=gqa)
+    k_pos = torch.arange(t_k, device=q.device)
+    outs = []
+    step = _query_chunk(batch, q.shape[1], t_k, t_q)
+    for i0 in range(0, t_q, step):
+        i1 = min(t_q, i0 + step)
+        q_pos = torch.arange(q_start + i0, q_start + i1, device=q.device)
+        mask = k_pos[None, None, :] <= q_pos[None, :, None]  # (1, Tq, Tk)
+        if row_start is not None:
+            rs = row_start.view(batch, 1, 1)
+            real = k_pos[None, None, :] >= rs
+            padded_query = q_pos[None, :, None] < rs
+            mask = (mask & real) | (padded_query & (k_pos[None, None, :] == q_pos[None, :, None]))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, i0:i1], k, v, attn_mask=mask[:, None], scale=scaling, enable_gqa=gqa
+            )
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def streaming_attention(
+    q: torch.Tensor,
+    k_cached: torch.Tensor,
+    v_cached: torch.Tensor,
+    pos_cached: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scaling: float,
+    *,
+    q_start: int,
+    row_start: torch.Tensor,
+    sinks: int,
+    window: int,
+    sink_query_fn=None,
+) -> torch.Tensor:
+    """Attention where query p sees the first ``sinks`` real tokens and its last ``window`` tokens.
+
+    Every query is treated exactly as if tokens had been fed one at a time through a cache of
+    ``sinks + window`` slots (StreamingLLM), so a long prefill costs O(T * (sinks + window)).
+
+    Parameters
+    ----------
+    q : Tensor [B, H_q, T, D]
+        Queries of the new tokens, post-RoPE, at sequence indices ``q_start .. q_start + T - 1``.
+    k_cached, v_cached : Tensor [B, H_kv, T_c, D]
+        Tokens kept from earlier forwards; ``pos_cached`` [B, T_c] (long) gives their sequence
+        index, -1 for an empty slot.
+    k_new, v_new : Tensor [B, H_kv, T, D]
+        The new tokens' keys/values (same indices as the queries).
+    row_start : Tensor [B] (long)
+        First real token of each row; sinks are counted from it.
+    sink_query_fn : callable or None
+        ``sink_query_fn(q, shift)`` returns ``q`` rotated by RoPE ``shift`` [B, 1, T] positions.
+        When given, sink keys are scored as if they sat right before the window (StreamingLLM's
+        in-cache positions) instead of at their true distance.
+
+    Returns
+    -------
+    Tensor [B, H_q, T, D] in q's dtype.
+    """
+    batch, h_q, t_q, dim = q.shape
+    h_kv = k_new.shape[1]
+    group = h_q // h_kv
+    device = q.device
+    rs = row_start.view(batch, 1)
+    outs = []
+    step = _query_chunk(batch, h_q, k_cached.shape[2] + sinks + window + 256, t_q)
+    step = max(1, min(step, 256))
+    for i0 in range(0, t_q, step):
+        i1 = min(t_q, i0 + step)
+        q_pos = torch.arange(q_start + i0, q_start + i1, device=device)  # (Tq,)
+        qc = q[:, :, i0:i1].to(torch.float32)
+        q_real = q_pos[None, :] - rs  # (B, Tq) position within the row
+        # Keys of this chunk: cached slots, sinks that live in the new block, and the window slice.
+        lo = max(0, i0 - window + 1)
+        new_idx = torch.arange(lo, i1, device=device)
+        sink_idx = (row_start - q_start).view(batch, 1) + torch.arange(sinks, device=device)  # (B, S)
+        sink_ok = (sink_idx >= 0) & (sink_idx < lo)
+        sink_idx = sink_idx.clamp(0, max(0, k_new.shape[2] - 1))
+        parts_k = [k_cached, _gather_tokens(k_new, sink_idx), k_new[:, :, lo:i1]]
+        parts_v = [v_cached, _gather_tokens(v_new, sink_idx), v_new[:, :, lo:i1]]
+        parts_pos = [
+            pos_cached,
+            torch.where(sink_ok, sink_idx + q_start, torch.full_like(sink_idx, -1)),
+            (new_idx + q_start).expand(batch, -1),
+        ]
+        keys = torch.cat(parts_k, dim=2).to(torch.float32)  # (B, H_kv, Tk, D)
+        values = torch.cat(parts_v, dim=2).to(torch.float32)
+        k_pos = torch.cat(parts_pos, dim=1)  # (B, Tk)
+
+        k_real = k_pos - rs  # (B, Tk)
+        is_sink = (k_real >= 0) & (k_real < sinks)
+        visible = (
+            (k_pos[:, None, :] >= 0)
+            & (k_real[:, None, :] >= 0)
+            & (k_pos[:, None, :] <= q_pos[None, :, None])
+            & ((q_pos[None, :, None] - k_pos[:, None, :] < window) | is_sink[:, None, :])
+        )  # (B, Tq, Tk)
+        padded_query = q_real < 0
+        visible = visible | (padded_query[:, :, None] & (k_pos[:, None, :] == q_pos[None, :, None]))
+
+        qg = qc.reshape(batch, h_kv, group * (i1 - i0), dim)  # (B, H_kv, G*Tq, D)
+        scores = (qg @ keys.transpose(-1, -2)).view(batch, h_kv, group, i1 - i0, -1) * scaling
+        if sink_query_fn is not None and sinks > 0:
+            # Once a query's window is full, the sinks sit at in-cache slots 0..S-1 and the query at
+            # slot S + window - 1: rotate the query there for the sink scores only. Window keys keep
+            # their true relative distance, so their scores are unchanged.
+            shift = (q_real.clamp(max=sinks + window - 1) - q_real).to(torch.float32)  # (B, Tq)
+            q_sink = sink_query_fn(qc, shift[:, None, :]).reshape(batch, h_kv, group * (i1 - i0), dim)
+            sink_scores = (q_sink @ keys.transpose(-1, -2)).view(batch, h_kv, group, i1 - i0, -1) * scaling
+            scores = torch.where(is_sink[:, None, None, None, :], sink_scores, scores)
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(batch, h_kv, group * (i1 - i0), -1)
+        out = (probs @ values).view(batch, h_q, i1 - i0, dim)
+        outs.append(out.to(q.dtype))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D], idx [B, N] -> [B, H, N, D] (the same tokens for every head of a row)."""
+    batch, heads, _, dim = x.shape
+    index = idx[:, None, :, None].expand(batch, heads, idx.shape[1], dim)
+    return torch.gather(x, 2, index)

@@ -1,0 +1,222 @@
+"""``kvpress.apply``: run a loaded model with a policy, and put everything back afterwards.
+
+Integration points are transformers' own, and nothing is patched at import time:
+
+* an attention function registered with ``AttentionInterface`` under the name ``"kvpress"`` and
+  selected with ``model.set_attn_implementation`` (restored on exit);
+* a forward pre-hook on the decoder stack (removed on exit) that gives every forward with
+  ``use_cache`` a :class:`~kvpress.cache.PolicyCache` when the caller passed none (``generate``
+  passes an empty ``DynamicCache``, which is replaced) and records the batch's left padding.
+
+Attention modules are mapped to their session in a weak dictionary, so the attention function
+finds the cache of the forward in flight without touching transformers' objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from typing import Iterator
+
+import torch
+from transformers.cache_utils import Cache
+
+from .adapters import ModelAdapter, get_adapter
+from .attention import dense_causal_attention
+from .cache import PolicyCache, left_padding
+from .registry import Policy
+
+ATTN_NAME = "kvpress"
+_SESSIONS_BY_MODULE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SESSIONS_BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class _Session:
+    def __init__(self, model, adapter: ModelAdapter, policy: Policy):
+        self.model = model
+        self.adapter = adapter
+        self.policy = policy
+        self.active = False
+        self.current_cache: PolicyCache | None = None
+        self.row_start: torch.Tensor | None = None  # for forwards without a cache
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, kvpress_attention)
+    try:  # transformers builds no mask for implementations absent from the mask registry
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    except ImportError:  # pragma: no cover - older transformers
+        pass
+
+
+def _no_mask(*args, **kwargs):
+    # kvpress layers build their own masks from positions and the recorded left padding.
+    return None
+
+
+def kvpress_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention function: hands the step to the policy's cache layer.
+
+    Shapes follow transformers: query [B, H_q, T, D], key/value [B, H_kv, T_new, D] (what the
+    cache's ``update`` returned); returns ([B, T, H_q, D], None).
+    """
+    session = _SESSIONS_BY_MODULE.get(module)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if session is None or not session.active:
+        raise RuntimeError(
+            "the 'kvpress' attention implementation is selected on a model outside `kvpress.apply`; "
+            "call model.set_attn_implementation('sdpa') or use the `with kvpress.apply(...)` block"
+        )
+    cache = session.current_cache
+    if cache is None:  # use_cache=False: plain causal attention, no policy state to keep
+        row_start = session.row_start
+        out = dense_causal_attention(
+            query, key, value, scaling, q_start=0, row_start=None if row_start is None else row_start.to(query.device)
+        )
+    else:
+        layer = cache.layers[module.layer_idx]
+        k_new, v_new = layer.take_pending()
+        out = layer.attend(query, k_new, v_new, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def make_cache(model, policy: Policy) -> PolicyCache:
+    """Build a fresh :class:`PolicyCache` for ``model`` and ``policy``.
+
+    For callers who pass ``past_key_values`` themselves; the cache attends only inside
+    ``kvpress.apply(model, policy)`` (outside it, ``update`` raises instead of computing a wrong
+    answer). The policy is checked against the model first.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"expected a kvpress policy (see kvpress.get_policy), got {type(policy).__name__}")
+    adapter = get_adapter(model)
+    policy.check_model(adapter)
+    cache = PolicyCache(policy, adapter)
+    session = _SESSIONS_BY_MODEL.get(model)
+    if session is not None and session.policy is policy:
+        cache._session = session
+    return cache
+
+
+@contextlib.contextmanager
+def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
+    """Run ``model`` with ``policy`` inside a ``with`` block.
+
+    Inside the block, ``model.generate(...)`` and ``model(input_ids, use_cache=True)`` use a fresh
+    policy cache per call, with no other argument. On exit (normal or by exception) the
+    attention implementation, config, hooks and attributes are restored, so logits are
+    bit-identical to a run before ``apply``. Nesting ``apply`` on one model is refused.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A loaded Llama / Qwen2 / Mistral causal LM.
+    policy : Policy
+        From :func:`kvpress.get_policy`.
+
+    Yields
+    ------
+    ModelAdapter
+        What kvpress knows about the model (layers, heads, RoPE).
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"expected a kvpress policy (see kvpress.get_policy), got {type(policy).__name__}")
+    adapter = get_adapter(model)
+    if model in _SESSIONS_BY_MODEL:
+        raise RuntimeError("kvpress.apply is already active on this model; nested apply is not supported")
+    policy.check_model(adapter)
+    _register_attention()
+
+    session = _Session(model, adapter, policy)
+    config_before = dict(model.config.__dict__)
+    attn_before = model.config._attn_implementation
+    base = adapter.base_model
+    handle = base.register_forward_pre_hook(_make_pre_hook(session, base), with_kwargs=True)
+    modules = adapter.attention_modules()
+    try:
+        _SESSIONS_BY_MODEL[model] = session
+        for module in modules:
+            _SESSIONS_BY_MODULE[module] = session
+        model.set_attn_implementation(ATTN_NAME)
+        session.active = True
+        yield adapter
+    finally:
+        session.active = False
+        session.current_cache = None
+        handle.remove()
+        for module in modules:
+            _SESSIONS_BY_MODULE.pop(module, None)
+        _SESSIONS_BY_MODEL.pop(model, None)
+        if model.config._attn_implementation != attn_before:
+            model.set_attn_implementation(attn_before)
+        _restore_config(model.config, config_before)
+
+
+def _restore_config(config, before: dict) -> None:
+    after = config.__dict__
+    for key in list(after):
+        if key not in before:
+            del after[key]
+    for key, value in before.items():
+        if after.get(key, _MISSING) is not value:
+            after[key] = value
+
+
+_MISSING = object()
+
+
+def _make_pre_hook(session: _Session, base):
+    params = list(inspect.signature(base.forward).parameters)
+
+    def hook(module, args, kwargs):
+        if args:  # positional call of the decoder stack: name the arguments
+            kwargs = {**dict(zip(params, args)), **kwargs}
+            args = ()
+        past = kwargs.get("past_key_values")
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(session.model.config, "use_cache", True)
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if inputs is None:
+            raise ValueError("kvpress: the forward received neither input_ids nor inputs_embeds")
+        batch, new_tokens = inputs.shape[0], inputs.shape[1]
+        mask = kwargs.get("attention_mask")
+
+        if isinstance(past, PolicyCache):
+            if past.policy is not session.policy and past._session is not session:
+                raise ValueError("this kvpress cache was built for another policy than the one applied")
+            past._session = session
+        elif past is None and not use_cache:
+            session.current_cache = None
+            session.row_start = _row_start_from_mask(mask, batch, new_tokens)
+            return args, kwargs
+        elif past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
+            past = PolicyCache(session.policy, session.adapter)
+            past._session = session
+            kwargs["past_key_values"] = past
+        else:
+            raise ValueError(
+                f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "
+                "or none at all"
+            )
+        past.begin_forward(mask, batch, new_tokens)
+        session.current_cache = past
+        return args, kwargs
+
+    return hook
+
+
+def _row_start_from_mask(mask, batch, new_tokens):
+    if mask is None:
+        return None
+    if mask.dim() != 2 or mask.shape != (batch, new_tokens):
+        raise ValueError(f"kvpress needs a 2D attention mask of shape ({batch}, {new_tokens}); got {tuple(mask.shape)}")
+    return left_padding(mask)

@@ -1,0 +1,120 @@
+"""``cache_stats``: memory of a policy cache, summed from the tensors that exist."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: int
+    resident_bytes: int
+    offloaded_bytes: int
+    stored_tokens: int
+    cached_elements: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Memory of one policy cache.
+
+    Attributes
+    ----------
+    resident_bytes : int
+        Bytes of every state tensor on the model's device(s) (codes, scales, factors, labels,
+        positions, buffer slack: whatever storage the cache holds).
+    offloaded_bytes : int
+        Bytes held in the host tier.
+    dense_bytes : int
+        What a full cache of the same tokens takes in the model's dtype (the reference).
+    tokens : int
+        Tokens the sequence has seen, left padding included.
+    bits_per_element : float
+        All stored bits (resident + offloaded) over all cached K/V scalar elements.
+    layers : list[LayerStats]
+    """
+
+    policy: str
+    resident_bytes: int
+    offloaded_bytes: int
+    dense_bytes: int
+    tokens: int
+    bits_per_element: float
+    layers: list = field(default_factory=list)
+
+    def __getitem__(self, key):
+        return getattr(self, key)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        mib = 2.0**20
+        return (
+            f"{self.policy}: resident {self.resident_bytes / mib:.2f} MiB, offloaded {self.offloaded_bytes / mib:.2f} MiB, "
+            f"dense {self.dense_bytes / mib:.2f} MiB, {self.tokens} tokens, {self.bits_per_element:.2f} bits/element"
+        )
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def cache_stats(cache) -> CacheStats:
+    """Memory and size of a :class:`kvpress.cache.PolicyCache`.
+
+    Parameters
+    ----------
+    cache : PolicyCache
+        E.g. ``model.generate(..., return_dict_in_generate=True).past_key_values`` under apply.
+
+    Returns
+    -------
+    CacheStats
+        ``resident_bytes``, ``offloaded_bytes``, ``dense_bytes``, ``tokens``,
+        ``bits_per_element`` and a per-layer breakdown.
+    """
+    from .cache import PolicyCache
+
+    if not isinstance(cache, PolicyCache):
+        raise TypeError(f"cache_stats expects a kvpress PolicyCache, got {type(cache).__name__}")
+    adapter = cache.adapter
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            layers.append(LayerStats(i, 0, 0, 0, 0))
+            continue
+        layers.append(
+            LayerStats(
+                layer=i,
+                resident_bytes=tensor_bytes(layer.state_tensors().values()),
+                offloaded_bytes=tensor_bytes(layer.host_tensors().values()),
+                stored_tokens=int(layer.stored_tokens()),
+                cached_elements=int(layer.cached_elements()),
+            )
+        )
+    resident = sum(s.resident_bytes for s in layers)
+    offloaded = sum(s.offloaded_bytes for s in layers)
+    elements = sum(s.cached_elements for s in layers)
+    tokens = cache.get_seq_length()
+    batch = max((layer.batch_size for layer in cache.layers), default=0)
+    itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
+    dense = 2 * tokens * batch * adapter.num_kv_heads * adapter.head_dim * itemsize * adapter.num_layers
+    return CacheStats(
+        policy=cache.policy.name,
+        resident_bytes=resident,
+        offloaded_bytes=offloaded,
+        dense_bytes=dense,
+        tokens=tokens,
+        bits_per_element=(8.0 * (resident + offloaded) / elements) if elements else 0.0,
+        layers=layers,
+    )
