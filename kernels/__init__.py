@@ -6,8 +6,12 @@ from .decode import BACKENDS, sparse_decode, triton_available
 from .index import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk
 from .merge import merge_states
 from .reference import reference_sparse_decode
+from .scores import (REDUCTIONS, build_labels, chunk_landmarks, exact_scores, label_scores, landmark_scores,
+                     page_min_max, pool_blocks, quest_scores, reduce_over_group)
 
 __all__ = [
     "ALLOWED_BLOCK_SIZES", "BACKENDS", "SparseIndex", "merge_states", "reference_sparse_decode",
     "select_topk", "sparse_decode", "triton_available",
+    "REDUCTIONS", "build_labels", "chunk_landmarks", "exact_scores", "label_scores", "landmark_scores",
+    "page_min_max", "pool_blocks", "quest_scores", "reduce_over_group",
 ]
