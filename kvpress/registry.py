@@ -69,6 +69,19 @@ class Policy:
             return dataclasses.replace(self, budget=int(budget))
         raise ValueError(f"policy {self.name!r} has no token budget")
 
+    @classmethod
+    def example(cls, adapter) -> "Policy":
+        """A small valid instance for ``adapter``'s model, used by the contract tests.
+
+        Policies that read calibration artifacts override this to build a synthetic artifact for
+        the (tiny, random) test model; budgets are kept small so compression really happens.
+        """
+        policy = cls()
+        try:
+            return policy.with_budget(24)
+        except ValueError:
+            return policy
+
     # ----------------------------------------------------------------- helpers
     def replace(self, **overrides: Any) -> "Policy":
         """A validated copy with some fields changed (unknown fields: ValueError)."""

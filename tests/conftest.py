@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny randomly initialised models of every supported family."""
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
+    """A randomly initialised causal LM of ``family`` with 16-dim heads (fp32, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }
+    config_cls, model_cls = classes[family]
+    kwargs = dict(
+        vocab_size=256, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        pad_token_id=0, bos_token_id=1, eos_token_id=255,
+    )
+    if family == "mistral":
+        kwargs["sliding_window"] = None
+    if family == "qwen2":
+        kwargs["use_sliding_window"] = False
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
+
+
+def random_ids(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (batch, length), generator=gen)

@@ -1,0 +1,134 @@
+"""Contract tests every registered policy joins automatically (tiny Llama / Qwen2 / Mistral)."""
+
+import copy
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.stats import tensor_bytes
+
+from conftest import random_ids
+
+POLICIES = kvpress.list_policies()
+PROMPT = 48
+NEW = 6
+
+
+def example(name, adapter):
+    return kvpress.policy_class(name).example(adapter)
+
+
+def greedy(model, ids, policy=None, **kwargs):
+    kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_scores=True, **kwargs)
+    with torch.no_grad():
+        if policy is None:
+            return model.generate(ids, **kw)
+        with kvpress.apply(model, policy):
+            return model.generate(ids, **kw)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_generate_returns_policy_cache_with_honest_stats(family_model, name):
+    adapter = kvpress.get_adapter(family_model)
+    policy = example(name, adapter)
+    out = greedy(family_model, random_ids(PROMPT), policy)
+    cache = out.past_key_values
+    assert isinstance(cache, kvpress.PolicyCache) and cache.policy is policy
+    assert len(cache.layers) == adapter.num_layers
+    stats = kvpress.cache_stats(cache)
+    assert stats.tokens == PROMPT + NEW - 1  # the last sampled token is never fed back
+    # Resident bytes are the storages of the layers' state tensors, each counted once.
+    expected = 0
+    for layer in cache.layers:
+        storages = {}
+        for t in layer.state_tensors().values():
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        expected += sum(storages.values())
+    assert stats.resident_bytes == expected > 0
+    assert stats.resident_bytes == sum(s.resident_bytes for s in stats.layers)
+    assert stats.offloaded_bytes == sum(tensor_bytes(l.host_tensors().values()) for l in cache.layers)
+    assert stats.dense_bytes == 2 * stats.tokens * adapter.num_kv_heads * adapter.head_dim * 4 * adapter.num_layers
+    assert stats.bits_per_element > 0
+    for layer in cache.layers:
+        for t in layer.state_tensors().values():
+            if t is not None:
+                assert t.device == family_model.device
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_budget_covering_sequence_is_identity(family_model, name):
+    adapter = kvpress.get_adapter(family_model)
+    try:
+        policy = example(name, adapter).with_budget(4 * (PROMPT + NEW))
+    except ValueError as exc:
+        pytest.skip(f"{name} has no token budget: {exc}")
+    ids = random_ids(PROMPT, seed=1)
+    ref = greedy(family_model, ids, kvpress.get_policy("full"))
+    out = greedy(family_model, ids, policy)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_deterministic(llama, name):
+    policy = example(name, kvpress.get_adapter(llama))
+    ids = random_ids(PROMPT, seed=2)
+    a, b = greedy(llama, ids, policy), greedy(llama, ids, policy)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.scores, b.scores):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_restores_model_on_exit_even_after_exception(llama, name):
+    policy = example(name, kvpress.get_adapter(llama))
+    ids = random_ids(20, seed=3)
+    with torch.no_grad():
+        before = llama(ids).logits
+    config_before = copy.deepcopy(llama.config.to_dict())
+    hooks_before = {n: len(m._forward_pre_hooks) + len(m._forward_hooks) for n, m in llama.named_modules()}
+    attrs_before = {n: set(vars(m)) for n, m in llama.named_modules()}
+    with pytest.raises(KeyError, match="boom"):
+        with kvpress.apply(llama, policy), torch.no_grad():
+            llama(ids, use_cache=True)
+            raise KeyError("boom")
+    with kvpress.apply(llama, policy), torch.no_grad():
+        llama.generate(ids, max_new_tokens=2, do_sample=False)
+    assert llama.config._attn_implementation == "sdpa"
+    assert llama.config.to_dict() == config_before
+    assert {n: len(m._forward_pre_hooks) + len(m._forward_hooks) for n, m in llama.named_modules()} == hooks_before
+    assert {n: set(vars(m)) for n, m in llama.named_modules()} == attrs_before
+    with torch.no_grad():
+        after = llama(ids).logits
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_left_padded_batch_matches_single_rows(llama, name):
+    policy = example(name, kvpress.get_adapter(llama))
+    long, short = random_ids(40, seed=4), random_ids(27, seed=5)
+    batch = torch.zeros(2, 40, dtype=torch.long)
+    mask = torch.zeros(2, 40, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 13:], mask[1, 13:] = short[0], 1
+    both = greedy(llama, batch, policy, attention_mask=mask).sequences
+    one = greedy(llama, long, policy).sequences
+    two = greedy(llama, short, policy).sequences
+    assert torch.equal(both[0, 40:], one[0, 40:])
+    assert torch.equal(both[1, 40:], two[0, 27:])
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_registry_metadata(name):
+    cls = kvpress.policy_class(name)
+    assert cls.name == name and cls.description
+    if name != "full":
+        assert "arXiv" in cls.paper, f"{name} must cite its paper"
+    assert cls.__doc__ and len(cls.__doc__) > 40
+    policy = kvpress.get_policy(name)
+    with pytest.raises(Exception):
+        policy.__setattr__(next(iter(policy.to_dict().keys() - {"policy"}), "name"), 1)  # frozen
+    assert policy.to_dict()["policy"] == name

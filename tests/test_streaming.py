@@ -1,0 +1,106 @@
+"""Eviction invariants of window / streaming (StreamingLLM) on a tiny model."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.attention import streaming_attention
+
+from conftest import random_ids
+
+
+def run(model, policy, ids, new=8):
+    with torch.no_grad(), kvpress.apply(model, policy):
+        return model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_scores=True)
+
+
+@pytest.mark.parametrize("name,budget", [("window", 20), ("streaming", 20)])
+def test_kept_count_equals_budget_and_memory_is_flat(llama, name, budget):
+    policy = kvpress.get_policy(name).with_budget(budget)
+    sizes = []
+    for length in (30, 90, 270):
+        out = run(llama, policy, random_ids(length), new=4)
+        cache = out.past_key_values
+        assert all(layer.stored_tokens() == budget for layer in cache.layers)
+        sizes.append(kvpress.cache_stats(cache).resident_bytes)
+    assert sizes[0] == sizes[1] == sizes[2]
+
+
+def test_sinks_are_never_evicted_and_window_is_most_recent(llama):
+    policy = kvpress.get_policy("streaming", sink_tokens=3, window_size=9)
+    ids = random_ids(50, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 starts at token 5: its sinks are tokens 5, 6, 7
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        cache = llama(ids, attention_mask=mask, use_cache=True).past_key_values
+    for layer in cache.layers:
+        assert layer.pos[0].tolist() == [0, 1, 2] + list(range(41, 50))
+        assert layer.pos[1].tolist() == [5, 6, 7] + list(range(41, 50))
+
+
+def test_evicted_tokens_change_the_output(llama):
+    ids = random_ids(80)
+    full = run(llama, kvpress.get_policy("full"), ids)
+    small = run(llama, kvpress.get_policy("streaming", sink_tokens=4, window_size=12), ids)
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(full.scores, small.scores))
+
+
+def test_rerotation_only_matters_once_tokens_are_evicted(llama):
+    ids = random_ids(30)
+    plain = run(llama, kvpress.get_policy("streaming", sink_tokens=4, window_size=60), ids)
+    rerot = run(llama, kvpress.get_policy("streaming", sink_tokens=4, window_size=60, rerotate=True), ids)
+    for a, b in zip(plain.scores, rerot.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    ids = random_ids(120)
+    plain = run(llama, kvpress.get_policy("streaming", sink_tokens=4, window_size=12), ids)
+    rerot = run(llama, kvpress.get_policy("streaming", sink_tokens=4, window_size=12, rerotate=True), ids)
+    assert not torch.allclose(plain.scores[0], rerot.scores[0], atol=1e-4)
+
+
+def test_rerotated_sink_scores_match_keys_rotated_at_in_cache_positions(llama):
+    """The query rotation used for sinks equals re-rotating pre-RoPE keys at in-cache slots."""
+    adapter = kvpress.get_adapter(llama)
+    torch.manual_seed(0)
+    sinks, window, total = 2, 5, 20
+    h, d = adapter.num_kv_heads, adapter.head_dim
+    pre_k = torch.randn(1, h, total, d)
+    pre_q = torch.randn(1, adapter.num_heads, 1, d)
+    v = torch.randn(1, h, total, d)
+    positions = torch.arange(total).view(1, 1, total).float()
+    post_k = adapter.rotate(pre_k, positions)
+    kept = list(range(sinks)) + list(range(total - window, total))
+    q_pos = total - 1
+    # Paper's formulation: pre-RoPE keys rotated at in-cache slots 0..S+W-1, query at slot S+W-1.
+    slots = torch.arange(sinks + window).view(1, 1, -1).float()
+    k_cache = adapter.rotate(pre_k[:, :, kept], slots)
+    q_cache = adapter.rotate(pre_q, torch.full((1, 1, 1), float(sinks + window - 1)))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q_cache, k_cache, v[:, :, kept], scale=d**-0.5, enable_gqa=True
+    )
+    # Ours: stored post-RoPE keys, query at its true position, fed as the last new token.
+    q_post = adapter.rotate(pre_q, torch.full((1, 1, 1), float(q_pos)))
+    cached = [i for i in kept if i != q_pos]
+    out = streaming_attention(
+        q_post, post_k[:, :, cached], v[:, :, cached], torch.tensor([cached]),
+        post_k[:, :, q_pos:], v[:, :, q_pos:], d**-0.5, q_start=q_pos, row_start=torch.zeros(1, dtype=torch.long),
+        sinks=sinks, window=window, sink_query_fn=adapter.rotate,
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_invert_rope_is_exact(llama):
+    adapter = kvpress.get_adapter(llama)
+    x = torch.randn(2, 2, 33, adapter.head_dim)
+    pos = torch.arange(33).view(1, 1, 33) * 97
+    back = adapter.invert_rope(adapter.rotate(x, pos), pos)
+    torch.testing.assert_close(back, x, atol=1e-4, rtol=1e-5)
+
+
+def test_streaming_prefill_cost_is_bounded_by_the_window(llama):
+    """A long prompt is processed window-by-window: no O(T^2) score matrix is built."""
+    ids = random_ids(1500)
+    policy = kvpress.get_policy("streaming", sink_tokens=4, window_size=60)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        out = llama(ids, use_cache=True)
+    assert torch.isfinite(out.logits).all()
+    assert out.past_key_values.layers[0].stored_tokens() == 64
