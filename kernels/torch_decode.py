@@ -6,6 +6,7 @@ the context, which makes this the fast path on CPU. Scores and softmax run in fp
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -53,15 +54,38 @@ def selected_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, pos, torch.zeros_like(pos)), valid
 
 
-def _gather_rows(cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+_WORKSPACE = threading.local()
+
+
+def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """Reusable per-thread CPU buffer of at least ``numel`` elements.
+
+    Why: a fresh multi-MB CPU tensor is returned to the OS on free and page-faults again on
+    the next step; at a 4k budget that costs more than the gather itself.
+    """
+    key = (slot, like.dtype)
+    buf = getattr(_WORKSPACE, "buffers", {}).get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=like.dtype)
+        if not hasattr(_WORKSPACE, "buffers"):
+            _WORKSPACE.buffers = {}
+        _WORKSPACE.buffers[key] = buf
+    return buf[:numel]
+
+
+def _gather_rows(cache: torch.Tensor, pos: torch.Tensor, slot: str) -> torch.Tensor:
     """``cache[b, h, pos[b, h, v]]`` -> ``(B, H_kv, V, D)`` without touching unselected rows."""
     B, H_kv, T_cap, D = cache.shape
     V = pos.shape[-1]
     if cache.is_contiguous():
-        # index_select on the flat (B*H_kv*T, D) view copies whole rows (memcpy-like on CPU)
+        # index_select on the flat (B*H_kv*T, D) view copies whole rows
         base = (torch.arange(B * H_kv, device=pos.device) * T_cap).view(B, H_kv, 1)
         flat = (base + pos).reshape(-1)  # (B*H_kv*V,)
-        return cache.view(B * H_kv * T_cap, D).index_select(0, flat).view(B, H_kv, V, D)
+        rows = cache.view(B * H_kv * T_cap, D)
+        if cache.device.type == "cpu":
+            out = _workspace(slot, flat.numel() * D, cache).view(-1, D)
+            return torch.index_select(rows, 0, flat, out=out).view(B, H_kv, V, D)
+        return rows.index_select(0, flat).view(B, H_kv, V, D)
     b = torch.arange(B, device=pos.device).view(B, 1, 1)
     h = torch.arange(H_kv, device=pos.device).view(1, H_kv, 1)
     return cache[b, h, pos]  # (B, H_kv, V, D)
@@ -80,8 +104,8 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if pos.shape[-1] == 0 or T_cap == 0:
         out.zero_()
         return out, torch.full((B, H_q), float("-inf"), device=q.device)
-    k_sel = _gather_rows(k_cache, pos).float()  # (B, H_kv, V, D)
-    v_sel = _gather_rows(v_cache, pos).float()
+    k_sel = _gather_rows(k_cache, pos, "k").float()  # (B, H_kv, V, D); no copy for fp32
+    v_sel = _gather_rows(v_cache, pos, "v").float()
     q_g = q.float().reshape(B, H_kv, G, D) * scale  # (B, H_kv, G, D)
     scores = q_g @ k_sel.transpose(-1, -2)  # (B, H_kv, G, V)
     scores.masked_fill_(~valid[:, :, None, :], float("-inf"))

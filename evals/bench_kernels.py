@@ -1,0 +1,205 @@
+"""Benchmark `kvpress.kernels.sparse_decode` against dense SDPA decode.
+
+Checks correctness against the reference first, then prints one fixed-width table and writes
+``bench_kernels.json`` / ``bench_kernels.csv`` under ``--out``.
+
+GPU (default when CUDA is present; triton backend, fp16)::
+
+    python -m kvpress.evals.bench_kernels --device cuda --out results/
+    # Llama-3-8B attention: H_q=32, H_kv=8, D=128; contexts 4k..128k, batch 1..32, budgets 256..4096
+
+Targets: >= 80% of device copy bandwidth at >= 32k; the all-blocks index within 1.1x of dense
+SDPA; speedup within 1.5x of the ideal context/budget ratio at 32k.
+
+CPU (torch backend, fp32, batch 1, contexts 8k..32k)::
+
+    python -m kvpress.evals.bench_kernels --device cpu --out results/
+
+Target: sparse/dense time ratio within 2x of budget/context.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvpress.kernels import SparseIndex, reference_sparse_decode, select_topk, sparse_decode
+
+H_Q, H_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+COLUMNS = [("B", 3, "d"), ("context", 7, "d"), ("budget", 7, "s"), ("sparse_ms", 9, ".3f"),
+           ("dense_ms", 9, ".3f"), ("read_MB", 8, ".1f"), ("GB/s", 7, ".1f"), ("%copy", 6, ".0f"),
+           ("speedup", 8, ".2f"), ("ideal", 7, ".1f"), ("time_ratio", 10, ".4f"),
+           ("budget_ratio", 12, ".4f"), ("target", 7, "s")]
+
+
+def timeit(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median wall time of ``fn()`` in milliseconds (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, warmup: int, iters: int) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = timeit(lambda: dst.copy_(src), device, warmup, iters)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) -> float:
+    """Max abs error against the fp32 reference on a small odd-sized GQA case; exits on failure."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, H_Q, HEAD_DIM, generator=gen).to(device, dtype)
+    k = torch.randn(2, H_KV, 1000, HEAD_DIM, generator=gen).to(device, dtype)
+    v = torch.randn(2, H_KV, 1000, HEAD_DIM, generator=gen).to(device, dtype)
+    lens = torch.tensor([1000, 613], dtype=torch.int32, device=device)
+    index = select_topk(torch.randn(2, H_KV, 63, generator=gen).to(device), 9, block_size=16,
+                        seq_lens=lens, sinks=4, dense_tail=32)
+    out, _ = sparse_decode(q, k, v, index, backend=backend)
+    ref, _ = reference_sparse_decode(q.float(), k.float(), v.float(), index)
+    err = (out.float() - ref).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if not err <= tol:
+        sys.exit(f"correctness check failed: {backend} max abs error {err:.3g} > {tol}")
+    return err
+
+
+def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backend, block_size, warmup, iters,
+              copy_gbps, caches) -> dict:
+    """One row: sparse decode with ``budget`` tokens (None = every block) vs dense SDPA."""
+    key = (B, context)
+    if key not in caches:
+        caches.clear()  # keep one context's cache resident at a time
+        gen = torch.Generator(device=device).manual_seed(B * 7919 + context)
+        shape = (B, H_KV, context, HEAD_DIM)
+        caches[key] = tuple(torch.randn(shape, generator=gen, device=device, dtype=dtype) for _ in range(2)) + (
+            torch.randn(B, H_Q, HEAD_DIM, generator=gen, device=device, dtype=dtype),)
+    k, v, q = caches[key]
+    lens = torch.full((B,), context, dtype=torch.int32, device=device)
+    if budget is None:
+        index = SparseIndex.dense(lens, H_KV, block_size=block_size, capacity=context)
+    else:
+        scores = torch.rand(B, H_KV, -(-context // block_size), device=device)
+        index = select_topk(scores, budget // block_size, block_size=block_size, seq_lens=lens)
+    index.validate(num_kv_heads=H_KV, capacity=context)
+    out = torch.empty_like(q)
+    sparse_ms = timeit(lambda: sparse_decode(q, k, v, index, backend=backend, out=out, validate_index=False),
+                       device, warmup, iters)
+    q4 = q[:, :, None]  # (B, H_q, 1, D)
+    dense_ms = timeit(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True), device, warmup, iters)
+    attended = int(index.num_attended().sum())
+    elt = k.element_size()
+    read = 2 * attended * HEAD_DIM * elt + 2 * q.numel() * elt + index.block_idx.numel() * 4
+    gbps = read / (sparse_ms * 1e-3) / 1e9
+    per_head = attended / (B * H_KV)
+    ideal = context / per_head
+    time_ratio, budget_ratio = sparse_ms / dense_ms, per_head / context
+    if budget is None:
+        target = "ok" if sparse_ms <= 1.1 * dense_ms else "miss"  # all blocks within 1.1x of dense
+    elif device.type == "cuda":
+        target = "ok" if dense_ms / sparse_ms >= ideal / 1.5 else "miss"
+    else:
+        target = "ok" if time_ratio <= 2 * budget_ratio else "miss"
+    return {"device": device.type, "backend": backend, "dtype": str(dtype).replace("torch.", ""),
+            "block_size": block_size, "B": B, "context": context, "budget": "all" if budget is None else str(budget),
+            "sparse_ms": sparse_ms, "dense_ms": dense_ms, "read_MB": read / 1e6, "GB/s": gbps,
+            "%copy": 100 * gbps / copy_gbps, "speedup": dense_ms / sparse_ms, "ideal": ideal,
+            "time_ratio": time_ratio, "budget_ratio": budget_ratio, "target": target}
+
+
+def table(rows: list[dict]) -> str:
+    head = " ".join(f"{name:>{w}}" for name, w, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(" ".join(f"{r[name]:>{w}{fmt}}" for name, w, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1) for x in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--contexts", help="comma list, k = 1024 (default: cuda 4k..128k, cpu 8k,16k,32k)")
+    p.add_argument("--budgets", default="256,1024,4096", help="tokens per KV head per step")
+    p.add_argument("--batches", help="comma list (default: cuda 1,8,32; cpu 1)")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: fp16 on cuda, fp32 on cpu")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--out", default=None, help="directory for bench_kernels.json / .csv")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda requested but CUDA is not available")
+    dtype = DTYPES[args.dtype or ("fp16" if cuda else "fp32")]
+    backend = "triton" if cuda else "torch"
+    contexts = parse_ints(args.contexts or ("4k,8k,16k,32k,64k,128k" if cuda else "8k,16k,32k"))
+    batches = parse_ints(args.batches or ("1,8,32" if cuda else "1"))
+    budgets = parse_ints(args.budgets)
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
+    iters = args.iters if args.iters is not None else (50 if cuda else 7)
+    torch.manual_seed(0)
+
+    err = check_correctness(device, backend, dtype)
+    copy_gbps = copy_bandwidth(device, 1 << 30 if cuda else 1 << 28, warmup, iters)
+    print(f"# device={torch.cuda.get_device_name(device) if cuda else 'cpu'} threads={torch.get_num_threads()} "
+          f"backend={backend} dtype={dtype} block_size={args.block_size} H_q={H_Q} H_kv={H_KV} D={HEAD_DIM}")
+    print(f"# correctness: max abs error vs fp32 reference {err:.2e}; copy bandwidth {copy_gbps:.1f} GB/s")
+
+    rows, caches = [], {}
+    for B in batches:
+        for context in contexts:
+            need = 2 * B * H_KV * context * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
+            if cuda and need > 0.4 * torch.cuda.mem_get_info(device)[0]:
+                print(f"# skip B={B} context={context}: cache needs {need / 2**30:.1f} GiB")
+                continue
+            for budget in [b for b in budgets if b < context] + [None]:
+                rows.append(bench_one(B, context, budget, device=device, dtype=dtype, backend=backend,
+                                      block_size=args.block_size, warmup=warmup, iters=iters,
+                                      copy_gbps=copy_gbps, caches=caches))
+    caches.clear()
+    print(table(rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"copy_GBps": copy_gbps, "correctness_max_abs_err": err, "argv": sys.argv[1:] if argv is None else argv}
+        (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        with open(out / "bench_kernels.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"# wrote {out / 'bench_kernels.json'} and {out / 'bench_kernels.csv'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
