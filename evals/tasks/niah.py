@@ -2,7 +2,7 @@
 
 Each needle is one sentence, "One of the special magic numbers for KEY is: VALUE.",
 placed between two sentences of the haystack. The first needle goes at a controlled
-depth (the ``depth`` option, or a sweep from 0 to 1 across the samples); the others go
+depth (the ``depth`` option, or a sweep over 0..1 across the samples); the others go
 at random depths.
 
 Reference: Hsieh et al., "RULER: What's the Real Context Size of Your Long-Context
@@ -36,11 +36,22 @@ def check_count(option: str, value, low: int, high: int) -> None:
         raise ValueError(f"{option} must be an int in [{low}, {high}]; got {value!r}")
 
 
-def sweep_depth(depth: float | None, index: int, num_samples: int) -> float:
-    """``depth`` when given, else sample ``index``'s point of an even sweep over [0, 1]."""
+def sweep_depth(depth: float | None, index: int) -> float:
+    """``depth`` when given, else point ``index`` of a depth sweep over [0, 1].
+
+    The sweep is 0, 1, 1/2, 1/4, 3/4, 1/8, 5/8 ... (van der Corput after the two ends):
+    any first ``2**k + 1`` samples are the even grid, and sample ``index`` keeps its depth
+    however many samples are asked for.
+    """
     if depth is not None:
         return float(depth)
-    return index / (num_samples - 1) if num_samples > 1 else 0.5
+    if index < 2:
+        return float(index)
+    n, base, point = index - 1, 0.5, 0.0
+    while n:
+        point += base * (n & 1)
+        n, base = n >> 1, base / 2
+    return point
 
 
 def place_sentences(tokenizer, length: int, rng, haystack: str, sentences, depths, build_prompt):
@@ -89,7 +100,8 @@ class NiahTask(Task):
     key_type, value_type : {"words", "numbers", "uuids"}
         What keys and values look like: ``adjective-noun`` pairs, 7-digit numbers, UUID4s.
     depth : float or None
-        Depth in [0, 1] of the first needle; ``None`` sweeps 0..1 across the samples.
+        Depth in [0, 1] of the first needle; ``None`` sweeps 0..1 across the samples
+        (see :func:`sweep_depth`).
     """
 
     haystack: str = "prose"
@@ -133,7 +145,7 @@ class NiahTask(Task):
         needles, queried, answers = self.plan(keys, values)
         _, plural = _KIND_NAMES[self.value_type]
         sentences = [f"One of the special magic {plural} for {k} is: {v}." for k, v in needles]
-        first = sweep_depth(self.depth, index, num_samples)
+        first = sweep_depth(self.depth, index)
         depths = [first] + [rng.random() for _ in needles[1:]]
         question, prefix = self.question(queried, multiple=len(answers) > 1)
         intro = (
