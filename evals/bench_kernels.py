@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,34 +41,59 @@ COLUMNS = [("B", 3, "d"), ("context", 7, "d"), ("budget", 7, "s"), ("sparse_ms",
            ("budget_ratio", 12, ".4f"), ("target", 7, "s")]
 
 
-def timeit(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median wall time of ``fn()`` in milliseconds (CUDA events on GPU)."""
-    for _ in range(warmup):
+CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _time_once(fn, device: torch.device, clock: str = "wall") -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-    times = []
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = CLOCK[clock]()
+    fn()
+    return (CLOCK[clock]() - t0) * 1e3
+
+
+def timeit(fns, device: torch.device, warmup: int, iters: int, clock: str = "wall") -> list[float]:
+    """Median time in ms of each function (CUDA events on GPU; on CPU ``clock``: "wall" =
+    perf_counter, "cpu" = this thread's CPU time, robust to preemption on a shared machine but
+    only meaningful with one thread).
+
+    The functions run interleaved (a, b, a, b, ...) so that on a shared machine both see the
+    same background load.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(iters):
+        for fn, ts in zip(fns, times):
+            ts.append(_time_once(fn, device, clock))
+    return [statistics.median(ts) for ts in times]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, warmup: int, iters: int) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read + bytes written."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = timeit(lambda: dst.copy_(src), device, warmup, iters)
+    (ms,) = timeit([lambda: dst.copy_(src)], device, warmup, iters)
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense decode baseline: torch SDPA with the G query heads of a group as G query rows.
+
+    ``(B, H_q, D) -> (B, H_kv, G, D)`` is exact for one decode token (no causal mask) and lets
+    SDPA read each K/V head once; ``enable_gqa=True`` was ~3.5x slower on CPU here.
+    """
+    B, H_q, D = q.shape
+    out = F.scaled_dot_product_attention(q.view(B, k.shape[1], -1, D), k, v)  # (B, H_kv, G, D)
+    return out.view(B, H_q, D)
 
 
 def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) -> float:
@@ -82,6 +108,9 @@ def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) ->
     out, _ = sparse_decode(q, k, v, index, backend=backend)
     ref, _ = reference_sparse_decode(q.float(), k.float(), v.float(), index)
     err = (out.float() - ref).abs().max().item()
+    dense = dense_decode(q, k, v).float()
+    full = SparseIndex.dense(torch.full_like(lens, 1000), H_KV, block_size=16)
+    err = max(err, (dense - reference_sparse_decode(q.float(), k.float(), v.float(), full)[0]).abs().max().item())
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     if not err <= tol:
         sys.exit(f"correctness check failed: {backend} max abs error {err:.3g} > {tol}")
@@ -89,7 +118,7 @@ def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) ->
 
 
 def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backend, block_size, warmup, iters,
-              copy_gbps, caches) -> dict:
+              copy_gbps, caches, clock="wall") -> dict:
     """One row: sparse decode with ``budget`` tokens (None = every block) vs dense SDPA."""
     key = (B, context)
     if key not in caches:
@@ -107,10 +136,9 @@ def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backen
         index = select_topk(scores, budget // block_size, block_size=block_size, seq_lens=lens)
     index.validate(num_kv_heads=H_KV, capacity=context)
     out = torch.empty_like(q)
-    sparse_ms = timeit(lambda: sparse_decode(q, k, v, index, backend=backend, out=out, validate_index=False),
-                       device, warmup, iters)
-    q4 = q[:, :, None]  # (B, H_q, 1, D)
-    dense_ms = timeit(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True), device, warmup, iters)
+    sparse_ms, dense_ms = timeit(
+        [lambda: sparse_decode(q, k, v, index, backend=backend, out=out, validate_index=False),
+         lambda: dense_decode(q, k, v)], device, warmup, iters, clock)
     attended = int(index.num_attended().sum())
     elt = k.element_size()
     read = 2 * attended * HEAD_DIM * elt + 2 * q.numel() * elt + index.block_idx.numel() * 4
@@ -153,6 +181,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", choices=list(DTYPES), help="default: fp16 on cuda, fp32 on cpu")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="CPU timer: wall (perf_counter) or cpu (thread CPU time; use with --threads 1)")
     p.add_argument("--out", default=None, help="directory for bench_kernels.json / .csv")
     args = p.parse_args(argv)
 
@@ -167,13 +198,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     budgets = parse_ints(args.budgets)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 2)
     iters = args.iters if args.iters is not None else (50 if cuda else 7)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        sys.exit("--clock cpu measures one thread: add --threads 1")
     torch.manual_seed(0)
 
     err = check_correctness(device, backend, dtype)
-    copy_gbps = copy_bandwidth(device, 1 << 30 if cuda else 1 << 28, warmup, iters)
+    copy_gbps = copy_bandwidth(device, 1 << 30 if cuda else 1 << 26, warmup, iters)
     print(f"# device={torch.cuda.get_device_name(device) if cuda else 'cpu'} threads={torch.get_num_threads()} "
-          f"backend={backend} dtype={dtype} block_size={args.block_size} H_q={H_Q} H_kv={H_KV} D={HEAD_DIM}")
-    print(f"# correctness: max abs error vs fp32 reference {err:.2e}; copy bandwidth {copy_gbps:.1f} GB/s")
+          f"backend={backend} dtype={dtype} block_size={args.block_size} H_q={H_Q} H_kv={H_KV} D={HEAD_DIM} "
+          f"clock={'cuda-events' if cuda else args.clock}")
+    print(f"# correctness: max abs error vs fp32 reference {err:.2e}; copy bandwidth {copy_gbps:.1f} GB/s; "
+          f"load average {os.getloadavg()[0]:.1f}")
 
     rows, caches = [], {}
     for B in batches:
@@ -185,13 +222,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for budget in [b for b in budgets if b < context] + [None]:
                 rows.append(bench_one(B, context, budget, device=device, dtype=dtype, backend=backend,
                                       block_size=args.block_size, warmup=warmup, iters=iters,
-                                      copy_gbps=copy_gbps, caches=caches))
+                                      copy_gbps=copy_gbps, caches=caches, clock=args.clock))
     caches.clear()
     print(table(rows))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"copy_GBps": copy_gbps, "correctness_max_abs_err": err, "argv": sys.argv[1:] if argv is None else argv}
+        meta = {"copy_GBps": copy_gbps, "threads": torch.get_num_threads(), "clock": args.clock,
+                "load_average": os.getloadavg()[0], "correctness_max_abs_err": err, "argv": sys.argv[1:] if argv is None else argv}
         (out / "bench_kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         with open(out / "bench_kernels.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else [])

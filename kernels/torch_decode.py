@@ -55,6 +55,7 @@ def selected_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _WORKSPACE = threading.local()
+CPU_CHUNK_BYTES = 4 << 20  # gathered K+V bytes per step of the CPU loop: fits in L2/L3
 
 
 def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -73,22 +74,40 @@ def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _gather_rows(cache: torch.Tensor, pos: torch.Tensor, slot: str) -> torch.Tensor:
-    """``cache[b, h, pos[b, h, v]]`` -> ``(B, H_kv, V, D)`` without touching unselected rows."""
+def _gather_rows(cache: torch.Tensor, first: int, pos: torch.Tensor, slot: str) -> torch.Tensor:
+    """Rows ``cache[b, h, pos[i, v]]`` for the (b, h) pairs ``first + i`` -> ``(n, V, D)``.
+
+    Touches only the selected rows; pair ``p`` is ``(b, h) = divmod(p, H_kv)``.
+    """
     B, H_kv, T_cap, D = cache.shape
-    V = pos.shape[-1]
+    n, V = pos.shape
+    pairs = torch.arange(first, first + n, device=pos.device)[:, None]  # (n, 1)
     if cache.is_contiguous():
-        # index_select on the flat (B*H_kv*T, D) view copies whole rows
-        base = (torch.arange(B * H_kv, device=pos.device) * T_cap).view(B, H_kv, 1)
-        flat = (base + pos).reshape(-1)  # (B*H_kv*V,)
+        flat = (pairs * T_cap + pos).reshape(-1)  # (n*V,) rows of the (B*H_kv*T, D) view
         rows = cache.view(B * H_kv * T_cap, D)
         if cache.device.type == "cpu":
-            out = _workspace(slot, flat.numel() * D, cache).view(-1, D)
-            return torch.index_select(rows, 0, flat, out=out).view(B, H_kv, V, D)
-        return rows.index_select(0, flat).view(B, H_kv, V, D)
-    b = torch.arange(B, device=pos.device).view(B, 1, 1)
-    h = torch.arange(H_kv, device=pos.device).view(1, H_kv, 1)
-    return cache[b, h, pos]  # (B, H_kv, V, D)
+            buf = _workspace(slot, flat.numel() * D, cache).view(-1, D)
+            return torch.index_select(rows, 0, flat, out=buf).view(n, V, D)
+        return rows.index_select(0, flat).view(n, V, D)
+    return cache[pairs // H_kv, pairs % H_kv, pos]  # (n, V, D)
+
+
+def _attend(q_g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 masked softmax attention: q_g (..., G, D), k/v (..., V, D), valid (..., V).
+
+    Written out instead of ``torch.logsumexp`` + ``exp`` (that pair was ~20x slower than one
+    exp on small CPU tensors); normalising the (G, D) output is cheaper than the (G, V) weights.
+    """
+    scores = q_g @ k.float().transpose(-1, -2)  # (..., G, V)
+    scores.masked_fill_(~valid[..., None, :], float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)  # (..., G, 1)
+    m.masked_fill_(m == float("-inf"), 0.0)  # nothing valid: exp(-inf - 0) = 0, no NaN
+    p = scores.sub_(m).exp_()
+    denom = p.sum(dim=-1, keepdim=True)  # (..., G, 1); 0 when nothing is valid
+    lse = (m + denom.log()).squeeze(-1)  # log(0) = -inf for empty rows
+    o = (p @ v.float()).div_(denom.masked_fill_(denom == 0, 1.0))  # (..., G, D)
+    return o, lse
 
 
 def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -99,18 +118,31 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     B, H_q, H_kv, G, T_cap, D = check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pos, valid = selected_positions(index)  # (B, H_kv, V)
+    V = pos.shape[-1]
     if out is None:
         out = torch.empty_like(q)
-    if pos.shape[-1] == 0 or T_cap == 0:
+    if V == 0 or T_cap == 0:
         out.zero_()
         return out, torch.full((B, H_q), float("-inf"), device=q.device)
-    k_sel = _gather_rows(k_cache, pos, "k").float()  # (B, H_kv, V, D); no copy for fp32
-    v_sel = _gather_rows(v_cache, pos, "v").float()
     q_g = q.float().reshape(B, H_kv, G, D) * scale  # (B, H_kv, G, D)
-    scores = q_g @ k_sel.transpose(-1, -2)  # (B, H_kv, G, V)
-    scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H_kv, G)
-    p = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-    o = p @ v_sel  # (B, H_kv, G, D)
-    out.copy_(o.reshape(B, H_q, D))
-    return out, lse.reshape(B, H_q)
+    if V >= T_cap:
+        # the padded selection is no smaller than the cache: a masked pass over the cache
+        # reads less than gathering (copying) it first
+        o, lse = _attend(q_g, k_cache, v_cache, index.token_mask(T_cap))  # (B, H_kv, G, D), (B, H_kv, G)
+        out.copy_(o.reshape(B, H_q, D))
+        return out, lse.reshape(B, H_q)
+    N = B * H_kv
+    # CPU: gather a few heads at a time so the gathered rows are still in cache when the
+    # matmuls read them (one pass over DRAM instead of three)
+    per_pair = 2 * V * D * k_cache.element_size()
+    chunk = N if q.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // per_pair)
+    q_n, pos_n, valid_n = q_g.view(N, G, D), pos.view(N, V), valid.view(N, V)
+    o = torch.empty(N, G, D, device=q.device)
+    lse = torch.empty(N, G, device=q.device)
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        k_sel = _gather_rows(k_cache, s, pos_n[s:e], "k")  # (n, V, D)
+        v_sel = _gather_rows(v_cache, s, pos_n[s:e], "v")
+        o[s:e], lse[s:e] = _attend(q_n[s:e], k_sel, v_sel, valid_n[s:e])
+    out.copy_(o.view(B, H_q, D))
+    return out, lse.view(B, H_q)
