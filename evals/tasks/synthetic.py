@@ -9,6 +9,7 @@ Language Models?", COLM 2024 (arXiv:2404.06654).
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import string
@@ -100,6 +101,20 @@ def _fit_list(tokenizer, length: int, render, per_entry: float, lower: int) -> t
     return (n, *render(n))
 
 
+_CWE_PROMPT_WORDS = frozenset("below numbered list words some appear more often than others memorize".split())
+
+
+@functools.lru_cache(maxsize=None)
+def _answer_words() -> tuple[str, ...]:
+    """Words that are not part of any other listed word nor of the prompt's own text.
+
+    String-match scoring would credit ``"art"`` to a prediction that says ``"party"``.
+    """
+    words = word_list()
+    inner = {w[i:j] for w in words for i in range(len(w)) for j in range(i + 1, len(w) + 1) if j - i < len(w)}
+    return tuple(w for w in words if w not in inner and w not in _CWE_PROMPT_WORDS)
+
+
 @dataclass(frozen=True)
 class CommonWords(Task):
     """Find the ``num_common`` words repeated most often in a numbered word list.
@@ -138,9 +153,9 @@ class CommonWords(Task):
     def entries(self, rng: random.Random, num_entries: int) -> tuple[list[str], list[str], tuple[int, int]]:
         """Shuffled list entries, the common words, and ``(c, u)``."""
         common, uncommon, num_uncommon = self.word_counts(num_entries)
-        words = rng.sample(word_list(), self.num_common + num_uncommon)
-        answers = words[: self.num_common]
-        listed = answers * common + words[self.num_common :] * uncommon
+        answers = rng.sample(_answer_words(), self.num_common)
+        others = rng.sample([w for w in word_list() if w not in answers], num_uncommon)
+        listed = answers * common + others * uncommon
         rng.shuffle(listed)
         return listed, answers, (common, uncommon)
 
