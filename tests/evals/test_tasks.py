@@ -143,7 +143,7 @@ def test_same_seed_same_samples_other_seed_differs(smol):
 @pytest.mark.parametrize("name", ["vt", "cwe", "fwe"])
 def test_synthetic_tasks_are_deterministic(plain, name):
     task = get_task(name)
-    assert task.generate(plain, 512, num_samples=2, seed=1) == task.generate(plain, 512, num_samples=2, seed=1)
+    assert task.generate(plain, 1024, num_samples=2, seed=1) == task.generate(plain, 1024, num_samples=2, seed=1)
 
 
 # --------------------------------------------------------------------------- needles
