@@ -42,15 +42,15 @@ def selected_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
         bs = index.block_size
         ids = index.block_idx.long()  # (B, H_kv, K_max)
         p = (ids[..., None] * bs + torch.arange(bs, device=dev)).reshape(B, H_kv, K_max * bs)  # (B, H_kv, K_max*bs)
-        ok = (ids >= 0).repeat_interleave(bs, dim=-1)
-        ok &= (p >= sink_end[:, None, None]) & (p < tail_start[:, None, None])
+        # padding ids (-1) give p < 0 <= sink_end, so this also drops the padded slots
+        ok = (p >= sink_end[:, None, None]) & (p < tail_start[:, None, None])
         pos_parts.append(p)
         valid_parts.append(ok)
     if not pos_parts:
         empty = torch.zeros(B, H_kv, 0, dtype=torch.long, device=dev)
         return empty, empty.bool()
-    pos = torch.cat(pos_parts, dim=-1)  # (B, H_kv, V)
-    valid = torch.cat(valid_parts, dim=-1)
+    pos = torch.cat(pos_parts, dim=-1) if len(pos_parts) > 1 else pos_parts[0]  # (B, H_kv, V)
+    valid = torch.cat(valid_parts, dim=-1) if len(valid_parts) > 1 else valid_parts[0]
     return torch.where(valid, pos, torch.zeros_like(pos)), valid
 
 
