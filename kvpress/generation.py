@@ -1,0 +1,115 @@
+"""Greedy generation with separate prefill / decode timing, for the CLI, demo and benchmarks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .patching import apply
+from .registry import Policy
+from .stats import CacheStats, cache_stats
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`timed_generate`.
+
+    Attributes
+    ----------
+    tokens : Tensor [B, N] (long)
+        Generated tokens (prompt excluded); rows that stopped early are padded with eos.
+    prefill_s : float
+        Wall time of the prompt forward pass.
+    decode_ms_per_token : float
+        Mean wall time of one decode step (model forward + greedy pick), over ``N - 1`` steps.
+    stats : CacheStats
+        ``cache_stats`` of the policy cache after generation.
+    """
+
+    tokens: torch.Tensor
+    prefill_s: float
+    decode_ms_per_token: float
+    stats: CacheStats
+    cache: object = None
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def timed_generate(
+    model,
+    input_ids: torch.Tensor,
+    policy: Policy,
+    *,
+    max_new_tokens: int = 32,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | list[int] | None = None,
+    keep_cache: bool = False,
+) -> GenerationResult:
+    """Greedy decoding under ``policy`` with prefill and per-token decode timed separately.
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+    input_ids : Tensor [B, T] (long), left padded when B > 1 (pass ``attention_mask``).
+    policy : Policy
+    max_new_tokens : int
+    eos_token_id : int or list of int, optional
+        Decoding stops when every row has produced one (default: the model's generation config).
+    keep_cache : bool
+        Return the cache object in the result (it can be large).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    device = model.device
+    input_ids = input_ids.to(device)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    attention_mask = attention_mask.to(device)
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    eos = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    with apply(model, policy):
+        _sync(device)
+        start = time.perf_counter()
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        next_token = out.logits[:, -1].argmax(-1)
+        _sync(device)
+        prefill_s = time.perf_counter() - start
+        cache = out.past_key_values
+        tokens = [next_token]
+        done = torch.isin(next_token, eos)
+        last_pos = position_ids[:, -1:]
+        decode_times = []
+        for step in range(1, max_new_tokens):
+            if bool(done.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+            last_pos = last_pos + 1
+            start = time.perf_counter()
+            out = model(
+                input_ids=next_token[:, None], attention_mask=attention_mask, position_ids=last_pos,
+                past_key_values=cache, use_cache=True,
+            )
+            next_token = out.logits[:, -1].argmax(-1)
+            _sync(device)
+            decode_times.append(time.perf_counter() - start)
+            if eos.numel():
+                next_token = torch.where(done, eos[0].to(next_token.dtype), next_token)
+            tokens.append(next_token)
+            done = done | torch.isin(next_token, eos)
+    decode_ms = 1000.0 * sum(decode_times) / len(decode_times) if decode_times else float("nan")
+    return GenerationResult(
+        tokens=torch.stack(tokens, dim=1),
+        prefill_s=prefill_s,
+        decode_ms_per_token=decode_ms,
+        stats=cache_stats(cache),
+        cache=cache if keep_cache else None,
+    )
