@@ -97,8 +97,7 @@ class Haystack:
         limit = bisect.bisect_right(self.starts, num_words)
         candidates = list(self.starts[:limit]) + [num_words]
         i = bisect.bisect_left(candidates, target)
-        best = [c for c in candidates[max(0, i - 1) : i + 1]]
-        return min(best, key=lambda c: (abs(c - target), c))
+        return min(candidates[max(0, i - 1) : i + 1], key=lambda c: (abs(c - target), c))
 
     def render(self, num_words: int, inserts: list[tuple[int, str]] = ()) -> tuple[str, list[int]]:
         """Text of the first ``num_words`` words with ``(word_index, sentence)`` inserted.
@@ -142,7 +141,7 @@ def _haystack_from_sentences(paragraphs: list[list[str]], paragraph_break: str =
 
 @functools.lru_cache(maxsize=None)
 def prose_haystack() -> Haystack:
-    """The shipped book as a haystack (~48k words, ~64k SmolLM2 tokens)."""
+    """The shipped book as a haystack (~48k words, ~62k SmolLM2 tokens)."""
     paragraphs = [split_sentences(p) for p in prose_text().split("\n\n") if p.strip()]
     return _haystack_from_sentences(paragraphs)
 
