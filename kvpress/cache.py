@@ -95,6 +95,15 @@ class CacheLayer(CacheLayerMixin):
     def attend(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def ingest_prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a whole prompt's post-RoPE K/V [B, H_kv, T, D] whose attention already ran densely.
+
+        Required for policies with ``full_prefill = True``: a runner prefills a context once with
+        ``full`` and hands each such policy a copy, which must end in the same state as running
+        that policy's own one-shot prefill.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot ingest a dense prefill")
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Device-resident state, by attribute name."""
         return {}

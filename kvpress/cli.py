@@ -101,6 +101,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("calibrate", help="calibrate a policy's artifact for a model")
+    cal = p.add_subparsers(dest="policy_name", required=True)
+    from kvpress.calibration import CALIBRATORS
+
+    for name, (help_text, configure, run) in sorted(CALIBRATORS.items()):
+        cp = cal.add_parser(name, help=help_text)
+        configure(cp)
+        cp.set_defaults(func=run)
+
     for name, (help_text, configure) in SUBCOMMANDS.items():
         configure(sub.add_parser(name, help=help_text, add_help=name != "lm-eval"))
     return parser
@@ -112,6 +121,10 @@ SUBCOMMANDS: dict = {}
 
 def _load_extensions() -> None:
     import importlib
+
+    import kvpress
+
+    kvpress.list_policies()  # policy modules register their calibrators on import
 
     for module in ("kvpress.evals.cli",):
         try:

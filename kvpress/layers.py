@@ -23,6 +23,12 @@ class DenseLayer(CacheLayer):
             q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
         )
 
+    def ingest_prefill(self, k, v):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self.buffer.append(k, v)
+        self.seen += k.shape[2]
+
     @property
     def keys(self):  # transformers' layer attribute, for code that inspects caches
         return None if self.buffer.k is None else self.buffer.keys

@@ -132,3 +132,21 @@ def test_registry_metadata(name):
     with pytest.raises(Exception):
         policy.__setattr__(next(iter(policy.to_dict().keys() - {"policy"}), "name"), 1)  # frozen
     assert policy.to_dict()["policy"] == name
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if kvpress.policy_class(n).full_prefill])
+def test_shared_dense_prefill_equals_own_prefill(llama, name):
+    """full_prefill policies accept a copy of one dense prefill and then decode identically."""
+    from kvpress.prefill import cache_from_dense, dense_prefill
+
+    policy = example(name, kvpress.get_adapter(llama))
+    ids = random_ids(PROMPT, seed=6)
+    logits, dense = dense_prefill(llama, ids)
+    cache = cache_from_dense(llama, policy, dense)
+    nxt = logits.argmax(-1, keepdim=True)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        own = llama(ids, use_cache=True)
+        own_next = llama(nxt, past_key_values=own.past_key_values, use_cache=True).logits
+        shared_next = llama(nxt, past_key_values=cache, use_cache=True).logits
+    assert torch.equal(own.logits[:, -1].argmax(-1, keepdim=True), nxt)
+    torch.testing.assert_close(shared_next, own_next, atol=1e-5, rtol=0)

@@ -1,0 +1,96 @@
+"""Versioned calibration artifacts (safetensors + metadata) and the ``kvpress calibrate`` registry.
+
+An artifact is a safetensors file whose metadata names the format, its version, the policy, and
+the model it was calibrated for (model id, layers, heads, KV heads, head_dim, RoPE layout). On
+load the metadata is checked against the model's adapter, so an artifact for another model is
+a clear error, never a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable
+
+import torch
+
+FORMAT = "kvpress-artifact"
+_ROPE_LAYOUT = "rotate_half"  # the RoPE layout of every supported family (see kvpress.adapters)
+
+# policy name -> (help, configure(argparse subparser), run(args) -> int)
+CALIBRATORS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def register_calibrator(name: str, help_text: str, configure: Callable, run: Callable) -> None:
+    """Make ``kvpress calibrate <name>`` available (``configure`` adds arguments, ``run`` does it)."""
+    CALIBRATORS[name] = (help_text, configure, run)
+
+
+def model_metadata(adapter) -> dict[str, str]:
+    """The fields an artifact records about its model."""
+    return {
+        "model_id": adapter.model_id,
+        "family": adapter.family,
+        "num_layers": str(adapter.num_layers),
+        "num_heads": str(adapter.num_heads),
+        "num_kv_heads": str(adapter.num_kv_heads),
+        "head_dim": str(adapter.head_dim),
+        "rope_layout": _ROPE_LAYOUT,
+    }
+
+
+def save_artifact(path, tensors: dict[str, torch.Tensor], *, policy: str, version: int, adapter, extra: dict | None = None) -> pathlib.Path:
+    """Write ``tensors`` with metadata for ``adapter``'s model to ``path`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "policy": policy, "version": str(version), **model_metadata(adapter)}
+    if extra:
+        meta["extra"] = json.dumps(extra, sort_keys=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=meta)
+    return path
+
+
+def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_layers", "num_kv_heads", "head_dim")):
+    """Read an artifact; check its policy, version and (with ``adapter``) the model fields in ``check``.
+
+    Returns
+    -------
+    (tensors, metadata) : (dict[str, Tensor], dict[str, str])
+
+    Raises
+    ------
+    FileNotFoundError
+        No file at ``path`` (the message tells the ``kvpress calibrate`` command).
+    ValueError
+        Wrong format/policy/version, or a model field that does not match ``adapter``.
+    """
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no {policy} artifact at {path}; make one with `kvpress calibrate {policy} --model MODEL --out {path}`"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != FORMAT or meta.get("policy") != policy:
+        raise ValueError(f"{path} is not a kvpress {policy} artifact (format={meta.get('format')}, policy={meta.get('policy')})")
+    if meta.get("version") != str(version):
+        raise ValueError(f"{path} has {policy} artifact version {meta.get('version')}; this kvpress reads version {version}")
+    if adapter is not None:
+        expected = model_metadata(adapter)
+        wrong = {k: (meta.get(k), expected[k]) for k in check if meta.get(k) != expected[k]}
+        if wrong:
+            detail = ", ".join(f"{k}: artifact {a} vs model {b}" for k, (a, b) in wrong.items())
+            raise ValueError(f"{path} was calibrated for another model ({meta.get('model_id')}): {detail}")
+    return tensors, meta
+
+
+def shipped_artifact(name: str) -> pathlib.Path:
+    """Path of an artifact shipped inside ``kvpress.policies/artifacts/``."""
+    import kvpress.policies
+
+    return pathlib.Path(kvpress.policies.__file__).parent / "artifacts" / name
