@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -31,7 +33,7 @@ class GenerationResult:
     tokens: torch.Tensor
     prefill_s: float
     decode_ms_per_token: float
-    stats: CacheStats
+    stats: CacheStats | None
     cache: object = None
 
 
@@ -44,7 +46,7 @@ def _sync(device) -> None:
 def timed_generate(
     model,
     input_ids: torch.Tensor,
-    policy: Policy,
+    policy: Policy | None,
     *,
     max_new_tokens: int = 32,
     attention_mask: torch.Tensor | None = None,
@@ -57,7 +59,8 @@ def timed_generate(
     ----------
     model : PreTrainedModel
     input_ids : Tensor [B, T] (long), left padded when B > 1 (pass ``attention_mask``).
-    policy : Policy
+    policy : Policy or None
+        None runs the unpatched model (transformers' DynamicCache) for comparison.
     max_new_tokens : int
     eos_token_id : int or list of int, optional
         Decoding stops when every row has produced one (default: the model's generation config).
@@ -76,7 +79,7 @@ def timed_generate(
     eos = torch.tensor([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
-    with apply(model, policy):
+    with (apply(model, policy) if policy is not None else contextlib.nullcontext()):
         _sync(device)
         start = time.perf_counter()
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
@@ -110,6 +113,48 @@ def timed_generate(
         tokens=torch.stack(tokens, dim=1),
         prefill_s=prefill_s,
         decode_ms_per_token=decode_ms,
-        stats=cache_stats(cache),
+        stats=cache_stats(cache) if policy is not None else None,
         cache=cache if keep_cache else None,
     )
+
+
+@torch.no_grad()
+def chunked_nll(model, input_ids: torch.Tensor, policy: Policy | None, *, chunk_size: int = 512) -> torch.Tensor:
+    """Per-token negative log-likelihood of a long sequence fed through the policy cache in chunks.
+
+    Every chunk attends to whatever the policy kept of the earlier chunks, so compression (or
+    eviction) really affects the result — unlike a single full-attention forward.
+
+    Parameters
+    ----------
+    input_ids : Tensor [1, T] (long)
+    policy : Policy or None (None: the unpatched model with its DynamicCache)
+    chunk_size : int
+        Tokens per forward; memory of the logits is ``chunk_size * vocab`` floats.
+
+    Returns
+    -------
+    Tensor [T - 1] (fp32): NLL of tokens 1..T-1 given their prefix.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"chunked_nll expects input_ids of shape [1, T]; got {tuple(input_ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    ids = input_ids.to(model.device)
+    nll = []
+    with (apply(model, policy) if policy is not None else contextlib.nullcontext()):
+        cache = None
+        for start in range(0, ids.shape[1], chunk_size):
+            piece = ids[:, start : start + chunk_size]
+            out = model(input_ids=piece, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits = out.logits[0].float()  # (chunk, V)
+            targets = ids[0, start + 1 : start + 1 + piece.shape[1]]
+            logits = logits[: targets.shape[0]]
+            nll.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
+    return torch.cat(nll)
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    """exp(mean NLL)."""
+    return math.exp(float(nll.mean()))
