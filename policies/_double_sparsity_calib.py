@@ -1,0 +1,215 @@
+"""Offline channel calibration for Double Sparsity and its versioned artifact.
+
+Yang et al., "Post-Training Sparse Attention with Double Sparsity", arXiv 2408.07092: a few
+"outlier" channels of each head carry most of q . k, and which channels they are is a static
+property of the model. We rank the channels of each KV head by their mean contribution to the
+scores of causal (query, key) pairs on the offline calibration prose of ``kvpress.evals.tasks``
+(the "ppl" document), using post-RoPE queries and keys, because those are what the label cache
+stores and what the decode query is multiplied with.
+
+Importance of channel c for KV head h (query heads g of its GQA group, positions t >= s)::
+
+    I[h, c] = mean_{g, t >= s} |q[g, t, c]| * |k[s, c]|
+            = sum_g sum_t |q[g, t, c]| * cumsum_s |k[s, c]|  /  (G * sum_t (t + 1))
+
+which costs O(T * D) per head instead of O(T^2 * D).
+
+Artifact (``kvpress.calibration`` format, policy ``double_sparsity``, version 1):
+``importance`` fp32 [L, H_kv, D] and ``channel_rank`` int16 [L, H_kv, D] (channels of each
+head, most important first; ties keep the lower channel first).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Callable
+
+import torch
+
+from kvpress.adapters import get_adapter
+from kvpress.calibration import load_artifact, model_metadata, save_artifact
+
+POLICY = "double_sparsity"
+VERSION = 1
+SHIPPED = "double_sparsity-smollm2.safetensors"
+# Every field below must match the model; model ids are compared by canonical name (see below).
+_CHECKED = ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_layout")
+CALIBRATE_COMMAND = "kvpress calibrate double_sparsity --model MODEL --out FILE.safetensors"
+
+
+def channel_importance(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Summed causal |q_c| * |k_c| of one sequence, per KV head and channel.
+
+    Parameters
+    ----------
+    q : Tensor [H_q, T, D]
+        Post-RoPE queries (query head ``h`` belongs to KV head ``h // G``).
+    k : Tensor [H_kv, T, D]
+        Post-RoPE keys.
+
+    Returns
+    -------
+    Tensor fp32 [H_kv, D]
+        ``sum_{g, t >= s} |q[g, t, c]| |k[s, c]|``; divide by ``G * T * (T + 1) / 2`` for the mean.
+    """
+    h_q, t, d = q.shape
+    h_kv = k.shape[0]
+    if h_q % h_kv or k.shape[1:] != (t, d):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [H_q, T, D] and [H_kv, T, D], H_q % H_kv == 0")
+    k_prefix = k.float().abs().cumsum(dim=1)  # (H_kv, T, D): sum over keys s <= t
+    q_abs = q.float().abs().reshape(h_kv, h_q // h_kv, t, d)  # (H_kv, G, T, D)
+    return (q_abs * k_prefix[:, None]).sum(dim=(1, 2))  # (H_kv, D)
+
+
+def rank_channels(importance: torch.Tensor) -> torch.Tensor:
+    """Channel ids per head, most important first (stable: ties keep the lower id first), int16."""
+    return torch.sort(importance, dim=-1, descending=True, stable=True).indices.to(torch.int16)
+
+
+@torch.no_grad()
+def calibrate(model, token_ids: torch.Tensor, *, seq_len: int = 1024,
+              progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """Rank the channels of every KV head of ``model`` on ``token_ids``.
+
+    The model runs plain (no kvpress policy, no cache) over consecutive ``seq_len`` chunks; a
+    forward hook on every attention module recomputes that layer's q/k projections from its
+    input and rotates them with the model's RoPE (through the adapter), so no forward is
+    replaced. Hooks are removed before returning.
+
+    Parameters
+    ----------
+    model : PreTrainedModel (Llama / Qwen2 / Mistral family)
+    token_ids : Tensor [N] (long)
+        Calibration tokens; chunks shorter than 2 tokens are dropped.
+    seq_len : int
+        Tokens per forward (attention pairs are counted within a chunk).
+    progress : callable, optional
+        Receives one line per chunk.
+
+    Returns
+    -------
+    dict with ``importance`` fp32 [L, H_kv, D] (mean |q_c k_c| over causal pairs) and
+    ``channel_rank`` int16 [L, H_kv, D].
+    """
+    adapter = get_adapter(model)
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} is out of range; allowed: seq_len >= 2")
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    chunks = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len) if ids.numel() - i >= 2]
+    if not chunks:
+        raise ValueError("calibration needs at least 2 tokens")
+    L, H, H_kv, D = adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
+    total = torch.zeros(L, H_kv, D, dtype=torch.float64)
+    pairs = 0.0
+    handles = []
+
+    def make_hook(layer_idx, module):
+        def hook(mod, args, kwargs, output):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)  # (1, T, hidden)
+            t = hidden.shape[1]
+            q = mod.q_proj(hidden).view(1, t, H, D).transpose(1, 2)  # (1, H, T, D)
+            k = mod.k_proj(hidden).view(1, t, H_kv, D).transpose(1, 2)  # (1, H_kv, T, D)
+            pos = torch.arange(t, device=hidden.device)[None, None, :]
+            q, k = adapter.rotate(q, pos), adapter.rotate(k, pos)
+            total[layer_idx] += channel_importance(q[0], k[0]).double().cpu()
+        return hook
+
+    try:
+        for i, module in enumerate(adapter.attention_modules()):
+            handles.append(module.register_forward_hook(make_hook(i, module), with_kwargs=True))
+        start = time.perf_counter()
+        for n, chunk in enumerate(chunks):
+            model(input_ids=chunk[None].to(model.device), use_cache=False)
+            t = chunk.numel()
+            pairs += (H // H_kv) * t * (t + 1) / 2
+            if progress is not None:
+                progress(f"calibrate double_sparsity: chunk {n + 1}/{len(chunks)} ({t} tokens) "
+                         f"{time.perf_counter() - start:.1f}s")
+    finally:
+        for h in handles:
+            h.remove()
+    importance = (total / pairs).float()
+    return {"importance": importance, "channel_rank": rank_channels(importance)}
+
+
+def canonical_model_id(model_id: str) -> str:
+    """Model name an artifact is matched on: the last path / hub component, lowercased.
+
+    Version folders of kvpress' own model cache (``tf-<version>-<hash>``) are skipped, so the
+    embedded SmolLM2 converted under another transformers version, or the same model loaded
+    from the hub (``HuggingFaceTB/SmolLM2-135M-Instruct``), still matches.
+    """
+    parts = [p for p in str(model_id).replace("\\", "/").lower().split("/") if p and not p.startswith("tf-")]
+    return parts[-1] if parts else ""
+
+
+def save(path, tensors: dict[str, torch.Tensor], adapter, extra: dict | None = None) -> pathlib.Path:
+    """Write a Double Sparsity artifact for ``adapter``'s model."""
+    return save_artifact(path, tensors, policy=POLICY, version=VERSION, adapter=adapter, extra=extra)
+
+
+def load(path, adapter) -> torch.Tensor:
+    """Read an artifact, check it against ``adapter``'s model; returns ``channel_rank`` [L, H_kv, D].
+
+    Raises
+    ------
+    FileNotFoundError
+        No file (the message names the ``kvpress calibrate`` command).
+    ValueError
+        Another policy/format/version, a model field (layers, heads, KV heads, head_dim, RoPE
+        layout, family, model name) that differs from the model, or malformed tensors.
+    """
+    tensors, meta = load_artifact(path, policy=POLICY, version=VERSION, adapter=adapter, check=_CHECKED)
+    ours, theirs = canonical_model_id(adapter.model_id), canonical_model_id(meta.get("model_id", ""))
+    if ours != theirs:
+        raise ValueError(
+            f"{path} was calibrated for model {meta.get('model_id')!r}, not {adapter.model_id!r}; "
+            f"make one for this model with `{CALIBRATE_COMMAND}` and pass artifact=FILE"
+        )
+    rank = tensors.get("channel_rank")
+    expected = (adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
+    if rank is None or tuple(rank.shape) != expected:
+        raise ValueError(f"{path}: channel_rank must have shape (layers, kv_heads, head_dim) = {expected}, "
+                         f"got {None if rank is None else tuple(rank.shape)}")
+    rank = rank.long()
+    if not torch.equal(rank.sort(dim=-1).values, torch.arange(adapter.head_dim).expand_as(rank)):
+        raise ValueError(f"{path}: channel_rank rows must be permutations of 0..{adapter.head_dim - 1}")
+    return rank
+
+
+def matches_model(path, adapter) -> bool:
+    """Whether the artifact at ``path`` exists and was made for ``adapter``'s model."""
+    try:
+        load(path, adapter)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------ CLI
+def configure_cli(parser) -> None:
+    parser.add_argument("--model", default="smollm2", help="alias, local folder or hub id (default: smollm2)")
+    parser.add_argument("--out", required=True, help="artifact path (.safetensors)")
+    parser.add_argument("--tokens", type=int, default=4096,
+                        help="calibration tokens from the offline 'ppl' prose (default 4096; ~1 min on CPU for SmolLM2)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per forward (default 1024)")
+    parser.add_argument("--device", default=None, help="e.g. cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: as loaded)")
+
+
+def run_cli(args) -> int:
+    import kvpress
+    from kvpress.evals.tasks import get_task
+
+    print(f"calibrate double_sparsity: loading {args.model}", flush=True)
+    model, tokenizer = kvpress.load_model(args.model, device=args.device, dtype=args.dtype)
+    ids = torch.tensor(get_task("ppl").token_ids(tokenizer, args.tokens))
+    tensors = calibrate(model, ids, seq_len=args.seq_len, progress=lambda line: print(line, flush=True))
+    adapter = get_adapter(model)
+    path = save(args.out, tensors, adapter, extra={"tokens": int(ids.numel()), "seq_len": args.seq_len,
+                                                   "source": "kvpress.evals.tasks ppl"})
+    meta = model_metadata(adapter)
+    print(f"wrote {path} ({meta['num_layers']} layers x {meta['num_kv_heads']} KV heads x head_dim "
+          f"{meta['head_dim']}, model {meta['model_id']})", flush=True)
+    return 0

@@ -1,0 +1,297 @@
+"""``double_sparsity``: token selection from a small label cache of calibrated key channels."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import tempfile
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvpress.attention import dense_causal_attention
+from kvpress.calibration import register_calibrator, shipped_artifact
+from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, select_topk, sparse_decode
+from kvpress.layers import DenseLayer
+from kvpress.policies import _double_sparsity_calib as calib
+from kvpress.registry import Policy, check_choice, check_int, register_policy
+
+LABEL_BITS = (4, 16)
+
+
+@register_policy
+@dataclass(frozen=True)
+class DoubleSparsityPolicy(Policy):
+    """Double Sparsity: score every token on ``r`` calibrated key channels, attend the top ones exactly.
+
+    Yang et al., "Post-Training Sparse Attention with Double Sparsity", arXiv 2408.07092.
+    Offline calibration ranks the channels of each KV head by their contribution to q . k
+    (``kvpress calibrate double_sparsity``); at run time a *label cache* keeps those top
+    ``label_channels`` channels of every post-RoPE key ([B, H_kv, T, r], real stored bytes,
+    appended on every decode step). A decode step scores all tokens with
+    ``q[..., channels] . labels`` and attends exactly (``kvpress.kernels.sparse_decode``,
+    token-level index) to ``budget`` tokens per KV head: ``sink_tokens`` first tokens +
+    ``window_size`` most recent (current token included) + the best-scoring rest.
+
+    GQA: the label channels belong to the KV head, so every query head of a group uses its KV
+    head's channels; the group's per-head scores are combined with ``group_reduction``
+    (default ``"softmax_max"``: a softmax over tokens per query head, then the max over the
+    group, so one selection serves a token that any head of the group attends to strongly).
+
+    Prefill is full causal attention; the dense K/V cache stays resident (selection, not
+    eviction). When ``budget`` covers every real token the step is plain dense attention, so
+    outputs equal ``full``. ``label_bits=4`` stores labels as 4-bit codes with a per-token
+    fp16 scale and zero point (the paper's 4-bit label cache); 16 keeps them in the model dtype.
+
+    ``artifact=None`` uses the artifact shipped for the embedded SmolLM2; any other model needs
+    ``artifact=path`` from ``kvpress calibrate double_sparsity --model M --out F.safetensors``.
+    ``label_channels=None`` means ``head_dim // 8``; allowed: ``head_dim // 16 .. head_dim // 4``.
+    """
+
+    budget: int = 256
+    sink_tokens: int = 4
+    window_size: int = 32
+    label_channels: int | None = None
+    label_bits: int = 16
+    group_reduction: str = "softmax_max"
+    artifact: str | None = None
+    backend: str = "auto"
+
+    name = "double_sparsity"
+    description = "label cache of calibrated key channels scores tokens; top tokens attended exactly"
+    paper = "arXiv 2408.07092"
+    full_prefill = True
+    keeps_full_cache = True
+    needs_artifact = True
+
+    def validate(self):
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("window_size", self.window_size, 1)
+        always = self.sink_tokens + self.window_size
+        if self.budget <= always:
+            raise ValueError(
+                f"budget={self.budget} must exceed the always-attended tokens sink_tokens + window_size = {always}; "
+                f"allowed: budget >= {always + 1}"
+            )
+        if self.label_channels is not None:
+            check_int("label_channels", self.label_channels, 1)
+        check_choice("label_bits", self.label_bits, LABEL_BITS)
+        check_choice("group_reduction", self.group_reduction, REDUCTIONS)
+        check_choice("backend", self.backend, ("auto", "torch", "triton"))
+
+    def channels_for(self, head_dim: int) -> int:
+        """``r``, the label channels per key (default ``head_dim // 8``)."""
+        return max(1, head_dim // 8) if self.label_channels is None else self.label_channels
+
+    def check_model(self, adapter):
+        d = adapter.head_dim
+        low, high = max(1, d // 16), max(1, d // 4)
+        r = self.channels_for(d)
+        if not low <= r <= high:
+            raise ValueError(f"label_channels={r} is out of range for head_dim {d}; allowed: {low} <= label_channels <= {high}")
+        _channel_rank(self.artifact_path(adapter), adapter)
+
+    def artifact_path(self, adapter) -> pathlib.Path:
+        """The artifact to read: ``artifact``, else the shipped SmolLM2 one when the model matches."""
+        if self.artifact is not None:
+            return pathlib.Path(self.artifact)
+        shipped = shipped_artifact(calib.SHIPPED)
+        if not calib.matches_model(shipped, adapter):
+            raise ValueError(
+                f"double_sparsity ships a channel artifact only for SmolLM2 ({shipped.name}); model "
+                f"{adapter.model_id!r} needs its own: run `{calib.CALIBRATE_COMMAND}` and pass artifact=FILE"
+            )
+        return shipped
+
+    def make_layer(self, cache, layer_idx):
+        adapter = cache.adapter
+        rank = _channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
+        channels = rank[layer_idx, :, : self.channels_for(adapter.head_dim)].contiguous()  # (H_kv, r)
+        return DoubleSparsityLayer(cache, layer_idx, self, channels)
+
+    def with_budget(self, budget: int) -> "DoubleSparsityPolicy":
+        return replace(self, budget=int(budget))
+
+    @classmethod
+    def example(cls, adapter) -> "DoubleSparsityPolicy":
+        """A small instance with a synthetic artifact calibrated on random ids of the (tiny) model."""
+        return cls(budget=24, sink_tokens=2, window_size=6, label_channels=max(1, adapter.head_dim // 8),
+                   artifact=str(synthetic_artifact(adapter)))
+
+
+def synthetic_artifact(adapter, num_tokens: int = 96, seed: int = 0) -> pathlib.Path:
+    """Calibrate ``adapter``'s model on random ids and write the artifact to a temp file (offline, fast).
+
+    For tests and examples only: random ids say little about a real model's outlier channels.
+    The file name is keyed by the model object and process, and written atomically.
+    """
+    key = hashlib.sha1(f"{os.getpid()}-{id(adapter.model)}-{adapter.family}-{adapter.num_layers}".encode()).hexdigest()[:16]
+    path = pathlib.Path(tempfile.gettempdir()) / f"kvpress-double_sparsity-{key}.safetensors"
+    if not calib.matches_model(path, adapter):
+        vocab = adapter.model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+        tensors = calib.calibrate(adapter.model, ids, seq_len=num_tokens)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        calib.save(tmp, tensors, adapter, extra={"synthetic": True})
+        os.replace(tmp, path)
+    return path
+
+
+_RANKS: dict[tuple, torch.Tensor] = {}
+
+
+def _channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
+    """Checked ``channel_rank`` [L, H_kv, D] of an artifact (cached by path, mtime, model fields)."""
+    stat = path.stat() if path.is_file() else None
+    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
+           adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
+    if key not in _RANKS:
+        _RANKS[key] = calib.load(path, adapter)
+    return _RANKS[key]
+
+
+class DoubleSparsityLayer(DenseLayer):
+    """Dense K/V + a label cache [B, H_kv, T, r]; decode attends ``budget`` tokens per KV head.
+
+    Labels are the post-RoPE keys' calibrated channels (``kvpress.kernels.build_labels``),
+    stored in the model dtype (``labels``) or, with 4 bits, as packed codes ``label_codes``
+    [B, H_kv, T, ceil(r / 2)] (uint8) with ``label_scale`` / ``label_zero`` [B, H_kv, T, 1] (fp16).
+    """
+
+    def __init__(self, cache, layer_idx, policy: DoubleSparsityPolicy, channels: torch.Tensor):
+        super().__init__(cache, layer_idx)
+        self.policy = policy
+        self.channels_cpu = channels  # (H_kv, r) long
+        self.channels = None  # on the cache's device, set on first use
+        self.labels = self.label_codes = self.label_scale = self.label_zero = None
+        self.label_len = 0
+        self._validated = False
+        self._min_row_start: int | None = None
+
+    # ------------------------------------------------------------------ storage
+    def _append_labels(self, k: torch.Tensor) -> None:
+        """Append the labels of new keys k [B, H_kv, T, D], growing with the K/V buffer's capacity."""
+        if self.channels is None:
+            self.channels = self.channels_cpu.to(k.device)
+        idx = self.channels[None, :, None, :].expand(k.shape[0], k.shape[1], k.shape[2], -1)
+        new = k.gather(-1, idx)  # (B, H_kv, T, r)
+        parts = {"labels": new} if self.policy.label_bits == 16 else dict(zip(("label_codes", "label_scale", "label_zero"), quantize_labels(new)))
+        n, cap = new.shape[2], self.buffer.k.shape[2]
+        for name, part in parts.items():
+            store = getattr(self, name)
+            if store is None or store.shape[2] < cap:
+                grown = part.new_empty(*part.shape[:2], cap, part.shape[3])
+                if store is not None:
+                    grown[:, :, : self.label_len] = store[:, :, : self.label_len]
+                setattr(self, name, grown)
+            getattr(self, name)[:, :, self.label_len : self.label_len + n] = part
+        self.label_len += n
+
+    def label_view(self) -> torch.Tensor:
+        """Labels of the stored tokens [B, H_kv, T, r] (de-quantized when 4-bit)."""
+        n = self.label_len
+        if self.policy.label_bits == 16:
+            return self.labels[:, :, :n]
+        return dequantize_labels(self.label_codes[:, :, :n], self.label_scale[:, :, :n], self.label_zero[:, :, :n],
+                                 self.channels.shape[1])
+
+    def ingest_prefill(self, k, v):
+        super().ingest_prefill(k, v)
+        self._append_labels(k)
+
+    def state_tensors(self):
+        return {**super().state_tensors(), "channels": self.channels, "labels": self.labels, "label_codes": self.label_codes,
+                "label_scale": self.label_scale, "label_zero": self.label_zero}
+
+    def batch_select(self, indices):
+        super().batch_select(indices)
+        for name in ("labels", "label_codes", "label_scale", "label_zero"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))
+        self._min_row_start = None
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, q, k_new, v_new, scaling):
+        q_start = self.seen
+        self.buffer.append(k_new, v_new)
+        self._append_labels(k_new)
+        self.seen += k_new.shape[2]
+        row_start = self.row_start
+        if q.shape[2] > 1 or self._budget_covers(row_start):
+            # prefill (full attention, as the paper), or every real token fits in the budget
+            return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
+                                          q_start=q_start, row_start=row_start)
+        return self._sparse_step(q, scaling, row_start)
+
+    def _budget_covers(self, row_start) -> bool:
+        if self._min_row_start is None:
+            self._min_row_start = 0 if row_start is None else int(row_start.min())
+        return self.seen - self._min_row_start <= self.policy.budget
+
+    def select(self, q0: torch.Tensor, scaling: float, row_start: torch.Tensor | None) -> SparseIndex:
+        """Token-level index of this decode step: sinks + window + top label scores.
+
+        Parameters
+        ----------
+        q0 : Tensor [B, H_q, D]
+            The decode query (post-RoPE); the new token is already stored.
+        row_start : Tensor [B] (long) or None
+            First real token per row.
+
+        Returns
+        -------
+        SparseIndex with block_size 1 and ``budget - sink_tokens - window_size`` selected tokens
+        per (row, KV head) wherever the row is long enough, so each attends exactly ``budget``.
+        """
+        p = self.policy
+        batch, seq = q0.shape[0], self.seen
+        mask = None
+        if row_start is not None:
+            mask = torch.arange(seq, device=q0.device)[None, :] >= row_start[:, None]  # (B, T) real tokens
+        scores = label_scores(q0, self.label_view(), self.channels, scale=scaling,
+                              reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
+        seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=q0.device)
+        return select_topk(scores, p.budget - p.sink_tokens - p.window_size, block_size=1, seq_lens=seq_lens,
+                           seq_starts=None if row_start is None else row_start.to(torch.int32),
+                           sinks=p.sink_tokens, dense_tail=p.window_size)
+
+    def _sparse_step(self, q, scaling, row_start):
+        q0 = q[:, :, 0]  # (B, H_q, D)
+        index = self.select(q0, scaling, row_start)
+        out, _ = sparse_decode(q0, self.buffer.k, self.buffer.v, index, scale=scaling, backend=self.policy.backend,
+                               validate_index=not self._validated)
+        self._validated = True  # every step builds its index the same way: check the values once
+        return out[:, :, None]  # (B, H_q, 1, D)
+
+
+def quantize_labels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token asymmetric 4-bit codes of labels x [B, H, T, r].
+
+    Returns packed uint8 codes [B, H, T, ceil(r / 2)] (two per byte, low nibble first) and fp16
+    ``scale`` / ``zero`` [B, H, T, 1] with ``x ~= codes * scale + zero``.
+    """
+    xf = x.float()
+    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)
+    zero = lo.to(torch.float16)
+    codes = ((xf - zero.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)  # (B, H, T, r)
+    if codes.shape[-1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scale, zero
+
+
+def dequantize_labels(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, r: int) -> torch.Tensor:
+    """Inverse of :func:`quantize_labels`: fp32 labels [B, H, T, r]."""
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)[..., :r]  # (B, H, T, r)
+    return codes.float() * scale.float() + zero.float()
+
+
+register_calibrator(
+    "double_sparsity",
+    "rank each head's key channels by their q.k contribution on offline prose (Double Sparsity)",
+    calib.configure_cli,
+    calib.run_cli,
+)
