@@ -1,0 +1,113 @@
+"""Host tier of ShadowKV: values in chunk-contiguous layout, fetched per step with reuse.
+
+ShadowKV (arXiv 2410.21465) moves the values of the prompt off the accelerator and copies
+back only the chunks a decode step selects. Consecutive steps select mostly the same chunks,
+so chunks fetched for the previous step are kept on the device and reused; only the missing
+ones cross the host link. On CUDA the store is pinned host memory (asynchronous copies); on
+CPU it is a separate tensor, and the copies are counted the same way so the traffic is
+measurable without a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TransferCounters:
+    """Host -> device traffic of one layer (summed over decode steps).
+
+    Attributes
+    ----------
+    steps : int
+        Decode steps that fetched from the host tier.
+    requested_chunks : int
+        Selected chunks summed over steps, rows and KV heads.
+    reused_chunks : int
+        Of those, chunks already on the device from the previous step.
+    fetched_bytes : int
+        Bytes copied from the host tier.
+    last_fetched_bytes : int
+        Bytes copied by the latest step.
+    """
+
+    steps: int = 0
+    requested_chunks: int = 0
+    reused_chunks: int = 0
+    fetched_bytes: int = 0
+    last_fetched_bytes: int = 0
+
+    @property
+    def reuse_rate(self) -> float:
+        """Fraction of selected chunks served from the device copy of the previous step."""
+        return self.reused_chunks / self.requested_chunks if self.requested_chunks else 0.0
+
+    @property
+    def fetched_bytes_per_step(self) -> float:
+        return self.fetched_bytes / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "requested_chunks": self.requested_chunks,
+                "reused_chunks": self.reused_chunks, "fetched_bytes": self.fetched_bytes,
+                "fetched_bytes_per_step": self.fetched_bytes_per_step, "reuse_rate": self.reuse_rate}
+
+
+def to_host(values: torch.Tensor) -> torch.Tensor:
+    """A host-tier copy of ``values``: pinned CPU memory for CUDA tensors, a fresh CPU tensor otherwise."""
+    if values.device.type == "cuda":
+        host = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True)
+        host.copy_(values)
+        return host
+    return values.detach().to("cpu", copy=True).contiguous()
+
+
+def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
+                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device
+                 ) -> torch.Tensor:
+    """Values of the selected chunks on ``device``, reusing the previous step's copies.
+
+    Parameters
+    ----------
+    host : Tensor (B, H_kv, C, chunk_size, D) on the host
+        Chunk-contiguous values.
+    chunk_idx : int32 Tensor (B, H_kv, K) on ``device``
+        Selected chunk ids, -1 for empty slots (their values are zeros, nothing is fetched).
+    prev_idx, prev_values : (B, H_kv, K') and (B, H_kv, K', chunk_size, D) on ``device``, or None
+        The previous step's selection and values.
+    counters : TransferCounters
+        Updated in place.
+
+    Returns
+    -------
+    Tensor (B, H_kv, K, chunk_size, D) on ``device``.
+    """
+    B, H, C, cs, D = host.shape
+    K = chunk_idx.shape[2]
+    ids = chunk_idx.long()
+    valid = ids >= 0  # (B, H, K)
+    out = torch.zeros(B, H, K, cs, D, dtype=host.dtype, device=device)
+    need = valid
+    if prev_idx is not None and prev_idx.shape[2] and K:
+        match = (ids[..., :, None] == prev_idx.long()[..., None, :]) & valid[..., None]  # (B, H, K, K')
+        found = match.any(-1)
+        src = match.float().argmax(-1)  # (B, H, K) slot of the previous copy
+        reused = torch.gather(prev_values, 2, src[..., None, None].expand(B, H, K, cs, D))
+        out = torch.where(found[..., None, None], reused, out)
+        need = valid & ~found
+        counters.reused_chunks += int(found.sum())
+    flat = ((torch.arange(B * H, device=device).view(B, H, 1) * C) + ids)[need]  # (M,) rows of host.view(-1, cs, D)
+    fetched_bytes = 0
+    if flat.numel():
+        rows = host.view(B * H * C, cs, D).index_select(0, flat.to(host.device))  # the host-side gather
+        if device.type == "cuda":
+            rows = rows.pin_memory().to(device, non_blocking=True)
+        else:
+            rows = rows.to(device)
+        out[need] = rows
+        fetched_bytes = rows.numel() * rows.element_size()
+    counters.steps += 1
+    counters.requested_chunks += int(valid.sum())
+    counters.fetched_bytes += fetched_bytes
+    counters.last_fetched_bytes = fetched_bytes
+    return out

@@ -1,0 +1,305 @@
+"""``shadowkv``: low-rank pre-RoPE keys on the device, values in a host tier, sparse rebuild per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import CacheLayer
+from kvpress.kernels import SparseIndex, chunk_landmarks, landmark_scores, merge_states, sparse_decode
+from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
+from kvpress.registry import Policy, check_choice, check_int, register_policy
+
+from ._shadowkv_store import TransferCounters, fetch_chunks, to_host
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+@register_policy
+@dataclass(frozen=True)
+class ShadowKVPolicy(Policy):
+    """ShadowKV: Sun et al., "ShadowKV: KV Cache in Shadows for High-Throughput Long-Context LLM
+    Inference", arXiv 2410.21465.
+
+    At prefill (plain full attention) the pre-RoPE keys (RoPE inverted exactly through the
+    adapter) of each layer are factored by a truncated SVD over all KV heads (``rank``
+    components: a per-token factor and a shared basis). Post-RoPE keys give one landmark (mean
+    key) per ``chunk_size``-token chunk; the ``outlier_chunks`` chunks per KV head that their
+    landmark represents worst (lowest minimum cosine similarity), the partial chunk at the start
+    of each row and the last ``local_window`` tokens stay exact on the device. Values move to a
+    host tier (pinned memory on CUDA) in chunk-contiguous layout.
+
+    Each decode step scores the chunks with ``q . landmark`` (GQA group reduced), picks the top
+    chunks per KV head that fit the budget, rebuilds their keys from the factors with RoPE at
+    their original positions (fused Triton kernel on GPU), fetches their values from the host
+    (chunks fetched for the previous step are reused) and attends over exact tokens + selected
+    chunks + generated tokens with ``sparse_decode`` / ``merge_states``.
+
+    ``budget`` counts every token a KV head attends per step: exact tokens (row-start partial
+    chunk, outliers, window) + selected chunks * ``chunk_size`` + generated tokens. Generated
+    tokens are always attended, so once they alone exceed the budget the step attends more
+    (layer attribute ``max_attended`` reports it). When the budget covers the prompt every chunk
+    is kept exact and no SVD is made, so the policy equals ``full``.
+    """
+
+    budget: int = 2048
+    chunk_size: int = 8
+    rank: int = 160
+    outlier_chunks: int = 8
+    local_window: int = 32
+    backend: str = "auto"
+
+    name = "shadowkv"
+    description = "low-rank pre-RoPE keys + landmarks on device, values on host, sparse rebuild per step"
+    paper = "ShadowKV, arXiv 2410.21465"
+    full_prefill = True
+    keeps_full_cache = False
+
+    def validate(self):
+        check_int("budget", self.budget, 1)
+        check_choice("chunk_size", self.chunk_size, SHADOWKV_CHUNK_SIZES)
+        check_int("rank", self.rank, 1)
+        check_int("outlier_chunks", self.outlier_chunks, 0)
+        check_int("local_window", self.local_window, 0)
+        check_choice("backend", self.backend, _BACKENDS)
+
+    def check_model(self, adapter):
+        key_dim = adapter.num_kv_heads * adapter.head_dim
+        if self.rank > key_dim:
+            raise ValueError(f"rank={self.rank} is larger than the key dimension num_kv_heads * head_dim = "
+                             f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
+        if adapter.head_dim % 2:
+            raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
+
+    def make_layer(self, cache, layer_idx):
+        return ShadowKVLayer(cache, layer_idx, self)
+
+    @classmethod
+    def example(cls, adapter):
+        # Tiny test models: 2 KV heads * head_dim 16 = 32-dim keys, 48-token prompts = 6 chunks of
+        # 8. One outlier + one window chunk exact, rank 8 of 32, budget 32: about two of the four
+        # remaining chunks per step, so selection, rebuild and host fetches all run.
+        return cls(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8)
+
+
+class ShadowKVLayer(CacheLayer):
+    """Per-layer ShadowKV state (see :class:`ShadowKVPolicy`).
+
+    Token axis of the prompt state: the prompt of ``T`` tokens is padded at the front by
+    ``shift = (-T) % chunk_size`` so chunks align with the end of the prompt; padded token
+    ``t`` is sequence index ``t - shift``, and row ``b``'s RoPE position is ``t - rope_start[b]``.
+    Aligning on the end (not on index 0) makes a left-padded row chunk exactly like the same
+    prompt run alone.
+
+    Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
+    (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
+    with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
+    the previous step's fetched chunks ``sel_idx``/``sel_values``. Host tier: ``v_host``
+    (B, H_kv, C, chunk_size, D). Transfers: ``counters`` (:class:`TransferCounters`).
+    """
+
+    _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "exact_k", "exact_v", "exact_idx",
+              "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values")
+
+    def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
+        super().__init__(cache, layer_idx)
+        self.policy = policy
+        for name in self._STATE:
+            setattr(self, name, None)
+        self.v_host = None
+        self.gen_len = 0
+        self.exact_max = 0  # most exact tokens of any (row, KV head)
+        self.max_selectable = 0
+        self.max_attended = 0  # most tokens one KV head attended in a decode step
+        self.exact_mode = False
+        self.counters = TransferCounters()
+        self._inv_freq = None
+
+    # ------------------------------------------------------------------ prefill
+    def attend(self, q, k_new, v_new, scaling):
+        if self.seen == 0:
+            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
+            self._ingest(k_new, v_new)
+            return out
+        outs = [self._decode(q[:, :, i : i + 1], k_new[:, :, i : i + 1], v_new[:, :, i : i + 1], scaling)
+                for i in range(q.shape[2])]  # several new tokens: one causal step each
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def ingest_prefill(self, k, v):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self._ingest(k, v)
+
+    @torch.no_grad()
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        p, adapter = self.policy, self.cache.adapter
+        B, H, T, D = k.shape
+        cs, dev = p.chunk_size, k.device
+        shift = (-T) % cs
+        C = (T + shift) // cs
+        rs = self.row_start
+        rs = torch.zeros(B, dtype=torch.long, device=dev) if rs is None else rs.to(dev)
+        rope_start = rs + shift  # (B,) padded index of each row's first real token
+        kp = F.pad(k, (0, 0, shift, 0))  # (B, H, T_pad, D)
+        vp = F.pad(v, (0, 0, shift, 0))
+        tok = torch.arange(C * cs, device=dev)
+        real = tok[None, :] >= rope_start[:, None]  # (B, T_pad)
+        chunk = torch.arange(C, device=dev)
+        n_win = -(-p.local_window // cs)
+        win_first = max(C - n_win, 0)
+        first_full = (rope_start + cs - 1) // cs  # (B,) first chunk without padding
+        middle = (chunk[None, :] >= first_full[:, None]) & (chunk[None, :] < win_first)  # (B, C)
+        n_mid = int(middle.sum(1).max()) if B else 0
+        self.exact_mode = p.budget >= T - int(rs.min())  # the budget covers the prompt: keep all exact
+        n_out = n_mid if self.exact_mode else min(p.outlier_chunks, n_mid)
+
+        landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
+        # Outliers: chunks whose landmark represents its keys worst (lowest min cosine similarity).
+        cos = F.cosine_similarity(kp.float().view(B, H, C, cs, D), landmarks.float()[:, :, :, None], dim=-1)
+        cos = cos.masked_fill(~real.view(B, 1, C, cs), float("inf")).amin(-1)  # (B, H, C)
+        cos = cos.masked_fill(~middle[:, None], float("inf"))
+        out_score, out_ids = torch.topk(-cos, n_out, dim=-1)  # (B, H, n_out)
+        out_ok = torch.isfinite(out_score)
+        is_outlier = torch.zeros(B, H, C + 1, dtype=torch.bool, device=dev)
+        is_outlier.scatter_(2, torch.where(out_ok, out_ids, torch.full_like(out_ids, C)), True)
+        selectable = middle[:, None] & ~is_outlier[:, :, :C]  # (B, H, C)
+
+        # Exact tokens: the partial chunk at the row start, the outliers, the window chunks.
+        head = (first_full - 1)[:, None, None].expand(B, H, 1)
+        head_ok = (head >= 0) & (head < win_first)
+        win = torch.arange(win_first, C, device=dev).view(1, 1, -1).expand(B, H, -1)
+        ex_chunks = torch.cat([head, out_ids, win], dim=2)  # (B, H, N_ex)
+        ex_ok = torch.cat([head_ok, out_ok, torch.ones_like(win, dtype=torch.bool)], dim=2)
+        pos = (ex_chunks.clamp(min=0)[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, N_ex*cs)
+        ok = ex_ok.repeat_interleave(cs, dim=2) & torch.gather(real[:, None].expand(B, H, -1), 2, pos)
+        order = torch.sort((~ok).to(torch.int8), dim=2, stable=True).indices  # valid slots first
+        cnt = ok.sum(2)  # (B, H)
+        E = int(cnt.max()) if B else 0
+        pos = torch.gather(pos, 2, order[..., :E])  # (B, H, E)
+        gidx = pos[..., None].expand(B, H, E, D)
+        self.exact_k = torch.gather(kp, 2, gidx).contiguous()
+        self.exact_v = torch.gather(vp, 2, gidx).contiguous()
+        slots = torch.arange(E, device=dev)
+        self.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)  # (B, H, E)
+        self.exact_cnt = cnt.to(torch.int32)
+        self.exact_max = E
+
+        self.max_selectable = int(selectable.sum(-1).max()) if B else 0
+        if self.max_selectable:
+            self.landmarks, self.selectable, self.rope_start = landmarks, selectable, rope_start
+            # Pre-RoPE keys (exact inverse rotation), padding zeroed so it adds nothing to the SVD.
+            k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
+            k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
+            u, s, vh = torch.linalg.svd(k_pre, full_matrices=False)  # (B, T_pad, m), (B, m), (B, m, H*D)
+            r = min(p.rank, s.shape[-1])
+            self.factor = (u[..., :r] * s[:, None, :r]).to(k.dtype).contiguous()  # (B, T_pad, r)
+            self.basis = vh[:, :r].reshape(B, r, H, D).to(k.dtype).contiguous()  # (B, r, H, D)
+            self.v_host = to_host(vp.view(B, H, C, cs, D))
+        self.seen += T
+
+    # ------------------------------------------------------------------ decode
+    def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, _, D = k.shape
+        if self.gen_k is None or self.gen_len == self.gen_k.shape[2]:
+            cap = self.gen_len + 64  # grow in 64-token steps: one copy every 64 tokens
+            new_k, new_v = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, D)
+            if self.gen_len:
+                new_k[:, :, : self.gen_len] = self.gen_k[:, :, : self.gen_len]
+                new_v[:, :, : self.gen_len] = self.gen_v[:, :, : self.gen_len]
+            self.gen_k, self.gen_v = new_k, new_v
+        self.gen_k[:, :, self.gen_len] = k[:, :, 0]
+        self.gen_v[:, :, self.gen_len] = v[:, :, 0]
+        self.gen_len += 1
+
+    def _decode(self, q, k_new, v_new, scaling):
+        p = self.policy
+        B, H_q, _, D = q.shape
+        H, dev = k_new.shape[1], q.device
+        self._append_generated(k_new, v_new)
+        self.seen += 1
+        q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
+        full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
+        gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64)
+        out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._backend(D),
+                                 validate_index=False)
+        if self.exact_max:
+            index = SparseIndex(1, self.exact_idx, self.exact_cnt, full(self.exact_max))
+            o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._backend(D),
+                                 validate_index=False)
+            out, lse = merge_states(out, lse, o, l)
+        k_sel = min(self.max_selectable, max(0, (p.budget - self.exact_max - self.gen_len) // p.chunk_size))
+        if k_sel:
+            o, l = self._attend_selected(q0, k_sel, scaling)
+            out, lse = merge_states(out, lse, o, l)
+        self.max_attended = max(self.max_attended, self.exact_max + k_sel * p.chunk_size + self.gen_len)
+        return out[:, :, None]
+
+    def _attend_selected(self, q0, k_sel, scaling):
+        """Top ``k_sel`` chunks per KV head: rebuild their keys, fetch their values, attend."""
+        p = self.policy
+        B, H, C, D = self.landmarks.shape
+        cs, dev = p.chunk_size, q0.device
+        scores = landmark_scores(q0, self.landmarks, scale=scaling, mask=self.selectable.any(1))  # (B, H, C)
+        scores = scores.masked_fill(~self.selectable, float("-inf"))
+        top, ids = torch.topk(scores, k_sel, dim=-1)  # (B, H, k)
+        ok = torch.isfinite(top)
+        # ascending chunk order, empty slots last: contiguous host reads, stable slots across steps
+        ids = torch.where(ok, ids, C).sort(dim=-1).values
+        ids = torch.where(ids < C, ids, -1).to(torch.int32)
+        keys = shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
+        values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
+        self.sel_idx, self.sel_values = ids, values
+        cnt = ok.sum(-1).to(torch.int32)  # (B, H)
+        slots = torch.arange(k_sel, device=dev, dtype=torch.int32)
+        index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
+                            torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
+        return sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
+                             backend=self._backend(D), validate_index=False)
+
+    def _backend(self, head_dim: int) -> str:
+        return "torch" if self.policy.backend == "torch" else "auto"
+
+    def _rope_inv_freq(self, device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = self.cache.adapter.inv_freq(device)
+        return self._inv_freq
+
+    # ------------------------------------------------------------------ bookkeeping
+    def state_tensors(self):
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def host_tensors(self):
+        return {"v_host": self.v_host}
+
+    def transfer_stats(self) -> dict:
+        """Host -> device traffic of this layer: steps, chunks, bytes per step, reuse rate."""
+        return self.counters.as_dict()
+
+    def stored_tokens(self) -> int:
+        return self.seen  # every token is represented (exactly, low-rank + host, or generated)
+
+    def cached_elements(self) -> int:
+        if self.exact_k is None:
+            return 0
+        b, h, _, d = self.exact_k.shape
+        return 2 * b * h * self.seen * d
+
+
+def transfer_summary(cache) -> dict:
+    """Host-tier traffic summed over a ShadowKV cache's layers (fetched bytes per step, reuse rate)."""
+    total = TransferCounters()
+    for layer in cache.layers:
+        c = getattr(layer, "counters", None)
+        if isinstance(c, TransferCounters):
+            total.steps = max(total.steps, c.steps)
+            total.requested_chunks += c.requested_chunks
+            total.reused_chunks += c.reused_chunks
+            total.fetched_bytes += c.fetched_bytes
+            total.last_fetched_bytes += c.last_fetched_bytes
+    out = total.as_dict()
+    out["max_attended"] = max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)
+    return out
