@@ -15,3 +15,6 @@ __all__ = [
     "REDUCTIONS", "build_labels", "chunk_landmarks", "exact_scores", "label_scores", "landmark_scores",
     "page_min_max", "pool_blocks", "quest_scores", "reduce_over_group",
 ]
+from .shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild, torch_shadowkv_rebuild  # noqa: E402
+
+__all__ += ["SHADOWKV_CHUNK_SIZES", "shadowkv_rebuild", "torch_shadowkv_rebuild"]
