@@ -1,0 +1,250 @@
+"""Shared pieces of the query-aware selection policies (``quest``, ``tidal``).
+
+Small on purpose; other policies may import it:
+
+``SelectiveLayer``
+    A cache layer that keeps every token in a :class:`kvpress.cache.KVBuffer`, runs plain
+    causal attention for prefill (and for any multi-token step), and for a one-token decode
+    step asks the subclass for a :class:`~kvpress.kernels.SparseIndex` (:meth:`select`) and
+    attends through :func:`kvpress.kernels.sparse_decode`. When the budget covers every row it
+    attends densely instead, so ``budget >= length`` is exactly ``full``.
+``PageStats``
+    Per-page element-wise key min / max (Quest's metadata), updated incrementally on append.
+    Pages are counted from each row's first real token, so a left-padded row pages exactly
+    like the same prompt run alone.
+``select_pages`` / ``page_index``
+    Top-k pages per KV head among candidate pages, and the `SparseIndex` that attends them.
+
+Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
+``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import CacheLayer, KVBuffer
+from kvpress.kernels import SparseIndex, sparse_decode
+
+
+class SelectiveLayer(CacheLayer):
+    """Dense storage, dense prefill, sparse decode over a per-step selection.
+
+    Subclasses implement :meth:`select` and may override :meth:`on_append` (metadata).
+
+    Parameters
+    ----------
+    budget : int
+        Tokens attended per row and KV head in a sparse decode step; a step whose rows are all
+        at most ``budget`` tokens long attends densely (identical to ``full``).
+    """
+
+    def __init__(self, cache, layer_idx: int, budget: int):
+        super().__init__(cache, layer_idx)
+        self.budget = budget
+        self.buffer = KVBuffer()
+        self._validated = False  # sparse_decode checks the first index against the cache only
+
+    # ------------------------------------------------------------------ hooks
+    def on_append(self, start: int, n: int) -> None:
+        """Tokens ``[start, start + n)`` were appended to the buffer (update metadata here)."""
+
+    def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
+        """Index for one decode query ``q`` [B, H_q, D]; ``lengths`` [B] = real tokens per row."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ contract
+    def attend(self, q, k_new, v_new, scaling):
+        q_start = self.seen
+        n = k_new.shape[2]
+        self.buffer.append(k_new, v_new)
+        self.seen += n
+        self.on_append(q_start, n)
+        lengths = self.lengths()
+        if n > 1 or self.dense_step(lengths):
+            return dense_causal_attention(
+                q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
+            )
+        index = self.select(q[:, :, 0], scaling, lengths)
+        return self.sparse_attend(q, index, scaling)
+
+    def dense_step(self, lengths: torch.Tensor) -> bool:
+        """Whether this decode step attends densely: every row fits in the budget."""
+        return self.seen - self.min_row_start() <= self.budget
+
+    def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
+        """``sparse_decode`` of q [B, H_q, 1, D] over the buffer; returns [B, H_q, 1, D]."""
+        out, _ = sparse_decode(
+            q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling, validate_index=not self._validated
+        )
+        self._validated = True
+        return out[:, :, None]
+
+    def ingest_prefill(self, k, v):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        start = self.seen
+        self.buffer.append(k, v)
+        self.seen += k.shape[2]
+        self.on_append(start, k.shape[2])
+
+    # ------------------------------------------------------------------ helpers
+    def min_row_start(self) -> int:
+        """Smallest first-real-token index over the rows (cached: one device sync per generation)."""
+        row_start = self.cache._row_start
+        if row_start is None:
+            return 0
+        if getattr(self, "_min_row_start", None) is None or self._min_row_start[0] is not row_start:
+            self._min_row_start = (row_start, int(row_start.min()))
+        return self._min_row_start[1]
+
+    def lengths(self) -> torch.Tensor:
+        """Real tokens per row [B] (long) on the cache's device."""
+        row_start = self.row_start
+        full = torch.full((self.batch_size,), self.seen, dtype=torch.long, device=self.device)
+        return full if row_start is None else full - row_start
+
+    def state_tensors(self):
+        return {"k": self.buffer.k, "v": self.buffer.v}
+
+    def batch_select(self, indices):
+        if self.buffer.k is not None:
+            self.buffer.k = self.buffer.k.index_select(0, indices.to(self.buffer.k.device))
+            self.buffer.v = self.buffer.v.index_select(0, indices.to(self.buffer.v.device))
+
+    def stored_tokens(self) -> int:
+        return self.buffer.length
+
+    def cached_elements(self) -> int:
+        if self.buffer.k is None:
+            return 0
+        b, h, _, d = self.buffer.k.shape
+        return 2 * b * h * self.buffer.length * d
+
+
+class PageStats:
+    """Element-wise key min / max per page, ``(B, H_kv, P_cap, D)`` each, grown in chunks.
+
+    Page ``j`` of row ``b`` holds relative positions ``[j * page_size, (j + 1) * page_size)``,
+    i.e. sequence indices from ``row_start[b] + j * page_size``. A page with no token yet holds
+    ``+inf`` (min) / ``-inf`` (max); :meth:`bounds` reports those as zeros, like
+    :func:`kvpress.kernels.page_min_max`.
+    """
+
+    def __init__(self, page_size: int, grow_pages: int = 8):
+        self.page_size = page_size
+        self.grow_pages = grow_pages
+        self.page_min: torch.Tensor | None = None
+        self.page_max: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
+        """Fold keys ``k`` [B, H_kv, n, D] at sequence indices ``start ..`` into their pages.
+
+        Only the pages the new tokens fall in are touched (a scatter min / max), so a decode
+        step costs O(D) per head, not O(cached tokens).
+        """
+        B, H, n, D = k.shape
+        rel = torch.arange(start, start + n, device=k.device).expand(B, n)  # (B, n)
+        if row_start is not None:
+            rel = rel - row_start[:, None]
+        real = rel >= 0
+        pages = torch.where(real, rel, torch.zeros_like(rel)) // self.page_size  # (B, n)
+        need = int(pages.max()) + 1 if n else 0
+        self._ensure(B, H, D, need, k)
+        kf = k.to(self.page_min.dtype)
+        index = pages[:, None, :, None].expand(B, H, n, D)
+        mask = real[:, None, :, None]
+        self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
+        self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
+
+    def _ensure(self, B: int, H: int, D: int, pages: int, like: torch.Tensor) -> None:
+        if self.page_min is not None and self.page_min.shape[2] >= pages:
+            return
+        cap = max(self.grow_pages, -(-pages // self.grow_pages) * self.grow_pages)
+        new_min = like.new_full((B, H, cap, D), float("inf"))
+        new_max = like.new_full((B, H, cap, D), float("-inf"))
+        if self.page_min is not None:
+            old = self.page_min.shape[2]
+            new_min[:, :, :old] = self.page_min
+            new_max[:, :, :old] = self.page_max
+        self.page_min, self.page_max = new_min, new_max
+
+    def bounds(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(page_min, page_max)`` of the first ``num_pages`` pages, empty pages as zeros."""
+        mn, mx = self.page_min[:, :, :num_pages], self.page_max[:, :, :num_pages]
+        empty = torch.isinf(mn)
+        return mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+
+
+def check_budget(budget: int, always_on: int, what: str) -> None:
+    """ValueError unless ``budget`` covers the always-attended tokens (``always_on``)."""
+    if budget < always_on:
+        raise ValueError(f"budget={budget} is below the {always_on} always-attended tokens ({what}); "
+                         f"allowed: budget >= {always_on}")
+
+
+def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` candidate pages per (row, KV head), ids ascending.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        float ``(B, H_kv, P)``, higher is better.
+    k : int
+        Pages to select (at most).
+    candidates : torch.Tensor
+        bool ``(B, P)``: selectable pages of each row.
+
+    Returns
+    -------
+    ids : torch.Tensor
+        int64 ``(B, H_kv, min(k, P))``, valid ids first (ascending), then -1.
+    count : torch.Tensor
+        int64 ``(B, H_kv)``, ``min(k, candidates per row)``.
+    """
+    B, H, P = scores.shape
+    k = min(k, P)
+    lowest = torch.finfo(torch.float32).min
+    s = torch.nan_to_num(scores.float(), nan=lowest, neginf=lowest).clamp(min=lowest)
+    s = s.masked_fill(~candidates[:, None, :], float("-inf"))  # (B, H, P)
+    ids = torch.topk(s, k, dim=-1).indices  # candidates (finite) rank before the rest
+    count = candidates.sum(-1).clamp(max=k)[:, None].expand(B, H)  # (B, H)
+    slot_ok = torch.arange(k, device=scores.device) < count[..., None]  # (B, H, k)
+    ids = torch.where(slot_ok, ids, torch.full_like(ids, P)).sort(dim=-1).values
+    return torch.where(slot_ok, ids, torch.full_like(ids, -1)), count
+
+
+def page_index(ids: torch.Tensor, count: torch.Tensor, page_size: int, seq_len: int,
+               row_start: torch.Tensor | None, *, sinks: int, dense_tail: int) -> SparseIndex:
+    """`SparseIndex` attending relative pages ``ids`` plus sinks and the dense tail.
+
+    Parameters
+    ----------
+    ids, count : torch.Tensor
+        From :func:`select_pages`; page ``j`` of row ``b`` starts at sequence index
+        ``row_start[b] + j * page_size``.
+    seq_len : int
+        Tokens in the buffer (the same for every row).
+    row_start : torch.Tensor or None
+        long ``(B,)`` first real token per row.
+
+    Notes
+    -----
+    With no left padding (or padding that keeps pages aligned) the kernel reads whole blocks
+    of ``page_size`` tokens; otherwise the pages are expanded to tokens (``block_size=1``).
+    """
+    B, H, k = ids.shape
+    lens = torch.full((B,), seq_len, dtype=torch.int32, device=ids.device)
+    starts = None if row_start is None else row_start.to(torch.int32)
+    aligned = row_start is None or not bool((row_start % page_size).any())
+    if aligned:
+        shift = 0 if row_start is None else (row_start // page_size)[:, None, None]
+        blocks = torch.where(ids >= 0, ids + shift, ids)
+        return SparseIndex(page_size, blocks.to(torch.int32), count.to(torch.int32), lens, starts,
+                           sinks, dense_tail)
+    first = ids * page_size + row_start[:, None, None]  # (B, H, k) first token of each page
+    tokens = (first[..., None] + torch.arange(page_size, device=ids.device)).reshape(B, H, k * page_size)
+    tokens = torch.where(ids.repeat_interleave(page_size, dim=-1) >= 0, tokens, torch.full_like(tokens, -1))
+    return SparseIndex(1, tokens.to(torch.int32), (count * page_size).to(torch.int32), lens, starts,
+                       sinks, dense_tail)

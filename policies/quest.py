@@ -1,0 +1,115 @@
+"""``quest``: query-aware page selection from per-page key bounds (Quest)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.kernels import ALLOWED_BLOCK_SIZES, quest_scores
+from kvpress.layers import DenseLayer
+from kvpress.policies._sparse import PageStats, SelectiveLayer, check_budget, page_index, select_pages
+from kvpress.registry import Policy, check_choice, check_int, register_policy
+
+
+@register_policy
+@dataclass(frozen=True)
+class QuestPolicy(Policy):
+    """Quest: attend only the pages whose key bounds promise the largest scores.
+
+    Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference",
+    arXiv 2406.10774. The cache is split into pages of ``page_size`` tokens; each page keeps the
+    element-wise min and max of its post-RoPE keys (updated incrementally as tokens arrive).
+    At each decode step, ``sum_d max(q_d * min_d, q_d * max_d)`` upper-bounds ``q . k`` over the
+    page; the top pages per KV head (GQA group reduced by softmax-then-max) are attended
+    exactly through ``kvpress.kernels.sparse_decode``. The whole cache stays resident.
+
+    Budget (tokens attended per KV head, all counted): ``sink_tokens`` first tokens, a dense
+    tail of the most recent ``budget - sink_tokens - pages * page_size`` tokens (at least one
+    page, so the current, partial page is always attended, as in the paper) and ``pages``
+    selected pages in between. The first ``dense_layers`` layers attend densely (the paper
+    leaves its first two layers dense). Prefill is plain causal attention.
+    """
+
+    budget: int = 256
+    page_size: int = 16
+    dense_layers: int = 2
+    sink_tokens: int = 0
+
+    name = "quest"
+    description = "query-aware page selection by per-page key min/max bounds (Quest)"
+    paper = "arXiv 2406.10774"
+    full_prefill = True
+    keeps_full_cache = True
+
+    def validate(self):
+        check_choice("page_size", self.page_size, ALLOWED_BLOCK_SIZES)
+        check_int("dense_layers", self.dense_layers, 0)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        if self.sink_tokens % self.page_size:
+            raise ValueError(f"sink_tokens={self.sink_tokens} must be a multiple of page_size={self.page_size} "
+                             "(so selected pages never straddle the sinks and the budget is exact)")
+        check_budget(self.budget, self.sink_tokens + self.page_size,
+                     f"sink_tokens={self.sink_tokens} + the current page of {self.page_size}")
+
+    def check_model(self, adapter):
+        check_int("dense_layers", self.dense_layers, 0, adapter.num_layers)
+
+    @property
+    def selected_pages(self) -> int:
+        """Pages chosen per step between the sinks and the dense tail."""
+        return (self.budget - self.sink_tokens - self.page_size) // self.page_size
+
+    @property
+    def dense_tail(self) -> int:
+        """Most recent tokens always attended (the current page plus the budget's remainder)."""
+        return self.budget - self.sink_tokens - self.selected_pages * self.page_size
+
+    def make_layer(self, cache, layer_idx):
+        if layer_idx < self.dense_layers:
+            return DenseLayer(cache, layer_idx)
+        return QuestLayer(cache, layer_idx, self)
+
+    @classmethod
+    def example(cls, adapter):
+        return cls(budget=24, page_size=8, dense_layers=1)
+
+
+class QuestLayer(SelectiveLayer):
+    """Dense K/V plus incrementally maintained page bounds; decode attends the top pages."""
+
+    def __init__(self, cache, layer_idx: int, policy: QuestPolicy):
+        super().__init__(cache, layer_idx, policy.budget)
+        self.policy = policy
+        self.pages = PageStats(policy.page_size)
+
+    def on_append(self, start, n):
+        self.pages.append(self.buffer.k[:, :, start : start + n], start, self.row_start)
+
+    def select(self, q, scaling, lengths):
+        p = self.policy
+        size = p.page_size
+        num_pages = -(-(self.seen - self.min_row_start()) // size)
+        j = torch.arange(num_pages, device=q.device)[None, :]  # (1, P) relative page ids
+        tail_start = (lengths - p.dense_tail)[:, None]  # (B, 1) relative
+        # A row longer than the budget selects whole pages inside [sinks, tail_start), so each
+        # selected page adds exactly page_size tokens; a row the budget covers (in a batch with
+        # longer rows) selects every page that reaches into that range, i.e. everything.
+        inside = (j * size >= p.sink_tokens) & ((j + 1) * size <= tail_start)
+        touching = ((j + 1) * size > p.sink_tokens) & (j * size < tail_start)
+        candidates = torch.where((lengths <= self.budget)[:, None], touching, inside)  # (B, P)
+        scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
+                              scale=scaling, mask=candidates)  # (B, H_kv, P)
+        k = max(p.selected_pages, -(-self.budget // size))
+        ids, count = select_pages(scores, k if bool((lengths <= self.budget).any()) else p.selected_pages,
+                                  candidates)
+        return page_index(ids, count, size, self.seen, self.row_start, sinks=p.sink_tokens, dense_tail=p.dense_tail)
+
+    def state_tensors(self):
+        return {**super().state_tensors(), "page_min": self.pages.page_min, "page_max": self.pages.page_max}
+
+    def batch_select(self, indices):
+        super().batch_select(indices)
+        if self.pages.page_min is not None:
+            self.pages.page_min = self.pages.page_min.index_select(0, indices.to(self.pages.page_min.device))
+            self.pages.page_max = self.pages.page_max.index_select(0, indices.to(self.pages.page_max.device))
