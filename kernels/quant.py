@@ -1,0 +1,339 @@
+"""Packed low-bit KV storage: quantize / pack / unpack, a dequantizing reference, and the torch
+fast path that attends over packed codes without rebuilding a full-precision cache.
+
+Formats (asymmetric min/max quantization, ``x ~= code * scale + zero``, codes in ``[0, 2^bits)``):
+
+* **per-channel** (KIVI keys): a group is ``group_size`` consecutive tokens of one channel.
+  ``codes`` uint8 ``(B, H, T, D * bits / 8)``, ``scale`` / ``zero`` fp16 ``(B, H, T / group_size, D)``.
+* **per-token** (values; ZipCache's normalised keys): a group is ``group_size`` consecutive
+  channels of one token. ``codes`` uint8 ``(B, H, T, D * bits / 8)``, ``scale`` / ``zero`` fp16
+  ``(B, H, T, D / group_size)``.
+
+Codes are packed along the channel axis, ``8 / bits`` per byte, channel ``j * (8 / bits) + i``
+in bits ``[i * bits, (i + 1) * bits)`` of byte ``j``; so codes stay token-major like a dense
+cache and appending tokens is a slice write.
+
+Torch fast path (CPU): attention walks the packed tokens in chunks of ``CHUNK_TOKENS``; only
+one chunk's codes are unpacked (to fp32) at a time and no dequantized K/V is ever built: the
+scale and zero point are folded into the query / probabilities instead. For per-channel keys
+``q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd`` (one small matmul per token group plus one
+bias per group); for per-token values ``sum_t p_t v_td = sum_t (p_t s_tg) c_td + sum_t p_t z_tg``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ALLOWED_BITS = (2, 4, 8)
+ALLOWED_GROUP_SIZES = (8, 16, 32, 64, 128)
+CHUNK_TOKENS = 1024  # tokens unpacked at a time by the torch path (a few hundred KiB of fp32 per head)
+
+
+def check_quant_config(bits: int, group_size: int, head_dim: int | None = None) -> None:
+    """Raise ValueError unless ``bits`` and ``group_size`` are supported (and divide ``head_dim``)."""
+    if bits not in ALLOWED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {list(ALLOWED_BITS)}")
+    if group_size not in ALLOWED_GROUP_SIZES:
+        raise ValueError(f"group_size={group_size!r} is not supported; allowed: {list(ALLOWED_GROUP_SIZES)}")
+    if head_dim is not None and head_dim % group_size:
+        raise ValueError(f"head_dim={head_dim} is not divisible by group_size={group_size}; "
+                         f"pick a group_size in {[g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]}")
+
+
+def _shifts(bits: int, device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)  # (8 / bits,)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes ``(..., N)`` (values < 2^bits) into uint8 ``(..., N * bits / 8)``."""
+    per = 8 // bits
+    if codes.shape[-1] % per:
+        raise ValueError(f"last dim {codes.shape[-1]} must be a multiple of {per} to pack {bits}-bit codes")
+    if per == 1:
+        return codes.to(torch.uint8).contiguous()
+    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per)  # (..., N/per, per)
+    packed = grouped[..., 0].clone()
+    for i in range(1, per):
+        packed |= grouped[..., i] << (i * bits)
+    return packed
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: uint8 ``(..., N * bits / 8)`` -> uint8 ``(..., N)``."""
+    if bits == 8:
+        return packed
+    mask = (1 << bits) - 1
+    out = (packed[..., None] >> _shifts(bits, packed.device)) & mask  # (..., N/per, per)
+    return out.reshape(*packed.shape[:-1], -1)
+
+
+def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max quantize ``x`` (fp32) over ``reduce_dim``; scale and zero are rounded to fp16 first
+    so that the codes are optimal for the parameters actually stored."""
+    levels = (1 << bits) - 1
+    mn = x.amin(dim=reduce_dim, keepdim=True)
+    mx = x.amax(dim=reduce_dim, keepdim=True)
+    scale = ((mx - mn) / levels).to(torch.float16)
+    zero = mn.to(torch.float16)
+    s = scale.float()
+    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code 0, exact
+    codes = torch.clamp(torch.round((x - zero.float()) / s), 0, levels).to(torch.uint8)
+    return codes, scale, zero
+
+
+def quantize_per_channel(x: torch.Tensor, bits: int, group_size: int):
+    """Per-channel quantization, groups of ``group_size`` tokens (KIVI keys).
+
+    Parameters
+    ----------
+    x : Tensor (B, H, T, D), any float dtype; ``T`` a multiple of ``group_size``.
+
+    Returns
+    -------
+    codes : uint8 (B, H, T, D * bits / 8)
+    scale, zero : fp16 (B, H, T / group_size, D)
+    """
+    check_quant_config(bits, group_size)
+    B, H, T, D = x.shape
+    if T % group_size:
+        raise ValueError(f"per-channel quantization needs a token count divisible by group_size={group_size}, got {T}")
+    xg = x.float().reshape(B, H, T // group_size, group_size, D)  # (B, H, NG, G, D)
+    codes, scale, zero = _quantize(xg, bits, reduce_dim=3)
+    return pack_codes(codes.reshape(B, H, T, D), bits), scale.squeeze(3), zero.squeeze(3)
+
+
+def quantize_per_token(x: torch.Tensor, bits: int, group_size: int):
+    """Per-token quantization, groups of ``group_size`` channels (values).
+
+    Parameters
+    ----------
+    x : Tensor (B, H, T, D), any float dtype; ``D`` a multiple of ``group_size``.
+
+    Returns
+    -------
+    codes : uint8 (B, H, T, D * bits / 8)
+    scale, zero : fp16 (B, H, T, D / group_size)
+    """
+    check_quant_config(bits, group_size, x.shape[-1])
+    B, H, T, D = x.shape
+    xg = x.float().reshape(B, H, T, D // group_size, group_size)  # (B, H, T, NGd, Gs)
+    codes, scale, zero = _quantize(xg, bits, reduce_dim=4)
+    return pack_codes(codes.reshape(B, H, T, D), bits), scale.squeeze(4), zero.squeeze(4)
+
+
+def dequantize_per_channel(codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 (B, H, T, D) from :func:`quantize_per_channel` output (reference / tests only)."""
+    c = unpack_codes(codes, bits).float()  # (B, H, T, D)
+    B, H, T, D = c.shape
+    c = c.view(B, H, T // group_size, group_size, D)
+    return (c * scale.float()[:, :, :, None] + zero.float()[:, :, :, None]).reshape(B, H, T, D)
+
+
+def dequantize_per_token(codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 (B, H, T, D) from :func:`quantize_per_token` output (reference / tests only)."""
+    c = unpack_codes(codes, bits).float()
+    B, H, T, D = c.shape
+    c = c.view(B, H, T, D // group_size, group_size)
+    return (c * scale.float()[..., None] + zero.float()[..., None]).reshape(B, H, T, D)
+
+
+# ----------------------------------------------------------------------------- torch fast path
+def _chunk(group_size: int) -> int:
+    return max(group_size, CHUNK_TOKENS // group_size * group_size)
+
+
+def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """``q @ dequant(k)^T`` for per-channel-quantized keys, chunk by chunk.
+
+    Parameters
+    ----------
+    q : fp32 (B, H, M, D)
+        M query rows per KV head (GQA group x query tokens).
+    codes, scale, zero : per-channel format, T tokens.
+
+    Returns
+    -------
+    fp32 (B, H, M, T), unscaled dot products.
+    """
+    B, H, M, D = q.shape
+    T = codes.shape[2]
+    out = q.new_empty(B, H, M, T)
+    step = _chunk(group_size)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        g0, g1 = t0 // group_size, t1 // group_size
+        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D): one chunk, never the cache
+        s, z = scale[:, :, g0:g1].float(), zero[:, :, g0:g1].float()  # (B, H, ng, D)
+        if M < group_size:
+            # fold the scale into the query: (B, H, ng, M, D) @ (B, H, ng, D, G)
+            qs = q[:, :, None] * s[:, :, :, None]
+            part = qs @ c.view(B, H, g1 - g0, group_size, D).transpose(-1, -2)  # (B, H, ng, M, G)
+            part = part + (q[:, :, None] * z[:, :, :, None]).sum(-1, keepdim=True)
+            out[:, :, :, t0:t1] = part.permute(0, 1, 3, 2, 4).reshape(B, H, M, t1 - t0)
+        else:  # many query rows (chunked prefill): dequantizing the chunk is cheaper
+            k = (c.view(B, H, g1 - g0, group_size, D) * s[:, :, :, None] + z[:, :, :, None]).view(B, H, t1 - t0, D)
+            out[:, :, :, t0:t1] = q @ k.transpose(-1, -2)
+    return out
+
+
+def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """``q @ dequant(k)^T`` for per-token-quantized keys: fp32 (B, H, M, T), unscaled."""
+    B, H, M, D = q.shape
+    T = codes.shape[2]
+    ng = D // group_size
+    out = q.new_empty(B, H, M, T)
+    qsum = q.view(B, H, M, ng, group_size).sum(-1)  # (B, H, M, NGd)
+    step = _chunk(group_size)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D)
+        s = scale[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, NGd, t)
+        acc = qsum @ zero[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, M, t)
+        for g in range(ng):
+            sl = slice(g * group_size, (g + 1) * group_size)
+            acc += (q[..., sl] @ c[..., sl].transpose(-1, -2)) * s[:, :, g : g + 1]
+        out[:, :, :, t0:t1] = acc
+    return out
+
+
+def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """``p @ dequant(v)`` for per-token-quantized values.
+
+    Parameters
+    ----------
+    p : fp32 (B, H, M, T) attention weights.
+
+    Returns
+    -------
+    fp32 (B, H, M, D)
+    """
+    B, H, M, T = p.shape
+    D = codes.shape[-1] * 8 // bits
+    ng = D // group_size
+    out = p.new_zeros(B, H, M, ng, group_size)
+    step = _chunk(group_size)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        pc = p[..., t0:t1]
+        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D)
+        s = scale[:, :, t0:t1].float()  # (B, H, t, NGd)
+        out += (pc @ zero[:, :, t0:t1].float())[..., None]
+        for g in range(ng):
+            sl = slice(g * group_size, (g + 1) * group_size)
+            out[:, :, :, g] += (pc * s[:, :, None, :, g]) @ c[..., sl]
+    return out.view(B, H, M, D)
+
+
+def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+    """``p @ dequant(v)`` for per-channel-quantized tensors: fp32 (B, H, M, D)."""
+    B, H, M, T = p.shape
+    D = codes.shape[-1] * 8 // bits
+    out = p.new_zeros(B, H, M, D)
+    step = _chunk(group_size)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        g0, g1 = t0 // group_size, t1 // group_size
+        c = unpack_codes(codes[:, :, t0:t1], bits).float().view(B, H, g1 - g0, group_size, D)
+        pg = p[..., t0:t1].reshape(B, H, M, g1 - g0, group_size).transpose(2, 3)  # (B, H, ng, M, G)
+        out += ((pg @ c) * scale[:, :, g0:g1, None].float()).sum(2)
+        out += (pg.sum(-1, keepdim=True) * zero[:, :, g0:g1, None].float()).sum(2)
+    return out
+
+
+# ----------------------------------------------------------------------------- fused decode
+def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size):
+    check_quant_config(bits, group_size)
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape (B, H_q, D), got {tuple(q.shape)}")
+    B, H_q, D = q.shape
+    check_quant_config(bits, group_size, D)
+    if k_codes.dim() != 4 or k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
+        raise ValueError("k_codes / v_codes must be uint8 (B, H_kv, T, D * bits / 8)")
+    Bk, H_kv, T, Dp = k_codes.shape
+    if Bk != B or Dp * 8 != D * bits or v_codes.shape != k_codes.shape:
+        raise ValueError(f"codes {tuple(k_codes.shape)} / {tuple(v_codes.shape)} do not match q {tuple(q.shape)} "
+                         f"at {bits} bits (expected ({B}, H_kv, T, {D * bits // 8}))")
+    if H_kv == 0 or H_q % H_kv:
+        raise ValueError(f"H_q ({H_q}) must be a multiple of H_kv ({H_kv})")
+    if T % group_size:
+        raise ValueError(f"token count {T} must be a multiple of group_size={group_size}")
+    if k_scale.shape != (B, H_kv, T // group_size, D) or k_zero.shape != k_scale.shape:
+        raise ValueError(f"k_scale / k_zero must be (B, H_kv, T/group_size, D) = {(B, H_kv, T // group_size, D)}")
+    if v_scale.shape != (B, H_kv, T, D // group_size) or v_zero.shape != v_scale.shape:
+        raise ValueError(f"v_scale / v_zero must be (B, H_kv, T, D/group_size) = {(B, H_kv, T, D // group_size)}")
+    return B, H_q, H_kv, T, D
+
+
+def _finish(scores: torch.Tensor, seq_starts) -> tuple[torch.Tensor, torch.Tensor]:
+    if seq_starts is not None:
+        t = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(t < seq_starts.view(-1, 1, 1, 1).long(), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, H, M)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - safe[..., None]), lse
+
+
+def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
+                           seq_starts=None, scale: float | None = None):
+    """Dequantize everything to fp32, then plain softmax attention: the definition of
+    :func:`quant_decode` (tests only; it materialises the cache)."""
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = dequantize_per_channel(k_codes, k_scale, k_zero, bits, group_size)
+    v = dequantize_per_token(v_codes, v_scale, v_zero, bits, group_size)
+    qg = q.float().view(B, H_kv, H_q // H_kv, D)
+    p, lse = _finish(qg @ k.transpose(-1, -2) * scale, seq_starts)
+    return (p @ v).view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
+
+
+def torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
+                       seq_starts=None, scale: float | None = None):
+    """Torch implementation of :func:`quant_decode` (chunked, no dequantized cache)."""
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qg = q.float().view(B, H_kv, H_q // H_kv, D) * scale
+    s = channel_quant_scores(qg, k_codes, k_scale, k_zero, bits, group_size)
+    p, lse = _finish(s, seq_starts)
+    out = token_quant_values(p, v_codes, v_scale, v_zero, bits, group_size)
+    return out.view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
+
+
+QUANT_BACKENDS = ("auto", "triton", "torch")
+
+
+def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
+                 seq_starts: torch.Tensor | None = None, scale: float | None = None, backend: str = "auto"):
+    """One decode step of attention over a KIVI-format packed cache, dequantizing inside the loop.
+
+    Parameters
+    ----------
+    q : Tensor (B, H_q, D), fp16 / bf16 / fp32; query head h reads KV head h // (H_q / H_kv).
+    k_codes, v_codes : uint8 (B, H_kv, T, D * bits / 8)
+        Keys per-channel (groups of ``group_size`` tokens), values per-token (groups of
+        ``group_size`` channels); ``T`` a multiple of ``group_size``.
+    k_scale, k_zero : fp16 (B, H_kv, T / group_size, D)
+    v_scale, v_zero : fp16 (B, H_kv, T, D / group_size)
+    bits : 2, 4 or 8.  group_size : one of ``ALLOWED_GROUP_SIZES``, dividing D.
+    seq_starts : int (B,) or None
+        Tokens before ``seq_starts[b]`` are not attended (left padding).
+    scale : float, default ``D ** -0.5``.
+    backend : "auto" (triton on CUDA when importable), "triton", or "torch".
+
+    Returns
+    -------
+    out : (B, H_q, D) in q's dtype.   lse : fp32 (B, H_q), -inf where nothing is attended.
+    """
+    if backend not in QUANT_BACKENDS:
+        raise ValueError(f"backend must be one of {QUANT_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        from .decode import triton_available
+
+        backend = "triton" if (q.is_cuda and triton_available()) else "torch"
+    if backend == "triton":
+        from .triton_quant import triton_quant_decode
+
+        return triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
+                                   group_size=group_size, seq_starts=seq_starts, scale=scale)
+    return torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
+                              group_size=group_size, seq_starts=seq_starts, scale=scale)

@@ -1,0 +1,183 @@
+"""Shared cache layer of the quantization policies (kivi, zipcache, gear): a full-precision
+window of recent tokens in front of a packed low-bit store.
+
+Every step the new tokens enter the window; once the window holds ``residual_length +
+flush_unit`` tokens or more, its oldest ``flush_unit``-multiples are handed to the subclass's
+:meth:`QuantWindowLayer._flush`, which quantizes and packs them. Attention of a step = one
+softmax over [packed tokens | window + new tokens]: the subclass scores its packed tokens and
+applies the probabilities to them straight from the codes (``kvpress.kernels.quant``), so no
+full-precision copy of the cache is ever rebuilt. Prefill is plain causal attention over the
+unquantized prompt (as KIVI does), then the prompt is stored like any other tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import CacheLayer
+
+GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
+
+
+def append_tokens(buf: torch.Tensor | None, length: int, x: torch.Tensor, grow: int = GROW) -> torch.Tensor:
+    """Write ``x`` (B, H, n, ...) at ``buf[:, :, length:length + n]``, growing ``buf`` in ``grow`` steps."""
+    n = x.shape[2]
+    if buf is None or length + n > buf.shape[2]:
+        cap = -(-(length + n) // grow) * grow
+        new = x.new_empty(x.shape[0], x.shape[1], cap, *x.shape[3:])
+        if buf is not None and length:
+            new[:, :, :length] = buf[:, :, :length]
+        buf = new
+    buf[:, :, length : length + n] = x
+    return buf
+
+
+class QuantWindowLayer(CacheLayer):
+    """fp window + packed store. Subclasses implement ``_flush``, ``_quant_scores``,
+    ``_quant_output`` and ``_quant_tensors`` (and may override ``_after_attend`` / ``_prefill``).
+
+    Window storage ``k_win`` / ``v_win`` (B, H_kv, capacity, D) in the model dtype, capacity
+    ``residual_length + flush_unit`` (more only transiently, during a long prefill).
+    ``n_quant`` tokens (sequence indices ``0 .. n_quant - 1``) have been flushed; the window
+    holds sequence indices ``n_quant .. seen - 1``.
+    """
+
+    def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
+        super().__init__(cache, layer_idx)
+        self.residual_length = residual_length
+        self.flush_unit = flush_unit
+        self.k_win = self.v_win = None
+        self.win_len = 0
+        self.n_quant = 0
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _flush(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Quantize tokens at sequence indices ``start .. start + n - 1``; k, v (B, H_kv, n, D)."""
+        raise NotImplementedError
+
+    def _quant_scores(self, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Scaled scores (B, H_kv, M, N) of query rows ``qg`` (B, H_kv, M, D) fp32 against the N
+        packed tokens, -inf for padding."""
+        raise NotImplementedError
+
+    def _quant_output(self, p: torch.Tensor) -> torch.Tensor:
+        """``p`` (B, H_kv, M, N) applied to the packed values: fp32 (B, H_kv, M, D)."""
+        raise NotImplementedError
+
+    def _quant_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _after_attend(self, q: torch.Tensor, lse: torch.Tensor, q_start: int, scaling: float) -> None:
+        """Called with the step's queries (B, H_q, T, D) and their log-sum-exp (B, H_q, T)."""
+
+    def _prefill(self, q, k, v, scaling) -> None:
+        """Store a prompt whose attention already ran (``q`` may be None: shared prefill)."""
+        self._append(k, v)
+        self.seen += k.shape[2]
+        self._maybe_flush()
+
+    # ------------------------------------------------------------------ CacheLayer API
+    def attend(self, q, k_new, v_new, scaling):
+        if self.seen == 0:
+            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
+            self._prefill(q, k_new, v_new, scaling)
+            return out
+        B, H_q, T, D = q.shape
+        H = k_new.shape[1]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += T
+        qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
+        kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
+        vw = self.v_win[:, :, : self.win_len].float()
+        s_win = (qg @ kw.transpose(-1, -2)) * scaling  # (B, H, M, W)
+        k_pos = torch.arange(self.n_quant, self.seen, device=q.device)
+        q_pos = torch.arange(q_start, q_start + T, device=q.device).repeat(H_q // H)  # (M,)
+        hidden = k_pos[None, :] > q_pos[:, None]  # (M, W) causal
+        rs = self.row_start
+        if rs is not None:
+            hidden = hidden[None] | (k_pos[None, None, :] < rs[:, None, None])  # (B, M, W)
+            hidden = hidden[:, None]
+        s_win = s_win.masked_fill(hidden, float("-inf"))
+        n_q = 0
+        if self.n_quant:
+            s_q = self._quant_scores(qg, scaling)  # (B, H, M, N)
+            n_q = s_q.shape[-1]
+            s_all = torch.cat([s_q, s_win], dim=-1)
+        else:
+            s_all = s_win
+        lse = torch.logsumexp(s_all, dim=-1)  # (B, H, M)
+        p = torch.exp(s_all - lse[..., None])
+        out = p[..., n_q:] @ vw
+        if n_q:
+            out = out + self._quant_output(p[..., :n_q])
+        self._after_attend(q, lse.view(B, H_q, T), q_start, scaling)
+        self._maybe_flush()
+        return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D).to(q.dtype)
+
+    def ingest_prefill(self, k, v):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self._prefill(None, k, v, None)
+
+    # ------------------------------------------------------------------ window bookkeeping
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, n, D = k.shape
+        if self.k_win is None or self.win_len + n > self.k_win.shape[2]:
+            cap = max(self.residual_length + self.flush_unit, self.win_len + n)
+            k_buf, v_buf = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, D)
+            if self.win_len:
+                k_buf[:, :, : self.win_len] = self.k_win[:, :, : self.win_len]
+                v_buf[:, :, : self.win_len] = self.v_win[:, :, : self.win_len]
+            self.k_win, self.v_win = k_buf, v_buf
+        self.k_win[:, :, self.win_len : self.win_len + n] = k
+        self.v_win[:, :, self.win_len : self.win_len + n] = v
+        self.win_len += n
+
+    def _maybe_flush(self) -> None:
+        excess = self.win_len - self.residual_length
+        n = excess // self.flush_unit * self.flush_unit if excess >= self.flush_unit else 0
+        if n:
+            self._flush(self.k_win[:, :, :n], self.v_win[:, :, :n], self.n_quant)
+            self.n_quant += n
+            rest = self.win_len - n
+            cap = self.residual_length + self.flush_unit
+            if self.k_win.shape[2] > cap:  # a long prefill: drop back to the steady-state capacity
+                k_buf, v_buf = self.k_win.new_empty(*self.k_win.shape[:2], cap, self.k_win.shape[3]), \
+                    self.v_win.new_empty(*self.v_win.shape[:2], cap, self.v_win.shape[3])
+            else:
+                k_buf, v_buf = self.k_win, self.v_win
+            k_rest = self.k_win[:, :, n : self.win_len].clone()
+            v_rest = self.v_win[:, :, n : self.win_len].clone()
+            k_buf[:, :, :rest], v_buf[:, :, :rest] = k_rest, v_rest
+            self.k_win, self.v_win, self.win_len = k_buf, v_buf, rest
+
+    def padding_mask(self, start: int, n: int, device) -> torch.Tensor | None:
+        """(B, n) bool, True for left-padding tokens among sequence indices start .. start + n - 1."""
+        rs = self.row_start
+        if rs is None:
+            return None
+        return torch.arange(start, start + n, device=device)[None, :] < rs[:, None]
+
+    def zero_padding(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """``x`` (B, H, n, D) with left-padding tokens zeroed, so they never widen a group's range."""
+        pad = self.padding_mask(start, x.shape[2], x.device)
+        return x if pad is None else x.masked_fill(pad[:, None, :, None], 0)
+
+    def mask_padding_scores(self, s: torch.Tensor) -> torch.Tensor:
+        """-inf on scores (B, H, M, N) of sequence-ordered packed tokens 0 .. N - 1 before row_start."""
+        pad = self.padding_mask(0, s.shape[-1], s.device)
+        return s if pad is None else s.masked_fill(pad[:, None, None, :], float("-inf"))
+
+    # ------------------------------------------------------------------ stats
+    def state_tensors(self):
+        return {"k_win": self.k_win, "v_win": self.v_win, **self._quant_tensors()}
+
+    def stored_tokens(self) -> int:
+        return self.seen
+
+    def cached_elements(self) -> int:
+        if self.k_win is None:
+            return 0
+        B, H, _, D = self.k_win.shape
+        return 2 * B * H * self.seen * D

@@ -1,0 +1,118 @@
+"""``kivi``: tuning-free asymmetric 2/4-bit KV-cache quantization (the quantization baseline)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, quant_decode, quantize_per_channel,
+                                   quantize_per_token, token_quant_values)
+from kvpress.kernels.merge import merge_states
+from kvpress.registry import Policy, check_int, register_policy
+
+from ._quant import QuantWindowLayer, append_tokens
+
+
+@register_policy
+@dataclass(frozen=True)
+class KiviPolicy(Policy):
+    """KIVI: keys quantized per channel (groups of ``group_size`` tokens), values per token
+    (groups of ``group_size`` channels), the ``residual_length`` most recent tokens kept in
+    full precision.
+
+    Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750.
+    Key channels carry outliers, so per-channel ranges quantize keys well; value errors mix
+    across channels only through the attention weights, so per-token ranges suit values. Codes
+    are packed ``8 / bits`` per byte with fp16 scales and zero points; decode attention reads
+    the codes directly (``kvpress.kernels.quant.quant_decode``; Triton on CUDA). No token
+    budget: every token stays, at ``bits`` bits (``with_budget`` raises).
+    """
+
+    bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+
+    name = "kivi"
+    description = "2/4-bit KV quantization: keys per channel, values per token, fp recent window (KIVI)"
+    paper = "arXiv 2402.02750"
+    full_prefill = True
+    keeps_full_cache = False
+
+    def validate(self):
+        check_quant_config(self.bits, self.group_size)
+        check_int("residual_length", self.residual_length, 0)
+
+    def check_model(self, adapter):
+        check_quant_config(self.bits, self.group_size, adapter.head_dim)
+
+    def make_layer(self, cache, layer_idx):
+        return KiviLayer(cache, layer_idx, self)
+
+    @classmethod
+    def example(cls, adapter):
+        return cls(bits=4, group_size=8, residual_length=16)
+
+
+class KiviLayer(QuantWindowLayer):
+    """Packed store in sequence order: ``kc`` uint8 (B, H, cap, D*bits/8), ``ks`` / ``kz`` fp16
+    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/G)."""
+
+    def __init__(self, cache, layer_idx, policy: KiviPolicy):
+        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
+        self.bits, self.group_size = policy.bits, policy.group_size
+        self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
+
+    def _flush(self, k, v, start):
+        g = self.group_size
+        kc, ks, kz = quantize_per_channel(self.zero_padding(k, start), self.bits, g)
+        vc, vs, vz = quantize_per_token(self.zero_padding(v, start), self.bits, g)
+        self.kc = append_tokens(self.kc, start, kc)
+        self.vc = append_tokens(self.vc, start, vc)
+        self.vs = append_tokens(self.vs, start, vs)
+        self.vz = append_tokens(self.vz, start, vz)
+        self.ks = append_tokens(self.ks, start // g, ks, grow=max(1, 256 // g))
+        self.kz = append_tokens(self.kz, start // g, kz, grow=max(1, 256 // g))
+
+    def _views(self):
+        n, g = self.n_quant, self.group_size
+        return (self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g],
+                self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n])
+
+    def _quant_scores(self, qg, scaling):
+        kc, ks, kz = self._views()[:3]
+        return self.mask_padding_scores(channel_quant_scores(qg * scaling, kc, ks, kz, self.bits, self.group_size))
+
+    def _quant_output(self, p):
+        vc, vs, vz = self._views()[3:]
+        return token_quant_values(p, vc, vs, vz, self.bits, self.group_size)
+
+    def attend(self, q, k_new, v_new, scaling):
+        if q.is_cuda and q.shape[2] == 1 and self.n_quant:
+            return self._fused_decode(q, k_new, v_new, scaling)
+        return super().attend(q, k_new, v_new, scaling)
+
+    def _fused_decode(self, q, k_new, v_new, scaling):
+        """GPU decode: the packed part through the fused dequantize-attention kernel, the window
+        through SDPA-like torch math, merged by log-sum-exp."""
+        B, H_q, _, D = q.shape
+        H = k_new.shape[1]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        rs = self.row_start
+        out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
+                                    seq_starts=rs, scale=scaling)
+        qg = q[:, :, 0].float().view(B, H, H_q // H, D)
+        s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
+        if rs is not None:
+            k_pos = self.n_quant + torch.arange(self.win_len, device=q.device)
+            s = s.masked_fill((k_pos[None, :] < rs[:, None])[:, None, None], float("-inf"))
+        lse_w = s.logsumexp(-1)
+        out_w = (s - lse_w[..., None]).exp() @ self.v_win[:, :, : self.win_len].float()
+        out, lse = merge_states(out_q.float(), lse_q, out_w.view(B, H_q, D), lse_w.view(B, H_q))
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.to(q.dtype)[:, :, None]
+
+    def _quant_tensors(self):
+        return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz}
