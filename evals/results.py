@@ -1,0 +1,161 @@
+"""Result files of ``kvpress eval``: the JSONL log, per-cell and summary CSVs, the printed table.
+
+One JSONL line per finished cell (policy config x length x task x sample); everything else is
+derived from that file, so an interrupted run loses at most the cell in flight.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+RESULTS_FILE = "results.jsonl"
+CELLS_CSV = "cells.csv"
+SUMMARY_CSV = "summary.csv"
+MIB = 2.0**20
+
+CELL_COLUMNS = [
+    "policy_label", "policy_name", "budget", "bits", "task", "task_spec", "length", "sample", "num_tokens",
+    "metric", "score", "resident_bytes", "offloaded_bytes", "dense_bytes", "prefill_s",
+    "decode_ms_per_token", "new_tokens", "shared_prefill", "prediction",
+]
+SUMMARY_COLUMNS = [
+    "policy_label", "policy_name", "budget", "bits", "task", "length", "metric", "n", "score",
+    "resident_mib", "offloaded_mib", "decode_ms_per_token", "prefill_s",
+]
+
+
+def environment() -> dict:
+    """Package versions and the git commit of the kvpress checkout (None outside a repository)."""
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "kvpress-toolkit", "lm_eval", "triton", "accelerate"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+    root = Path(__file__).resolve().parent.parent
+    sha = dirty = None
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip() or None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=10, check=True).stdout
+        dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"versions": versions, "git_sha": sha, "git_dirty": dirty}
+
+
+def cell_key(model: str, policy: dict, task_spec: str, length: int, sample: int, seed: int) -> str:
+    """Identity of one cell; a run skips cells whose key is already in the results file."""
+    return json.dumps([model, policy, task_spec, int(length), int(sample), int(seed)], sort_keys=True)
+
+
+def read_records(out_dir) -> list[dict]:
+    """Every complete line of ``out_dir/results.jsonl`` (a line cut by a kill is ignored)."""
+    path = Path(out_dir) / RESULTS_FILE
+    if not path.exists():
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def append_record(out_dir, record: dict) -> None:
+    """Append one cell and flush it to disk before the next cell starts."""
+    path = Path(out_dir) / RESULTS_FILE
+    with open(path, "a+", encoding="utf-8") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:  # a previous run killed mid-line: start on a fresh line
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                f.write("\n")
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Mean score, memory and timings per (policy config, task, length), in first-seen order."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["policy_label"], r["task"], r["length"])].append(r)
+    rows = []
+    for (label, task, length), cells in groups.items():
+        first = cells[0]
+        rows.append({
+            "policy_label": label,
+            "policy_name": first["policy_name"],
+            "budget": first.get("budget"),
+            "bits": first.get("bits"),
+            "task": task,
+            "length": length,
+            "metric": first.get("metric", "score"),
+            "n": len(cells),
+            "score": _mean(c["score"] for c in cells),
+            "resident_mib": _mean(c["resident_bytes"] for c in cells) / MIB,
+            "offloaded_mib": _mean(c["offloaded_bytes"] for c in cells) / MIB,
+            "decode_ms_per_token": _mean(c["decode_ms_per_token"] for c in cells),
+            "prefill_s": _mean(c["prefill_s"] for c in cells),
+        })
+    return rows
+
+
+def write_csvs(out_dir, records: list[dict]) -> tuple[Path, Path]:
+    """Write ``cells.csv`` (one row per cell) and ``summary.csv``; return their paths."""
+    out_dir = Path(out_dir)
+    cells_path, summary_path = out_dir / CELLS_CSV, out_dir / SUMMARY_CSV
+    with open(cells_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, CELL_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(records)
+    with open(summary_path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, SUMMARY_COLUMNS)
+        writer.writeheader()
+        writer.writerows(summarize(records))
+    return cells_path, summary_path
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Fixed-width table: policy, budget/bits, task, length, n, score, resident KV MiB, decode ms/token, prefill s."""
+    header = (f"{'policy':<24} {'budget':>6} {'task':<16} {'length':>6} {'n':>3} {'score':>8} "
+              f"{'KV MiB':>8} {'decode ms/tok':>13} {'prefill s':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        knob = r["budget"] if r.get("budget") is not None else (f"b{r['bits']}" if r.get("bits") is not None else "-")
+        score = _fmt(r["score"], ".3f") + ("*" if r.get("metric") == "perplexity" else "")
+        lines.append(
+            f"{r['policy_label']:<24} {str(knob):>6} {r['task']:<16} {r['length']:>6} {r['n']:>3} {score:>8} "
+            f"{_fmt(r['resident_mib'], '.2f'):>8} {_fmt(r['decode_ms_per_token'], '.1f'):>13} "
+            f"{_fmt(r['prefill_s'], '.2f'):>9}"
+        )
+    if any(r.get("metric") == "perplexity" for r in rows):
+        lines.append("* perplexity (lower is better); other scores: RULER string match in [0, 1]")
+    return "\n".join(lines)
