@@ -1,0 +1,132 @@
+"""ShadowKV policy: errors, honest device / host accounting, transfers, low-rank rebuild, budget."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.policies._shadowkv_store import TransferCounters, fetch_chunks, to_host
+from kvpress.policies.shadowkv import transfer_summary
+from kvpress.prefill import cache_from_dense, dense_prefill
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import random_ids, tiny_model  # noqa: E402
+
+PROMPT = 160
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def policy(**kw):
+    base = dict(budget=48, chunk_size=8, rank=8, outlier_chunks=2, local_window=16)
+    return kvpress.get_policy("shadowkv", **{**base, **kw})
+
+
+def generate(model, pol, ids, new=6):
+    with torch.no_grad(), kvpress.apply(model, pol):
+        return model.generate(ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(chunk_size=12), "chunk_size=12 is not supported"),
+                                       (dict(rank=0), "rank=0 is out of range"),
+                                       (dict(backend="cuda"), "backend='cuda' is not supported")])
+def test_bad_config_is_a_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        policy(**kw)
+
+
+def test_rank_larger_than_key_dim_is_refused_before_anything_runs(model):
+    with pytest.raises(ValueError, match="larger than the key dimension .* 1 <= rank <= 32"):
+        with kvpress.apply(model, policy(rank=33)):
+            pass
+    with torch.no_grad():  # the model is untouched
+        model(random_ids(5))
+
+
+def test_device_and_host_bytes_are_separate_and_honest(model):
+    out = generate(model, policy(), random_ids(PROMPT))
+    cache = out.past_key_values
+    stats = kvpress.cache_stats(cache)
+    layer = cache.layers[0]
+    assert layer.v_host.device.type == "cpu" and "v_host" not in layer.state_tensors()
+    assert stats.offloaded_bytes == sum(l.v_host.numel() * l.v_host.element_size() for l in cache.layers)
+    assert stats.offloaded_bytes >= stats.dense_bytes // 2 - 2 * 8 * 16 * 4 * 2  # every prompt value, host side
+    full = kvpress.cache_stats(generate(model, kvpress.get_policy("full"), random_ids(PROMPT)).past_key_values)
+    assert stats.resident_bytes < 0.75 * full.resident_bytes  # low rank + landmarks + exact parts only
+    assert layer.factor.shape[-1] == 8 and not layer.exact_mode
+
+
+def test_transfers_are_counted_and_budget_respected(model):
+    pol = policy()
+    cache = generate(model, pol, random_ids(PROMPT), new=8).past_key_values
+    summary = transfer_summary(cache)
+    assert summary["steps"] == 7  # the last sampled token is never fed back
+    assert summary["fetched_bytes"] > 0 and 0.0 <= summary["reuse_rate"] <= 1.0
+    assert summary["requested_chunks"] >= summary["reused_chunks"]
+    for layer in cache.layers:
+        assert layer.max_attended <= pol.budget
+        assert layer.counters.fetched_bytes % (8 * 16 * 4) == 0  # whole fp32 chunks of 8 x 16
+
+
+def test_fetch_reuses_previous_chunks_and_returns_host_values():
+    host = to_host(torch.randn(2, 3, 10, 8, 4))
+    counters = TransferCounters()
+    ids = torch.tensor([[0, 4, -1], [1, 2, 3], [9, 8, 7]], dtype=torch.int32).expand(2, 3, 3).contiguous()
+    first = fetch_chunks(host, ids, None, None, counters, torch.device("cpu"))
+    for b in range(2):
+        for h in range(3):
+            for s, c in enumerate(ids[b, h].tolist()):
+                expect = host[b, h, c] if c >= 0 else torch.zeros(8, 4)
+                assert torch.equal(first[b, h, s], expect)
+    chunk_bytes = 8 * 4 * 4
+    assert counters.fetched_bytes == 2 * 8 * chunk_bytes
+    again = fetch_chunks(host, ids.flip(-1).contiguous(), ids, first, counters, torch.device("cpu"))
+    assert torch.equal(again, first.flip(2))
+    assert counters.last_fetched_bytes == 0 and counters.reuse_rate == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("rank, min_sqnr", [(32, 80.0), (8, 3.0)])
+def test_rebuilt_keys_match_original_post_rope_keys(model, rank, min_sqnr):
+    """Full rank rebuilds the keys exactly (RoPE inversion + rotation round trip); low rank is lossy."""
+    from kvpress.kernels import shadowkv_rebuild
+
+    ids = random_ids(PROMPT - 3, seed=3)  # 157 tokens: the chunks are shifted by 3
+    _, dense = dense_prefill(model, ids)
+    cache = cache_from_dense(model, policy(rank=rank), dense)
+    layer = cache.layers[1]
+    B, H, C, _ = layer.landmarks.shape
+    chunks = torch.arange(C, dtype=torch.int32)[None, None].expand(B, H, C)
+    chunks = torch.where(layer.selectable, chunks, -1).contiguous()
+    keys = shadowkv_rebuild(layer.factor, layer.basis, chunks, layer._rope_inv_freq("cpu"), layer.rope_start,
+                            chunk_size=8).view(B, H, C, 8, -1)
+    shift = (-ids.shape[1]) % 8
+    orig = torch.nn.functional.pad(dense.layers[1].keys, (0, 0, shift, 0)).view(B, H, C, 8, -1)
+    sel = layer.selectable[..., None, None].expand_as(orig)
+    err = (keys - orig)[sel].double()
+    sqnr = 10 * torch.log10(orig[sel].double().pow(2).sum() / err.pow(2).sum())
+    assert sqnr > min_sqnr
+
+
+def test_multi_token_forward_after_prefill_equals_one_token_steps(model):
+    pol = policy()
+    ids = random_ids(PROMPT, seed=5)
+    more = random_ids(3, seed=6)
+    with torch.no_grad(), kvpress.apply(model, pol):
+        a = model(ids, use_cache=True)
+        together = model(more, past_key_values=a.past_key_values, use_cache=True).logits
+        b = model(ids, use_cache=True)
+        steps = [model(more[:, i:i + 1], past_key_values=b.past_key_values, use_cache=True).logits
+                 for i in range(3)]
+    torch.testing.assert_close(together, torch.cat(steps, 1), atol=1e-5, rtol=0)
+
+
+def test_low_budget_still_attends_exact_parts(model):
+    """A budget below the always-on parts selects no chunk but still decodes (honestly counted)."""
+    pol = policy(budget=1)
+    cache = generate(model, pol, random_ids(PROMPT), new=3).past_key_values
+    layer = cache.layers[0]
+    assert layer.counters.steps == 0 and layer.max_attended == layer.exact_max + 2
