@@ -1,0 +1,172 @@
+"""``tidal``: TidalDecode — a few full-attention layers select tokens that every other layer reuses."""
+
+from __future__ import annotations
+
+import functools
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.attention import dense_causal_attention
+from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
+from kvpress.kernels import SparseIndex, exact_scores
+from kvpress.layers import DenseLayer
+from kvpress.policies._sparse import SelectiveLayer, check_budget, select_pages
+from kvpress.registry import Policy, check_int, register_policy
+
+ARTIFACT_VERSION = 1
+CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
+
+
+def artifact_name(model_id: str) -> str:
+    """File name under ``policies/artifacts/`` of the measured layers of ``model_id``."""
+    # the last path part that is not kvpress' "tf-<version>" conversion folder, e.g. both
+    # "HuggingFaceTB/SmolLM2-135M-Instruct" and "~/.cache/kvpress/smollm2-135m-instruct/tf-5.23.0-x"
+    parts = [p for p in str(model_id).replace("\\", "/").split("/") if p and not p.startswith("tf-")]
+    key = re.sub(r"[^a-z0-9]+", "-", (parts[-1] if parts else "").lower()).strip("-") or "model"
+    return f"tidal-{key}.safetensors"
+
+
+@functools.lru_cache(maxsize=16)
+def _measured_reselection(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, selection_layer: int):
+    """Re-selection layer measured by ``kvpress calibrate tidal`` for this model, or None."""
+    path = shipped_artifact(artifact_name(model_id))
+    if not path.is_file():
+        return None
+    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION)
+    if (meta.get("num_layers"), meta.get("num_kv_heads"), meta.get("head_dim")) != (
+            str(num_layers), str(num_kv_heads), str(head_dim)):
+        return None  # same name, another model shape
+    layers = tensors["layers"].tolist()  # [selection_layer, reselection_layer] it was measured for
+    if layers[0] != selection_layer or not selection_layer < layers[1] < num_layers:
+        return None
+    return int(layers[1])
+
+
+@register_policy
+@dataclass(frozen=True)
+class TidalPolicy(Policy):
+    """TidalDecode: position-persistent sparse attention.
+
+    Yang et al., "TidalDecode: Fast and Accurate LLM Decoding with Position Persistent Sparse
+    Attention", arXiv 2410.05076. Layers before ``selection_layer`` attend densely. At each
+    decode step the selection layer runs full attention and takes the top tokens per KV head
+    (exact ``q . k`` scores, GQA group reduced by softmax-then-max); the following layers attend
+    only those tokens through ``kvpress.kernels.sparse_decode``, except the re-selection layer,
+    which runs full attention again and refreshes the selection for the layers after it.
+
+    ``reselection_layer=-1`` disables re-selection; ``None`` (the default) takes the layer that ``kvpress calibrate tidal`` measured for the
+    model (``python -m kvpress.evals.tidal_layers``: the layer whose fresh selection best
+    recovers the later layers' attention mass on calibration text), shipped under
+    ``policies/artifacts/``; a model without a measurement falls back to the middle layer (the
+    paper's finding) with a warning.
+
+    Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
+    tokens, ``recent_tokens`` most recent (the current token at least) and the top
+    ``budget - sink_tokens - recent_tokens`` tokens in between. The whole cache stays resident;
+    prefill is plain causal attention.
+    """
+
+    budget: int = 256
+    selection_layer: int = 2
+    reselection_layer: int | None = None
+    sink_tokens: int = 0
+    recent_tokens: int = 1
+
+    name = "tidal"
+    description = "full-attention layers pick top tokens reused by the others (TidalDecode)"
+    paper = "arXiv 2410.05076"
+    full_prefill = True
+    keeps_full_cache = True
+
+    def validate(self):
+        check_int("selection_layer", self.selection_layer, 0)
+        if self.reselection_layer not in (None, -1):
+            check_int("reselection_layer", self.reselection_layer, self.selection_layer + 1)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 1)
+        check_budget(self.budget, self.sink_tokens + self.recent_tokens,
+                     f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
+
+    def check_model(self, adapter):
+        check_int("selection_layer", self.selection_layer, 0, adapter.num_layers - 1)
+        if self.reselection_layer not in (None, -1):
+            check_int("reselection_layer", self.reselection_layer, self.selection_layer + 1, adapter.num_layers - 1)
+
+    def layers_for(self, adapter) -> tuple[int, int | None]:
+        """``(selection_layer, reselection_layer)`` for ``adapter``'s model (None: no re-selection)."""
+        if self.reselection_layer is not None:
+            return self.selection_layer, None if self.reselection_layer == -1 else self.reselection_layer
+        measured = _measured_reselection(adapter.model_id, adapter.num_layers, adapter.num_kv_heads,
+                                         adapter.head_dim, self.selection_layer)
+        if measured is not None:
+            return self.selection_layer, measured
+        middle = adapter.num_layers // 2
+        if middle <= self.selection_layer:
+            return self.selection_layer, None
+        warnings.warn(f"tidal: no measured re-selection layer for {adapter.model_id!r}; using the middle layer "
+                      f"{middle} (measure one with `{CALIBRATE_COMMAND}`)", stacklevel=3)
+        return self.selection_layer, middle
+
+    def make_layer(self, cache, layer_idx):
+        if layer_idx < self.selection_layer:
+            return DenseLayer(cache, layer_idx)
+        selection, reselection = cache.shared.setdefault("tidal_layers", self.layers_for(cache.adapter))
+        return TidalLayer(cache, layer_idx, self, selects=layer_idx in (selection, reselection))
+
+    @classmethod
+    def example(cls, adapter):
+        # layer 0 selects, layer 1 (and any later one) reuses: the sparse path really runs
+        return cls(budget=24, selection_layer=0, reselection_layer=-1, sink_tokens=2, recent_tokens=4)
+
+
+class TidalLayer(SelectiveLayer):
+    """A sparse layer: selects (full attention + top-k) or reuses the latest selection."""
+
+    def __init__(self, cache, layer_idx: int, policy: TidalPolicy, selects: bool):
+        super().__init__(cache, layer_idx, policy.budget)
+        self.policy = policy
+        self.selects = selects
+
+    def decode_step(self, q, scaling, lengths):
+        if not self.selects:
+            seen, index = self.cache.shared.get("tidal_index", (None, None))
+            if seen != self.seen:
+                raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
+                                   "layer must run first in the same forward")
+            return self.sparse_attend(q, index, scaling)
+        self.cache.shared["tidal_index"] = (self.seen, self._select(q[:, :, 0], scaling))
+        return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
+                                      q_start=self.seen - 1, row_start=self.row_start)
+
+    def _select(self, q, scaling) -> SparseIndex:
+        """Top tokens per KV head for q [B, H_q, D] over ``[sink_end, tail_start)`` of each row."""
+        p = self.policy
+        pos = torch.arange(self.seen, device=q.device)[None, :]  # (1, T)
+        first = p.sink_tokens if self.row_start is None else self.row_start[:, None] + p.sink_tokens
+        candidates = (pos >= first) & (pos < self.seen - p.recent_tokens)  # (B, T)
+        candidates = candidates.expand(q.shape[0], -1)
+        scores = exact_scores(q, self.buffer.keys, scale=scaling, mask=candidates)  # (B, H_kv, T)
+        ids, count = select_pages(scores, p.budget - p.sink_tokens - p.recent_tokens, candidates)
+        lens = torch.full((q.shape[0],), self.seen, dtype=torch.int32, device=q.device)
+        starts = None if self.row_start is None else self.row_start.to(torch.int32)
+        return SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts,
+                           p.sink_tokens, p.recent_tokens)
+
+
+def _configure(parser) -> None:
+    from kvpress.evals.tidal_layers import configure
+
+    configure(parser)
+
+
+def _run(args) -> int:
+    from kvpress.evals.tidal_layers import run
+
+    return run(args)
+
+
+register_calibrator("tidal", "measure TidalDecode's re-selection layer for a model (selection overlap)",
+                    _configure, _run)
