@@ -1,0 +1,215 @@
+"""``snapkv``: evict at the end of prefill by the observation window's attention (SnapKV)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import CacheLayer
+from kvpress.kernels import SparseIndex, sparse_decode
+from kvpress.policies._sparse import check_budget
+from kvpress.registry import Policy, check_int, register_policy
+
+_GROW = 64  # slots added at a time while a short cache grows towards the budget
+
+
+@register_policy
+@dataclass(frozen=True)
+class SnapKVPolicy(Policy):
+    """SnapKV: each KV head keeps the prompt tokens its last queries attend to; the rest is freed.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
+    Prefill is exact causal attention. Then the last ``window_size`` prompt queries (the
+    observation window) score every earlier token by their summed attention, max-pooled over
+    ``kernel_size`` neighbouring positions (keeps whole phrases, not isolated tokens) and
+    averaged over each KV head's query group. Every KV head keeps the window plus its own top
+    ``budget - window_size`` tokens; the other keys and values are dropped, so resident bytes
+    shrink to ``budget`` tokens per head.
+
+    Decode (our choice; the paper lets the cache grow): the budget is a hard cap. New tokens
+    join a recent window of ``window_size`` tokens; once a row holds ``budget`` tokens, each new
+    token replaces the one that just left that window, so a row keeps ``budget - window_size``
+    selected prompt tokens plus the ``window_size`` most recent ones. Attention over the kept
+    tokens runs through ``kvpress.kernels.sparse_decode``.
+    """
+
+    budget: int = 256
+    window_size: int = 32
+    kernel_size: int = 7
+
+    name = "snapkv"
+    description = "prompt tokens picked by the observation window's attention, rest evicted (SnapKV)"
+    paper = "arXiv 2404.14469"
+    full_prefill = False  # the selection needs the prompt's queries, which a dense cache lacks
+    keeps_full_cache = False
+
+    def validate(self):
+        check_int("window_size", self.window_size, 1)
+        check_int("kernel_size", self.kernel_size, 1)
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={self.kernel_size} must be odd (pooling is centred on each token)")
+        check_budget(self.budget, self.window_size, f"the recent window_size={self.window_size}")
+
+    def make_layer(self, cache, layer_idx):
+        return SnapKVLayer(cache, layer_idx, self)
+
+    @classmethod
+    def example(cls, adapter):
+        return cls(budget=24, window_size=8, kernel_size=3)
+
+
+def snap_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, row_start: torch.Tensor | None,
+                window: int, kernel_size: int) -> torch.Tensor:
+    """SnapKV token scores per KV head, ``(B, H_kv, T)`` fp32.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, W, D)`` the last ``W <= window`` prompt queries (sequence indices T - W .. T - 1).
+    k : torch.Tensor
+        ``(B, H_kv, T, D)`` every prompt key.
+    row_start : torch.Tensor or None
+        long ``(B,)`` first real token per row.
+
+    Returns
+    -------
+    torch.Tensor
+        Attention of the window's queries summed over the window, max-pooled over
+        ``kernel_size`` positions and averaged over the GQA group; 0 for padding.
+    """
+    B, H_q, W, D = q.shape
+    H_kv, T = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    qg = q.float().reshape(B, H_kv, G * W, D)  # (B, H_kv, G*W, D) head h -> KV head h // G
+    logits = (qg @ k.float().transpose(-1, -2)) * scaling  # (B, H_kv, G*W, T)
+    key_pos = torch.arange(T, device=k.device)
+    q_pos = torch.arange(T - W, T, device=k.device).repeat(G)  # (G*W,)
+    mask = key_pos[None, :] <= q_pos[:, None]  # (G*W, T) causal
+    mask = mask[None, None]
+    if row_start is not None:
+        mask = mask & (key_pos[None, None, None, :] >= row_start[:, None, None, None])
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)  # padded queries -> 0
+    votes = probs.reshape(B, H_kv, G, W, T).sum(3)  # (B, H_kv, G, T)
+    pooled = F.max_pool1d(votes.reshape(-1, 1, T), kernel_size, stride=1, padding=kernel_size // 2)
+    return pooled.reshape(B, H_kv, G, T).mean(2)  # (B, H_kv, T)
+
+
+class SnapKVLayer(CacheLayer):
+    """Compact per-head storage: ``k``/``v`` ``(B, H_kv, cap, D)`` and ``pos`` ``(B, H_kv, cap)``.
+
+    Slots ``[0, filled)`` are in use; row ``b``'s tokens occupy ``[filled - kept[b], filled)``
+    (shorter, left-padded rows leave free slots at the front; ``pos = -1`` there). Slot order
+    carries no meaning for attention (keys are post-RoPE), so eviction overwrites in place.
+    """
+
+    def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
+        super().__init__(cache, layer_idx)
+        self.policy = policy
+        self.k = self.v = self.pos = self.kept = None
+        self.filled = 0
+        self._validated = False
+
+    # ------------------------------------------------------------------ prefill
+    def attend(self, q, k_new, v_new, scaling):
+        if self.k is None:
+            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
+            self._compress(q, k_new, v_new, scaling)
+            self.seen += k_new.shape[2]
+            return out
+        outs = [self._decode(q[:, :, t : t + 1], k_new[:, :, t : t + 1], v_new[:, :, t : t + 1], scaling)
+                for t in range(k_new.shape[2])]  # a multi-token step after prefill: one token at a time
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _compress(self, q, k, v, scaling) -> None:
+        p = self.policy
+        B, H, T, D = k.shape
+        row_start = self.row_start
+        starts = torch.zeros(B, dtype=torch.long, device=k.device) if row_start is None else row_start
+        self.kept = T - starts  # (B,) real tokens per row
+        first = int(starts.min())
+        keep = min(p.budget, T - first)
+        pos = torch.arange(T, device=k.device).expand(B, H, T)  # (B, H, T)
+        real = pos >= starts[:, None, None]
+        if T - first <= p.budget:  # every row fits: keep everything (no scores needed)
+            chosen = pos[:, :, first:]
+        else:
+            w = min(p.window_size, T)
+            scores = snap_scores(q[:, :, T - w :], k, scaling, row_start, p.window_size, p.kernel_size)
+            scores = scores.masked_fill(pos >= T - p.window_size, float("inf"))  # the window stays
+            scores = scores.masked_fill(~real, float("-inf"))
+            top = torch.topk(scores, keep, dim=-1)
+            chosen = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+            chosen = chosen.sort(dim=-1).values  # free slots (-1) first, then ascending positions
+            self.kept = self.kept.clamp(max=p.budget)
+        chosen = torch.where(chosen >= starts[:, None, None], chosen, torch.full_like(chosen, -1))
+        cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
+        self.k, self.v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
+        self.pos = torch.full((B, H, cap), -1, dtype=torch.long, device=k.device)
+        index = chosen.clamp(min=0)[..., None].expand(B, H, keep, D)
+        self.k[:, :, :keep] = k.gather(2, index)  # free slots hold a copy of token 0: never attended
+        self.v[:, :, :keep] = v.gather(2, index)
+        self.pos[:, :, :keep] = chosen
+        self.filled = keep
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, q, k_new, v_new, scaling):
+        p = self.policy
+        B, H, _, D = k_new.shape
+        position = self.seen
+        if self.filled < p.budget:  # still growing: every row appends at slot `filled`
+            if self.filled == self.k.shape[2]:
+                self._grow(min(p.budget, self.filled + _GROW))
+            slot = torch.full((B,), self.filled, dtype=torch.long, device=k_new.device)
+            self.filled += 1
+        else:
+            # a full row overwrites the token leaving the recent window (same slot in every head);
+            # a shorter row fills the free slot just before its tokens
+            leaving = (self.pos[:, 0, :] == position - p.window_size).to(torch.int8).argmax(-1)  # (B,)
+            slot = torch.where(self.kept >= self.filled, leaving, self.filled - self.kept - 1)
+        self.kept = (self.kept + 1).clamp(max=self.filled)
+        index = slot[:, None, None, None].expand(B, H, 1, D)
+        self.k.scatter_(2, index, k_new)
+        self.v.scatter_(2, index, v_new)
+        self.pos.scatter_(2, index[..., 0], torch.full((B, H, 1), position, dtype=torch.long, device=k_new.device))
+        self.seen += 1
+        out, _ = sparse_decode(q[:, :, 0], self.k, self.v, self._index(), scale=scaling,
+                               validate_index=not self._validated)
+        self._validated = True
+        return out[:, :, None]
+
+    def _index(self) -> SparseIndex:
+        """Dense index over the used slots, shared by every layer of the step (same layout)."""
+        key = (self.seen, self.filled, self.k.shape[2])
+        cached = self.cache.shared.get("snapkv_index")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        B = self.k.shape[0]
+        lens = torch.full((B,), self.filled, dtype=torch.int32, device=self.k.device)
+        starts = (self.filled - self.kept).to(torch.int32)
+        index = SparseIndex.dense(lens, self.k.shape[1], seq_starts=starts, capacity=self.k.shape[2])
+        self.cache.shared["snapkv_index"] = (key, index)
+        return index
+
+    def _grow(self, cap: int) -> None:
+        B, H, old, D = self.k.shape
+        for name, fill in (("k", 0), ("v", 0), ("pos", -1)):
+            t = getattr(self, name)
+            new = t.new_full((B, H, cap) + tuple(t.shape[3:]), fill)
+            new[:, :, :old] = t
+            setattr(self, name, new)
+
+    # ------------------------------------------------------------------ accounting
+    def state_tensors(self):
+        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept}
+
+    def stored_tokens(self) -> int:
+        return self.filled
+
+    def cached_elements(self) -> int:
+        if self.k is None:
+            return 0
+        b, h, _, d = self.k.shape
+        return 2 * b * h * self.filled * d
