@@ -18,3 +18,11 @@ __all__ = [
 from .shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild, torch_shadowkv_rebuild  # noqa: E402
 
 __all__ += ["SHADOWKV_CHUNK_SIZES", "shadowkv_rebuild", "torch_shadowkv_rebuild"]
+
+# packed KV quantization (kivi / zipcache / gear)
+from .quant import (ALLOWED_BITS, ALLOWED_GROUP_SIZES, dequantize_per_channel, dequantize_per_token,  # noqa: E402
+                    pack_codes, quant_decode, quantize_per_channel, quantize_per_token, reference_quant_decode,
+                    unpack_codes)
+
+__all__ += ["ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "dequantize_per_channel", "dequantize_per_token", "pack_codes",
+            "quant_decode", "quantize_per_channel", "quantize_per_token", "reference_quant_decode", "unpack_codes"]

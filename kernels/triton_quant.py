@@ -1,0 +1,135 @@
+"""Launchers of the Triton quantization kernels: validate, allocate, pick the grid, launch.
+
+Triton is imported lazily here, so ``import kvpress.kernels`` works without it. CPU tensors run
+only under ``TRITON_INTERPRET=1`` (the tests); there inputs are upcast to fp32 first, because
+the interpreter silently mishandles bf16.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .quant import _check_decode, check_quant_config
+from .triton_decode import MAX_SPLITS, _next_pow2, interpreting
+
+TRITON_QUANT_HEAD_DIMS = (64, 128)
+BLOCK_N = 64  # tokens per decode tile
+BLOCK_T = 32  # tokens per quantize tile (per-token format)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"triton quant kernels need CUDA tensors (got {t.device}); use backend='torch' on CPU, "
+                         "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
+
+
+def _splits(batch: int, heads: int, tokens: int, device: torch.device) -> int:
+    tiles = max(1, -(-tokens // BLOCK_N))
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else 2 * batch * heads
+    return max(1, min(tiles, MAX_SPLITS, -(-target // max(1, batch * heads))))
+
+
+def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
+                        seq_starts=None, scale: float | None = None, num_splits: int | None = None):
+    """Triton implementation of :func:`kvpress.kernels.quant.quant_decode` (same arguments and
+    results); ``num_splits`` overrides the split-K count (tests use it to cover the merge)."""
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    if D not in TRITON_QUANT_HEAD_DIMS:
+        raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
+    if H_q // H_kv > 8:
+        raise ValueError(f"GQA group {H_q // H_kv} > 8 is not supported by the triton kernel")
+    _check_device(q)
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
+        if t.dtype != torch.float16 or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be fp16 with a contiguous last dimension")
+    for name, t in (("q", q), ("k_codes", k_codes), ("v_codes", v_codes)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension")
+    if k_scale.stride() != k_zero.stride() or v_scale.stride() != v_zero.stride():
+        raise ValueError("scale and zero tensors must share strides")
+    import triton  # noqa: F401
+
+    from . import triton_decode_kernel as dec
+    from . import triton_quant_kernel as kern
+
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qc = q.float() if (interpreting() and q.dtype != torch.float32) else q
+    out = torch.empty_like(qc)
+    lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
+    if B * H_q == 0:
+        return out.to(q.dtype), lse
+    splits = num_splits or _splits(B, H_kv, T, q.device)
+    tiles = max(1, -(-T // BLOCK_N))
+    per_split = -(-tiles // splits)
+    splits = -(-tiles // per_split)
+    out_part = torch.empty(B, H_q, splits, D, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
+    starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
+    kern._quant_decode_split_kernel[(B, H_kv, splits)](
+        qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part,
+        qc.stride(0), qc.stride(1),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        v_codes.stride(0), v_codes.stride(1), v_codes.stride(2),
+        v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
+        out_part.stride(0), out_part.stride(1), out_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        scale * 1.4426950408889634, T, per_split * BLOCK_N,
+        GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=BLOCK_N, HEAD_DIM=D,
+        BITS=bits, GROUP_SIZE=group_size, HAS_STARTS=seq_starts is not None,
+        DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    dec._merge_splits_kernel[(B, H_q)](
+        out_part, lse_part, out, lse,
+        out_part.stride(0), out_part.stride(1), out_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        splits,
+        BLOCK_S=_next_pow2(splits), HEAD_DIM=D,
+        num_warps=4,
+    )
+    return out.to(q.dtype), lse
+
+
+def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_channel: bool):
+    """Triton twin of :func:`~kvpress.kernels.quant.quantize_per_channel` (``per_channel=True``)
+    and :func:`~kvpress.kernels.quant.quantize_per_token`: same outputs, except that exact
+    rounding ties go up here (torch rounds half to even), so a code may differ by one there.
+
+    x : (B, H, T, D) fp16 / bf16 / fp32, last dim contiguous, D in (64, 128).
+    """
+    check_quant_config(bits, group_size)
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (B, H, T, D), got {tuple(x.shape)}")
+    B, H, T, D = x.shape
+    check_quant_config(bits, group_size, D)
+    if D not in TRITON_QUANT_HEAD_DIMS:
+        raise ValueError(f"triton quantize supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use the torch version")
+    if per_channel and T % group_size:
+        raise ValueError(f"per-channel quantization needs a token count divisible by group_size={group_size}, got {T}")
+    _check_device(x)
+    import triton  # noqa: F401
+
+    from . import triton_quant_kernel as kern
+
+    xc = x.float() if (interpreting() and x.dtype != torch.float32) else x
+    xc = xc.reshape(B * H, T, D)
+    if xc.stride(-1) != 1:
+        xc = xc.contiguous()
+    codes = torch.empty(B * H, T, D * bits // 8, dtype=torch.uint8, device=x.device)
+    ps = (B * H, T // group_size, D) if per_channel else (B * H, T, D // group_size)
+    scale = torch.empty(ps, dtype=torch.float16, device=x.device)
+    zero = torch.empty(ps, dtype=torch.float16, device=x.device)
+    block_t = group_size if per_channel else BLOCK_T
+    if B * H * T:
+        kern._quantize_pack_kernel[(B * H, -(-T // block_t))](
+            xc, codes, scale, zero,
+            xc.stride(0), xc.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+            T, BLOCK_T=block_t, HEAD_DIM=D, BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=per_channel,
+            num_warps=4,
+        )
+    return codes.view(B, H, T, -1), scale.view(B, H, *ps[1:]), zero.view(B, H, *ps[1:])

@@ -1,0 +1,152 @@
+"""Triton code for packed KV quantization (only ``@triton.jit`` functions; see ``triton_quant.py``).
+
+Code layout (``kernels/quant.py``): uint8 codes, ``PER = 8 // BITS`` per byte along the channel
+axis, channel ``d`` in byte ``d // PER`` at bit offset ``(d % PER) * BITS``; fp16 scale / zero.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quant_decode_split_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, SEQ_STARTS, OUT_PART, LSE_PART,
+    stride_qb, stride_qh,
+    stride_kcb, stride_kch, stride_kct,
+    stride_ksb, stride_ksh, stride_ksg,
+    stride_vcb, stride_vch, stride_vct,
+    stride_vsb, stride_vsh, stride_vst,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    scale_log2, seq_len, tokens_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
+    dequantizing each K/V tile in registers (keys per channel, values per token)."""
+    b = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    PER: tl.constexpr = 8 // BITS
+    LEVEL_MASK: tl.constexpr = (1 << BITS) - 1
+
+    if HAS_STARTS:
+        seq_start = tl.load(SEQ_STARTS + b)
+    else:
+        seq_start = 0
+    t_begin = split * tokens_per_split
+    t_end = tl.minimum(t_begin + tokens_per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    q_rows = hk * GROUP + offs_g
+    q = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0).to(tl.float32)
+    byte_d = offs_d // PER  # byte holding channel d
+    shift_d = ((offs_d % PER) * BITS).to(tl.uint8)
+
+    kc_base = KC + b * stride_kcb + hk * stride_kch
+    ks_base = KS + b * stride_ksb + hk * stride_ksh
+    kz_base = KZ + b * stride_ksb + hk * stride_ksh
+    vc_base = VC + b * stride_vcb + hk * stride_vch
+    vs_base = VS + b * stride_vsb + hk * stride_vsh
+    vz_base = VZ + b * stride_vsb + hk * stride_vsh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+
+    for t0 in range(t_begin, t_end, BLOCK_N):
+        t = t0 + offs_n
+        valid = (t < t_end) & (t >= seq_start)
+        tt = tl.where(t < t_end, t, 0).to(tl.int64)
+        # keys: per-channel scale / zero of token group t // GROUP_SIZE
+        kb = tl.load(kc_base + tt[:, None] * stride_kct + byte_d[None, :], mask=valid[:, None], other=0)
+        kcode = ((kb >> shift_d[None, :]) & LEVEL_MASK).to(tl.float32)
+        grp = tt // GROUP_SIZE
+        ks = tl.load(ks_base + grp[:, None] * stride_ksg + offs_d[None, :], mask=valid[:, None], other=0.0)
+        kz = tl.load(kz_base + grp[:, None] * stride_ksg + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = kcode * ks.to(tl.float32) + kz.to(tl.float32)  # (BLOCK_N, D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # values: per-token scale / zero of channel group d // GROUP_SIZE
+        vb = tl.load(vc_base + tt[:, None] * stride_vct + byte_d[None, :], mask=valid[:, None], other=0)
+        vcode = ((vb >> shift_d[None, :]) & LEVEL_MASK).to(tl.float32)
+        cg = offs_d // GROUP_SIZE
+        vs = tl.load(vs_base + tt[:, None] * stride_vst + cg[None, :], mask=valid[:, None], other=0.0)
+        vz = tl.load(vz_base + tt[:, None] * stride_vst + cg[None, :], mask=valid[:, None], other=0.0)
+        v = vcode * vs.to(tl.float32) + vz.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(OUT_PART + b * stride_ob + q_rows[:, None] * stride_oh + split * stride_os + offs_d[None, :], out,
+             mask=g_mask[:, None])
+    tl.store(LSE_PART + b * stride_lb + q_rows * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    X, CODES, SCALE, ZERO,
+    stride_xr, stride_xt,
+    stride_cr, stride_ct,
+    stride_sr, stride_st,
+    num_tokens,
+    BLOCK_T: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+):
+    """Quantize and pack one tile of tokens of one (row * head) ``r``.
+
+    PER_CHANNEL: the tile is one token group (BLOCK_T == GROUP_SIZE); min / max over tokens,
+    scale / zero written at row ``tile`` of (R, T / GROUP_SIZE, D). Otherwise: BLOCK_T tokens,
+    min / max over each group of GROUP_SIZE channels, scale / zero (R, T, D / GROUP_SIZE).
+    Scale and zero are rounded to fp16 before the codes are computed (as the torch reference).
+    """
+    r = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    PER: tl.constexpr = 8 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, HEAD_DIM)
+    t_mask = offs_t < num_tokens
+    x = tl.load(X + r * stride_xr + offs_t[:, None].to(tl.int64) * stride_xt + offs_d[None, :],
+                mask=t_mask[:, None], other=0.0).to(tl.float32)
+    if PER_CHANNEL:
+        mn = tl.min(x, 0)  # (D,)
+        mx = tl.max(x, 0)
+        scale = ((mx - mn) / LEVELS).to(tl.float16)
+        zero = mn.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        s32 = tl.where(s32 > 0, s32, 1.0)
+        codes = tl.floor((x - zero.to(tl.float32)[None, :]) / s32[None, :] + 0.5)
+        tl.store(SCALE + r * stride_sr + tile * stride_st + offs_d, scale)
+        tl.store(ZERO + r * stride_sr + tile * stride_st + offs_d, zero)
+    else:
+        NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+        xg = tl.reshape(x, (BLOCK_T, NG, GROUP_SIZE))
+        mn = tl.min(xg, 2)  # (BLOCK_T, NG)
+        mx = tl.max(xg, 2)
+        scale = ((mx - mn) / LEVELS).to(tl.float16)
+        zero = mn.to(tl.float16)
+        s32 = scale.to(tl.float32)
+        s32 = tl.where(s32 > 0, s32, 1.0)
+        codes = tl.floor((xg - zero.to(tl.float32)[:, :, None]) / s32[:, :, None] + 0.5)
+        codes = tl.reshape(codes, (BLOCK_T, HEAD_DIM))
+        offs_g = tl.arange(0, NG)
+        s_ptr = r * stride_sr + offs_t[:, None].to(tl.int64) * stride_st + offs_g[None, :]
+        tl.store(SCALE + s_ptr, scale, mask=t_mask[:, None])
+        tl.store(ZERO + s_ptr, zero, mask=t_mask[:, None])
+    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS).to(tl.int32)
+    shifts = tl.arange(0, PER) * BITS
+    packed = tl.sum(tl.reshape(codes, (BLOCK_T, HEAD_DIM // PER, PER)) << shifts[None, None, :], 2)
+    offs_b = tl.arange(0, HEAD_DIM // PER)
+    tl.store(CODES + r * stride_cr + offs_t[:, None].to(tl.int64) * stride_ct + offs_b[None, :],
+             packed.to(tl.uint8), mask=t_mask[:, None])
