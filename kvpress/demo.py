@@ -29,7 +29,7 @@ def run_demo(model: str = "smollm2", length: int = 4096, budget: int = 256, poli
     t0 = time.perf_counter()
     model_obj, tokenizer = kvpress.load_model(model)
     print(f"loaded {model} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    task = get_task("niah_single", haystack="noise", value="number", depth=0.5)
+    task = get_task("niah_single", haystack="noise", value_type="numbers", depth=0.5)
     sample = task.generate(tokenizer, length=length, num_samples=1, seed=seed)[0]
     import torch
 

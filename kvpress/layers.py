@@ -70,8 +70,14 @@ class SinkWindowLayer(CacheLayer):
 
     Every query attends exactly as if tokens had arrived one at a time into ``sinks + window``
     slots, during prefill too, so resident memory and per-token attention cost are bounded at
-    any length. Storage per row: k/v [B, H_kv, <= sinks + window, D] plus their sequence
-    indices ``pos`` [B, <= sinks + window] (-1 marks an empty slot of a short, padded row).
+    any length.
+
+    Storage: k/v [B, H_kv, sinks + window, D], allocated once, and ``pos`` [B, sinks + window]
+    (long), the sequence index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each
+    row's sinks; slots ``[sinks, sinks + window)`` are a ring: the token at sequence index i lives
+    in slot ``sinks + i % window``, so a decode step writes one slot in place instead of copying
+    the window. A sink token that is still inside the window also has a ring copy; the ring copy
+    is never attended (no double counting).
 
     With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
     before the window) rather than at their true distance; see :func:`streaming_attention`.
@@ -84,40 +90,87 @@ class SinkWindowLayer(CacheLayer):
         self.rerotate = rerotate
         self.k = self.v = self.pos = None
 
-    def attend(self, q, k_new, v_new, scaling):
-        batch, heads, n_new, dim = k_new.shape
-        if self.k is None:
-            self.k = k_new.new_empty(batch, heads, 0, dim)
-            self.v = v_new.new_empty(batch, heads, 0, dim)
-            self.pos = torch.empty(batch, 0, dtype=torch.long, device=k_new.device)
+    def _allocate(self, k_new, v_new) -> None:
+        batch, heads, _, dim = k_new.shape
+        slots = self.sinks + self.window
+        self.k = k_new.new_zeros(batch, heads, slots, dim)
+        self.v = v_new.new_zeros(batch, heads, slots, dim)
+        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
+        self._slot = torch.arange(slots, device=k_new.device)
+
+    def _row_start(self, batch, device):
         row_start = self.row_start
-        if row_start is None:
-            row_start = torch.zeros(batch, dtype=torch.long, device=k_new.device)
-        out = streaming_attention(
-            q, self.k, self.v, self.pos, k_new, v_new, scaling,
-            q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
-            sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
-        )
-        new_pos = torch.arange(self.seen, self.seen + n_new, device=k_new.device).expand(batch, -1)
+        return torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start
+
+    def _visible_pos(self, row_start):
+        """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
+        real = self.pos - row_start[:, None]
+        duplicate = (self._slot[None, :] >= self.sinks) & (real < self.sinks)
+        return torch.where(duplicate | (real < 0), torch.full_like(self.pos, -1), self.pos)
+
+    def attend(self, q, k_new, v_new, scaling):
+        batch, _, n_new, _ = k_new.shape
+        if self.k is None:
+            self._allocate(k_new, v_new)
+        row_start = self._row_start(batch, k_new.device)
+        if n_new == 1 and self.seen > 0:
+            out = self._decode(q, k_new, v_new, scaling, row_start)
+        else:
+            out = streaming_attention(
+                q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
+                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
+                sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
+            )
+            self._write(k_new, v_new, row_start)
         self.seen += n_new
-        self._store(torch.cat([self.k, k_new], 2), torch.cat([self.v, v_new], 2), torch.cat([self.pos, new_pos], 1), row_start)
         return out
 
-    def _store(self, k, v, pos, row_start) -> None:
-        """Keep sinks + window of each row; drop padding and evicted tokens (their memory is freed)."""
-        real = pos - row_start[:, None]
-        keep = (pos >= 0) & (real >= 0) & ((real < self.sinks) | (pos >= self.seen - self.window))  # (B, T)
-        if bool(keep.all()):
-            self.k, self.v, self.pos = k, v, pos
-            return
-        count = int(keep.sum(dim=1).max())
-        big = torch.iinfo(torch.long).max // 2
-        order = torch.argsort(torch.where(keep, pos, pos + big), dim=1)[:, :count]  # (B, count) kept first, in order
-        index = order[:, None, :, None].expand(k.shape[0], k.shape[1], count, k.shape[3])
-        self.k = torch.gather(k, 2, index).contiguous()
-        self.v = torch.gather(v, 2, index).contiguous()
-        kept = torch.gather(keep, 1, order)
-        self.pos = torch.where(kept, torch.gather(pos, 1, order), torch.full_like(order, -1))
+    def _write(self, k_new, v_new, row_start) -> None:
+        """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,
+        each row's sink tokens into its sink slots."""
+        batch, heads, n_new, dim = k_new.shape
+        keep = min(n_new, self.window)
+        idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
+        slots = self.sinks + idx % self.window
+        self.k[:, :, slots] = k_new[:, :, n_new - keep :]
+        self.v[:, :, slots] = v_new[:, :, n_new - keep :]
+        self.pos[:, slots] = idx
+        if self.sinks:
+            local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
+            fresh = (local >= 0) & (local < n_new)
+            if bool(fresh.any()):
+                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
+                take = fresh[:, None, :, None]
+                self.k[:, :, : self.sinks] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, : self.sinks])
+                self.v[:, :, : self.sinks] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, : self.sinks])
+                self.pos[:, : self.sinks] = torch.where(fresh, local + self.seen, self.pos[:, : self.sinks])
+
+    def _decode(self, q, k_new, v_new, scaling, row_start):
+        """One new token: write it into its ring slot, then attend over the slots in place."""
+        self._write(k_new, v_new, row_start)
+        q_pos = self.seen
+        pos = self._visible_pos(row_start)
+        visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)  # (B, slots)
+        batch, h_q, _, dim = q.shape
+        h_kv = self.k.shape[1]
+        if not self.rerotate:
+            mask = None if bool(visible.all()) else visible[:, None, None, :]
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, self.k, self.v, attn_mask=mask, scale=scaling, enable_gqa=h_q != h_kv
+            )
+        # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
+        q_real = (q_pos - row_start).to(torch.float32)  # (B,)
+        shift = (q_real.clamp(max=self.sinks + self.window - 1) - q_real).view(batch, 1, 1)
+        q_sink = self.cache.adapter.rotate(q, shift)
+        qg = q.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)  # (B, H_kv, G, D)
+        qs = q_sink.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)
+        keys = self.k.to(torch.float32)
+        scores = torch.cat(
+            [qs @ keys[:, :, : self.sinks].transpose(-1, -2), qg @ keys[:, :, self.sinks :].transpose(-1, -2)], dim=-1
+        ) * scaling  # (B, H_kv, G, slots)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ self.v.to(torch.float32)  # (B, H_kv, G, D)
+        return out.reshape(batch, h_q, 1, dim).to(q.dtype)
 
     def state_tensors(self):
         return {"k": self.k, "v": self.v, "pos": self.pos}

@@ -34,8 +34,9 @@ def test_sinks_are_never_evicted_and_window_is_most_recent(llama):
     with torch.no_grad(), kvpress.apply(llama, policy):
         cache = llama(ids, attention_mask=mask, use_cache=True).past_key_values
     for layer in cache.layers:
-        assert layer.pos[0].tolist() == [0, 1, 2] + list(range(41, 50))
-        assert layer.pos[1].tolist() == [5, 6, 7] + list(range(41, 50))
+        assert sorted(layer.pos[0].tolist()) == [0, 1, 2] + list(range(41, 50))
+        assert sorted(layer.pos[1].tolist()) == [5, 6, 7] + list(range(41, 50))
+        assert layer.k.shape[2] == 12  # the storage holds exactly sinks + window slots
 
 
 def test_evicted_tokens_change_the_output(llama):

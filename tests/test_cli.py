@@ -1,0 +1,44 @@
+"""The kvpress command line: registry listing, generate, demo, and errors before any model loads."""
+
+import pytest
+
+import kvpress
+from kvpress import cli
+
+
+def test_policies_lists_every_registered_policy(capsys):
+    assert cli.main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in kvpress.list_policies():
+        assert f"\n{name} " in out
+        assert kvpress.policy_class(name).description in out
+
+
+def test_generate_rejects_bad_policy_input_before_loading(tmp_path, capsys, monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("model must not load")
+
+    monkeypatch.setattr(kvpress, "load_model", no_load)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    assert cli.main(["generate", "--policy", "nope", "--prompt-file", str(prompt)]) == 2
+    assert "known policies" in capsys.readouterr().err
+    assert cli.main(["generate", "--policy", "window", "-o", "window_size=-3", "--prompt-file", str(prompt)]) == 2
+    assert "window_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--policy", "window", "-o", "oops", "--prompt-file", str(prompt)])
+
+
+@pytest.mark.smollm2
+def test_generate_and_demo_on_smollm2(tmp_path, capsys):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("The pass key is 4821. Remember it. What is the pass key?")
+    assert cli.main(["generate", "--policy", "streaming", "--budget", "64", "--prompt-file", str(prompt), "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert "4821" in captured.out
+    assert "[streaming]" in captured.err and "ms/token" in captured.err
+    assert cli.main(["demo", "--length", "600", "--budget", "64", "--policies", "window,full"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("full ", "window "))]
+    assert [line.split()[0] for line in lines] == ["full", "window"]  # the reference first
+    assert lines[0].split()[1] == "yes"  # full finds the needle at 600 tokens
