@@ -222,7 +222,7 @@ class ShadowKVLayer(CacheLayer):
         self.seen += 1
         q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
         full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
-        gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64)
+        gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
         out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._backend(D),
                                  validate_index=False)
         if self.exact_max:
