@@ -130,3 +130,23 @@ def test_low_budget_still_attends_exact_parts(model):
     cache = generate(model, pol, random_ids(PROMPT), new=3).past_key_values
     layer = cache.layers[0]
     assert layer.counters.steps == 0 and layer.max_attended == layer.exact_max + 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_host_tier_and_triton_path_match_torch_path():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+    model = LlamaForCausalLM(config).cuda().eval()  # head_dim 64: the Triton kernels apply
+    ids = random_ids(300).cuda()
+    outs = {}
+    for backend in ("torch", "triton"):
+        out = generate(model, policy(budget=96, rank=32, backend=backend), ids, new=8)
+        outs[backend] = out.sequences
+        layer = out.past_key_values.layers[0]
+        assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
+        assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
+    assert torch.equal(outs["torch"], outs["triton"])
