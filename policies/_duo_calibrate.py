@@ -1,0 +1,289 @@
+"""DuoAttention gate calibration (``kvpress calibrate duo``).
+
+Method (Xiao et al., arXiv 2410.10819, Sec. 3.2): every (layer, KV head) gets a gate
+``g = sigmoid(logit)``; the head's attention output becomes ``g * full + (1 - g) * streaming``
+(streaming = attention to ``sink_tokens`` first tokens and a ``window_size`` recent window). The
+model's weights are frozen; only the gates train, to keep the final hidden states at the answer
+tokens of synthetic multi-passkey retrieval prompts close to the unmodified model's (relative
+squared error), plus an L1 penalty ``reg * mean(g)`` that pushes gates toward streaming. Heads
+whose gate stays high are the retrieval heads.
+
+Data is generated offline: prose haystack (``kvpress.evals.tasks`` haystack, a public-domain
+book) with ``num_passkeys`` passkeys of ``passkey_words`` random words each, spread through the
+context; the question asks for all of them and the answer (teacher-forced) lists them in order.
+
+Deviations, to run on a shared CPU: short contexts (1k-1.5k tokens instead of 1k-32k), a few
+dozen steps instead of 2000, sink 16 / window 128 during calibration (the paper: 128 / 256),
+sigmoid gates moved by max-normalised gradient steps (the paper: Adam on gates clamped to [0, 1]); the saved ``gates`` are the
+sigmoids, so they read like the upstream patterns (higher = retrieval).
+
+The attention function is registered with transformers' ``AttentionInterface`` under its own
+name and selected only for the calibration run; the model's previous implementation and its
+parameters' ``requires_grad`` flags are restored afterwards.
+
+Shipped artifact (``policies/artifacts/duo-smollm2.safetensors``)::
+
+    kvpress calibrate duo --model smollm2 --out policies/artifacts/duo-smollm2.safetensors
+
+with the defaults below (lengths 1024,1536; 24 steps; 4 passkeys of 3 words; sink 16 / window
+128; lr 0.1; reg 0.05; seed 0; 2 threads). Wall time on the shared 2-core CPU: see the artifact's
+metadata (``extra.wall_s``) and the policy's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "kvpress_duo_calibration"
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """Reduced-cost settings (see the module docstring for the paper's)."""
+
+    lengths: tuple = (512, 768)
+    steps: int = 8
+    num_passkeys: int = 4
+    passkey_words: int = 3
+    sink_tokens: int = 16
+    window_size: int = 64
+    lr: float = 0.25
+    reg: float = 0.05
+    init_logit: float = 2.0  # sigmoid(2) ~ 0.88: start near the full model, as the paper starts at 1
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "num_passkeys", "passkey_words", "window_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range; allowed: >= 1")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens} is out of range; allowed: >= 0")
+        if not self.lengths or min(self.lengths) < 256:
+            raise ValueError(f"lengths={self.lengths} must be non-empty, each >= 256 tokens")
+
+
+# ---------------------------------------------------------------------------- data
+def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int):
+    """One multi-passkey prompt of about ``length`` tokens with its teacher-forced answer.
+
+    Returns
+    -------
+    ids : LongTensor [1, T]
+        Chat-formatted prompt followed by the answer tokens.
+    answer_start : int
+        Index of the first answer token in ``ids``.
+    """
+    from kvpress.evals.tasks.base import encode_input
+    from kvpress.evals.tasks.haystack import get_haystack, word_list
+
+    words = rng.sample(word_list(), num_passkeys * passkey_words)
+    keys = [" ".join(words[i * passkey_words : (i + 1) * passkey_words]) for i in range(num_passkeys)]
+    needles = [f"The pass key number {i + 1} is: {key}. Remember it." for i, key in enumerate(keys)]
+    depths = sorted(rng.uniform(0.05, 0.95) for _ in keys)
+    base = get_haystack("prose")
+    hay = base.rotated(rng.randrange(len(base.starts)), min_words=2 * length)
+    question = f"\n\nWhat are the {num_passkeys} pass keys, in order?"
+    answer = "The pass keys are: " + "; ".join(keys) + "."
+    answer_ids = tokenizer.encode(answer, add_special_tokens=False)
+
+    def build(num_words: int) -> list[int]:
+        inserts = [(hay.boundary(d, num_words), s) for d, s in zip(depths, needles)]
+        context, _ = hay.render(num_words, inserts)
+        return encode_input(tokenizer, context + question)
+
+    num_words = int(length / 1.4)
+    for _ in range(3):  # proportional refinement; a few % off the target is fine for calibration
+        prompt = build(num_words)
+        total = len(prompt) + len(answer_ids)
+        num_words = max(16, int(num_words * length / total))
+    ids = torch.tensor([prompt + answer_ids], dtype=torch.long)
+    return ids, len(prompt)
+
+
+# ---------------------------------------------------------------------------- gated attention
+def streaming_mask(length: int, sinks: int, window: int, device) -> torch.Tensor:
+    """bool [T, T]: query i sees key j <= i when j < sinks or i - j < window."""
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    return (j <= i) & ((j < sinks) | (i - j < window))
+
+
+class GatedAttention:
+    """The calibration attention: per KV head, ``g * full + (1 - g) * streaming`` (all heads)."""
+
+    def __init__(self, logits: torch.Tensor, group: int, sinks: int, window: int):
+        self.logits = logits  # (L, H_kv), requires grad
+        self.group = group
+        self.sinks, self.window = sinks, window
+        self._mask: torch.Tensor | None = None
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # query (1, H_q, T, D); key/value (1, H_kv, T, D); no cache during calibration.
+        t = query.shape[2]
+        if self._mask is None or self._mask.shape[0] != t:
+            self._mask = streaming_mask(t, self.sinks, self.window, query.device)
+        full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        stream = F.scaled_dot_product_attention(query, key, value, attn_mask=self._mask, scale=scaling, enable_gqa=True)
+        gate = torch.sigmoid(self.logits[module.layer_idx]).repeat_interleave(self.group)  # (H_q,)
+        gate = gate.to(query.dtype).view(1, -1, 1, 1)
+        out = stream + gate * (full - stream)  # (1, H_q, T, D)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # GatedAttention builds its own masks
+
+
+def _final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
+    return model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, hidden)
+
+
+# ---------------------------------------------------------------------------- training loop
+@contextlib.contextmanager
+def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: int):
+    """Run ``model`` with :class:`GatedAttention` over ``logits`` [L, H_kv] inside the block.
+
+    The model's weights are frozen for the block; its attention implementation, the weights'
+    ``requires_grad`` flags and train/eval mode are restored on exit (also after an exception).
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from kvpress.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    expected = (adapter.num_layers, adapter.num_kv_heads)
+    if tuple(logits.shape) != expected:
+        raise ValueError(f"gate logits have shape {tuple(logits.shape)}; this model needs {expected} [layers, KV heads]")
+    AttentionInterface.register(ATTN_NAME, GatedAttention(logits, adapter.group_size, sink_tokens, window_size))
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    attn_before = model.config._attn_implementation
+    grad_before = {name: p.requires_grad for name, p in model.named_parameters()}
+    was_training = model.training
+    try:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.set_attn_implementation(ATTN_NAME)
+        yield model
+    finally:
+        model.set_attn_implementation(attn_before)
+        for name, p in model.named_parameters():
+            p.requires_grad_(grad_before[name])
+        model.train(was_training)
+
+
+def passkey_samples(tokenizer, settings: "CalibrationSettings"):
+    """Endless (ids [1, T], answer_start) samples cycling over ``settings.lengths``."""
+    rng = random.Random(settings.seed)
+    step = 0
+    while True:
+        length = settings.lengths[step % len(settings.lengths)]
+        yield passkey_sample(tokenizer, length, rng, settings.num_passkeys, settings.passkey_words)
+        step += 1
+
+
+def calibrate(model, tokenizer=None, settings: CalibrationSettings = CalibrationSettings(), *, samples=None, log=print):
+    """Train the gates; returns (gates fp32 [L, H_kv] in (0, 1), info dict with losses and time).
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        Llama / Qwen2 / Mistral causal LM (kept frozen; restored afterwards).
+    tokenizer
+        Its tokenizer, for the passkey prompts (chat template used when present).
+    samples : iterable of (LongTensor [1, T], int), optional
+        ``(ids, answer_start)`` pairs to use instead of generated passkey prompts.
+    """
+    from kvpress.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    if samples is None:
+        if tokenizer is None:
+            raise ValueError("calibrate needs a tokenizer (or explicit samples)")
+        samples = passkey_samples(tokenizer, settings)
+    samples = iter(samples)
+    torch.manual_seed(settings.seed)
+    logits = torch.full((adapter.num_layers, adapter.num_kv_heads), settings.init_logit, requires_grad=True)
+    history = []
+    start = time.perf_counter()
+    for step in range(settings.steps):
+        ids, answer_start = next(samples)
+        if not 1 <= answer_start < ids.shape[1]:
+            raise ValueError(f"answer_start={answer_start} must lie in [1, {ids.shape[1] - 1}]")
+        # Hidden states that predict the answer tokens: positions answer_start - 1 .. T - 2.
+        span = slice(answer_start - 1, ids.shape[1] - 1)
+        ids = ids.to(model.device)
+        with torch.no_grad():
+            teacher = _final_hidden(model, ids)[0, span].float()
+        with gated_attention(model, logits, settings.sink_tokens, settings.window_size):
+            student = _final_hidden(model, ids)[0, span].float()
+            distill = (student - teacher).pow(2).sum(-1).mean() / teacher.pow(2).sum(-1).mean()
+            gates = torch.sigmoid(logits)
+            loss = distill + settings.reg * gates.mean()
+            (grad,) = torch.autograd.grad(loss, logits)
+        with torch.no_grad():
+            # Max-normalised gradient step: every sample moves the gates by at most lr, and the
+            # heads keep their *relative* gradient sizes (Adam's per-gate normalisation would
+            # reduce a few dozen steps to gradient signs and leave many ties).
+            logits -= settings.lr * grad / grad.abs().max().clamp_min(1e-12)
+        history.append({"step": step + 1, "tokens": ids.shape[1], "distill": float(distill.detach()), "loss": float(loss.detach())})
+        log(
+            f"[duo calibrate] step {step + 1}/{settings.steps}  tokens {ids.shape[1]}  distill {float(distill.detach()):.5f}  "
+            f"loss {float(loss.detach()):.5f}  mean gate {float(gates.detach().mean()):.3f}  ({time.perf_counter() - start:.0f} s)"
+        )
+    gates = torch.sigmoid(logits.detach()).float()
+    info = {"settings": asdict(settings), "history": history, "wall_s": round(time.perf_counter() - start, 1)}
+    return gates, info
+
+
+# ---------------------------------------------------------------------------- CLI
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    d = CalibrationSettings()
+    parser.add_argument("--model", default="smollm2", help="'smollm2', a local HF directory or a hub id")
+    parser.add_argument("--out", required=True, help="output .safetensors artifact")
+    parser.add_argument("--lengths", default=",".join(map(str, d.lengths)), help="context lengths in tokens, cycled over steps")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--num-passkeys", type=int, default=d.num_passkeys)
+    parser.add_argument("--passkey-words", type=int, default=d.passkey_words)
+    parser.add_argument("--sink-tokens", type=int, default=d.sink_tokens)
+    parser.add_argument("--window-size", type=int, default=d.window_size)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--reg", type=float, default=d.reg, help="L1 weight pushing gates toward streaming")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def run_from_args(args) -> int:
+    import kvpress
+    from kvpress.calibration import save_artifact
+
+    from .duo import ARTIFACT_VERSION
+
+    try:
+        lengths = tuple(int(x) for x in str(args.lengths).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--lengths expects comma-separated integers, got {args.lengths!r}") from None
+    settings = CalibrationSettings(
+        lengths=lengths, steps=args.steps, num_passkeys=args.num_passkeys, passkey_words=args.passkey_words,
+        sink_tokens=args.sink_tokens, window_size=args.window_size, lr=args.lr, reg=args.reg, seed=args.seed,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = kvpress.load_model(args.model)
+    adapter = kvpress.get_adapter(model)
+    gates, info = calibrate(model, tokenizer, settings)
+    info["model"] = args.model
+    info["threads"] = torch.get_num_threads()
+    path = save_artifact(args.out, {"gates": gates}, policy="duo", version=ARTIFACT_VERSION, adapter=adapter, extra=info)
+    print(f"[duo calibrate] wrote {path} in {info['wall_s']} s; gates per layer (rows) x KV head:")
+    for layer, row in enumerate(gates.tolist()):
+        print(f"  {layer:3d}  " + "  ".join(f"{g:.3f}" for g in row))
+    return 0

@@ -1,0 +1,307 @@
+"""``duo``: DuoAttention — full KV for retrieval heads, sinks + recent window for streaming heads.
+
+Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
+Heads", arXiv 2410.10819.
+
+Only some KV heads ("retrieval heads") need the whole context; the others ("streaming heads")
+attend to the first tokens (attention sinks) and a recent window. A gate per (layer, KV head),
+calibrated offline on synthetic passkey retrieval, ranks the heads; at run time a target
+``sparsity`` (fraction of streaming heads) or a ``threshold`` splits them. Storage is split per
+head: each layer keeps a dense buffer [B, H_ret, T, D] for its retrieval heads and a bounded
+sinks + window buffer [B, H_str, <= S + W, D] for its streaming heads, so a streaming head's
+memory stays constant at every length (``cache_stats`` lists both buffers).
+
+Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a kvpress artifact
+(``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
+heads, tab separated, as published in github.com/mit-han-lab/duo-attention under
+``attn_patterns/<model>/<run>/``) or the directory holding it — or, by default, the artifact
+shipped for the embedded SmolLM2 (``policies/artifacts/duo-smollm2.safetensors``).
+
+The shipped artifact was made with (see ``_duo_calibrate`` for the method; 2 shared CPU cores)::
+
+    kvpress calibrate duo --model smollm2 --out policies/artifacts/duo-smollm2.safetensors \\
+        --lengths 1024,1536 --steps 24 --sink-tokens 16 --window-size 128 --lr 0.1 --reg 0.05
+
+Reduced settings compared with the paper (contexts 1k-32k, 2000 steps, sink 128 / recent 256):
+contexts of 1k-1.5k tokens, 24 Adam steps of one sample each, sink 16 / window 128 during
+calibration. Wall time: see the module docstring of ``_duo_calibrate`` (filled in from the run).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import CacheLayer, KVBuffer
+from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
+from kvpress.layers import SinkWindowLayer
+from kvpress.registry import Policy, check_int, register_policy
+
+ARTIFACT_VERSION = 1
+SHIPPED = "duo-smollm2.safetensors"
+UPSTREAM_FILE = "full_attention_heads.tsv"
+# Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
+_GROW = 32
+_CHECK = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+@register_policy
+@dataclass(frozen=True)
+class DuoPolicy(Policy):
+    """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + a window.
+
+    Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
+    Heads", arXiv 2410.10819. Per-(layer, KV head) gates calibrated on passkey retrieval choose
+    which heads need the full context; the others keep ``sink_tokens + window_size`` tokens.
+
+    Attributes
+    ----------
+    artifact : str or None
+        kvpress ``.safetensors`` artifact, upstream ``full_attention_heads.tsv``, or a directory
+        holding one; None = the artifact shipped for the embedded SmolLM2.
+    sparsity : float or None
+        Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
+        deployment knob). None = use ``threshold``.
+    threshold : float
+        With ``sparsity=None``: heads with gate < threshold stream.
+    sink_tokens, window_size : int
+        What a streaming head keeps (its per-step budget is their sum).
+    random_heads_seed : int or None
+        Ablation: stream the same *number* of heads as the gates ask for, chosen at random with
+        this seed (shows that calibration matters).
+    gates : tuple of tuples or None
+        In-memory gates [layers][KV heads] (tests, experiments); overrides ``artifact``.
+    """
+
+    artifact: str | None = None
+    sparsity: float | None = 0.5
+    threshold: float = 0.5
+    sink_tokens: int = 16
+    window_size: int = 240
+    random_heads_seed: int | None = None
+    gates: tuple | None = None
+
+    name = "duo"
+    description = "retrieval heads full KV, streaming heads sinks + window (DuoAttention)"
+    paper = "arXiv 2410.10819"
+    full_prefill = False  # streaming heads prefill with the streaming pattern
+    keeps_full_cache = False
+    needs_artifact = True
+
+    def validate(self):
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("window_size", self.window_size, 1)
+        if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
+            raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
+        if self.random_heads_seed is not None:
+            check_int("random_heads_seed", self.random_heads_seed, 0)
+        if self.gates is not None:
+            rows = self.gates
+            if not rows or not all(isinstance(r, (tuple, list)) and len(r) == len(rows[0]) > 0 for r in rows):
+                raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in rows for x in r):
+                raise ValueError("gates must hold numbers")
+            if self.artifact is not None:
+                raise ValueError("give either gates or artifact, not both")
+
+    # ----------------------------------------------------------------- gates -> head split
+    def load_gates(self, adapter) -> torch.Tensor:
+        """Gate per (layer, KV head), fp32 [num_layers, num_kv_heads]; higher = retrieval.
+
+        Raises
+        ------
+        FileNotFoundError
+            No artifact (the message names ``kvpress calibrate duo``).
+        ValueError
+            The gates were made for another layer / head count (or another model).
+        """
+        if self.gates is not None:
+            gates = torch.tensor(self.gates, dtype=torch.float32)
+            source = "gates override"
+        else:
+            path = pathlib.Path(self.artifact) if self.artifact is not None else shipped_artifact(SHIPPED)
+            if path.is_dir():
+                path = path / UPSTREAM_FILE
+            source = str(path)
+            if path.suffix == ".tsv":
+                gates = read_upstream_pattern(path)
+            else:
+                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter, check=_CHECK)
+                if "gates" not in tensors:
+                    raise ValueError(f"{path} holds no 'gates' tensor")
+                gates = tensors["gates"].to(torch.float32)
+        expected = (adapter.num_layers, adapter.num_kv_heads)
+        if tuple(gates.shape) != expected:
+            raise ValueError(
+                f"duo gates from {source} have shape {tuple(gates.shape)} [layers, KV heads]; this model needs "
+                f"{expected}: the pattern was made for another model"
+            )
+        return gates
+
+    def retrieval_mask(self, adapter) -> torch.Tensor:
+        """bool [num_layers, num_kv_heads]: True where the head keeps its full KV."""
+        return split_heads(self.load_gates(adapter), self.sparsity, self.threshold, self.random_heads_seed)
+
+    def check_model(self, adapter):
+        self.load_gates(adapter)
+
+    def make_layer(self, cache, layer_idx):
+        key = "duo_retrieval_mask"
+        if key not in cache.shared:  # one artifact read per generation, shared by all layers
+            cache.shared[key] = self.retrieval_mask(cache.adapter)
+        return DuoLayer(cache, layer_idx, cache.shared[key][layer_idx], self.sink_tokens, self.window_size)
+
+    def with_budget(self, budget: int) -> "DuoPolicy":
+        """Budget of the streaming heads (``sink_tokens + window_size``); retrieval heads keep all."""
+        if budget <= self.sink_tokens:
+            raise ValueError(f"budget={budget} must exceed sink_tokens={self.sink_tokens} (budget = sink_tokens + window_size)")
+        return replace(self, window_size=int(budget) - self.sink_tokens)
+
+    @classmethod
+    def example(cls, adapter) -> "DuoPolicy":
+        # Synthetic gates: alternate which heads stream so every layer has both kinds when it can.
+        rows = tuple(
+            tuple(float((layer + head) % 2) for head in range(adapter.num_kv_heads)) for layer in range(adapter.num_layers)
+        )
+        return cls(gates=rows, sparsity=0.5, sink_tokens=2, window_size=8)
+
+
+def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float, random_seed: int | None = None) -> torch.Tensor:
+    """Turn gates [L, H] into a retrieval mask (bool [L, H], True = full KV).
+
+    With ``sparsity`` the ``round(sparsity * L * H)`` lowest gates stream (ties by index, so the
+    split is deterministic); otherwise gates below ``threshold`` stream. ``random_seed`` keeps the
+    count but picks the streaming heads uniformly at random (the ablation).
+    """
+    flat = gates.reshape(-1).to(torch.float32)
+    if sparsity is not None:
+        num_stream = int(round(sparsity * flat.numel()))
+    else:
+        num_stream = int((flat < threshold).sum())
+    if random_seed is not None:
+        order = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(random_seed))
+    else:
+        order = torch.sort(flat, stable=True).indices
+    keep = torch.ones(flat.numel(), dtype=torch.bool)
+    keep[order[:num_stream]] = False
+    return keep.view(gates.shape)
+
+
+def read_upstream_pattern(path) -> torch.Tensor:
+    """Read DuoAttention's published ``full_attention_heads.tsv``: one row per layer, one column
+    per KV head, tab-separated gate values (~[0, 1], higher = full attention). fp32 [L, H]."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no duo pattern at {path}; make one with `kvpress calibrate duo --model MODEL --out FILE.safetensors`"
+        )
+    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
+    if not rows or any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError(f"{path} is not a rectangular layers x KV heads table")
+    try:
+        return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float32)
+    except ValueError as exc:
+        raise ValueError(f"{path} holds a non-numeric gate: {exc}") from None
+
+
+class DuoLayer(CacheLayer):
+    """One decoder layer's split storage.
+
+    Retrieval KV heads: dense K/V buffers [B, H_ret, capacity, D] (``retrieval_k/v``).
+    Streaming KV heads: a :class:`SinkWindowLayer` over the head subset, K/V
+    [B, H_str, <= S + W, D] plus positions [B, <= S + W] (``streaming_k/v/pos``).
+    Query head q reads KV head q // G (GQA), so each group follows its KV head.
+    """
+
+    def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int):
+        super().__init__(cache, layer_idx)
+        heads = torch.arange(retrieval.numel())
+        self.retrieval_heads = heads[retrieval]
+        self.streaming_heads = heads[~retrieval]
+        self.group = cache.adapter.group_size
+        self.dense = KVBuffer(grow=_GROW) if self.retrieval_heads.numel() else None
+        self.stream = SinkWindowLayer(cache, layer_idx, sinks, window) if self.streaming_heads.numel() else None
+        self._index: dict | None = None
+
+    def _indices(self, device) -> dict:
+        if self._index is None:
+            g = torch.arange(self.group)
+
+            def q_heads(kv):  # (H_sub * G,) query heads of these KV heads, in order
+                return (kv[:, None] * self.group + g[None, :]).reshape(-1).to(device)
+
+            self._index = {
+                "ret": self.retrieval_heads.to(device), "str": self.streaming_heads.to(device),
+                "ret_q": q_heads(self.retrieval_heads), "str_q": q_heads(self.streaming_heads),
+            }
+        return self._index
+
+    def attend(self, q, k_new, v_new, scaling):
+        idx = self._indices(q.device)
+        q_start = self.seen
+        out = q.new_empty(q.shape)  # (B, H_q, T, D)
+        if self.dense is not None:
+            self.dense.append(k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"]))
+            out[:, idx["ret_q"]] = dense_causal_attention(
+                q.index_select(1, idx["ret_q"]), self.dense.keys, self.dense.values, scaling,
+                q_start=q_start, row_start=self.row_start,
+            )
+        if self.stream is not None:
+            k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
+            if not self.stream.is_initialized:
+                self.stream.lazy_initialization(k_s, v_s)
+            out[:, idx["str_q"]] = self.stream.attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
+        self.seen += k_new.shape[2]
+        return out
+
+    def state_tensors(self):
+        out = {}
+        if self.dense is not None:
+            out.update(retrieval_k=self.dense.k, retrieval_v=self.dense.v)
+        if self.stream is not None:
+            out.update(streaming_k=self.stream.k, streaming_v=self.stream.v, streaming_pos=self.stream.pos)
+        return out
+
+    def batch_select(self, indices):
+        if self.dense is not None and self.dense.k is not None:
+            self.dense.k = self.dense.k.index_select(0, indices.to(self.dense.k.device))
+            self.dense.v = self.dense.v.index_select(0, indices.to(self.dense.v.device))
+        if self.stream is not None and self.stream.k is not None:
+            self.stream.batch_select(indices)
+
+    def stored_tokens(self) -> int:
+        dense = self.dense.length if self.dense is not None else 0
+        return max(dense, self.stream.stored_tokens() if self.stream is not None else 0)
+
+    def cached_elements(self) -> int:
+        total = 0
+        if self.dense is not None and self.dense.k is not None:
+            b, h, _, d = self.dense.k.shape
+            total += 2 * b * h * self.dense.length * d
+        if self.stream is not None:
+            total += self.stream.cached_elements()
+        return total
+
+
+# ---------------------------------------------------------------------------- calibration CLI
+def _configure_calibration(parser) -> None:
+    from kvpress.policies._duo_calibrate import configure_parser
+
+    configure_parser(parser)
+
+
+def _run_calibration(args) -> int:
+    from kvpress.policies._duo_calibrate import run_from_args
+
+    return run_from_args(args)
+
+
+register_calibrator(
+    "duo",
+    "train DuoAttention's per-(layer, KV head) gates on synthetic passkey retrieval",
+    _configure_calibration,
+    _run_calibration,
+)

@@ -1,0 +1,185 @@
+"""DuoAttention: head split, per-head storage, equivalence with full/streaming, artifacts, calibration."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.calibration import CALIBRATORS, save_artifact
+from kvpress.policies._duo_calibrate import CalibrationSettings, calibrate, gated_attention
+from kvpress.policies.duo import DuoPolicy, split_heads
+
+from conftest import random_ids, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model4():
+    """Tiny Llama with 4 KV heads (8 query heads, GQA 2) and 3 layers: room for uneven splits."""
+    return tiny_model("llama", layers=3, heads=8, kv_heads=4, seed=1)
+
+
+GATES = ((0.9, 0.1, 0.5, 0.7), (0.2, 0.8, 0.3, 0.95), (0.6, 0.05, 0.99, 0.4))
+
+
+def run(model, policy, ids, **kw):
+    with torch.no_grad(), kvpress.apply(model, policy):
+        return model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True, **kw)
+
+
+# ------------------------------------------------------------------ head split
+def test_split_heads_sparsity_threshold_and_random():
+    gates = torch.tensor(GATES)
+    keep = split_heads(gates, 0.5, 0.5)
+    assert int((~keep).sum()) == 6
+    assert float(gates[keep].min()) > float(gates[~keep].max())  # lowest gates stream
+    assert torch.equal(split_heads(gates, None, 0.5), gates >= 0.5)
+    assert split_heads(gates, 0.0, 0.5).all() and not split_heads(gates, 1.0, 0.5).any()
+    r1, r2 = split_heads(gates, 0.5, 0.5, random_seed=1), split_heads(gates, 0.5, 0.5, random_seed=1)
+    assert torch.equal(r1, r2) and int((~r1).sum()) == 6
+    assert any(not torch.equal(split_heads(gates, 0.5, 0.5, random_seed=s), keep) for s in range(5))
+
+
+def test_bad_config_values_are_value_errors():
+    for kwargs in (dict(sparsity=1.5), dict(window_size=0), dict(sink_tokens=-1), dict(gates=((0.1,), (0.2, 0.3)))):
+        with pytest.raises(ValueError, match="allowed|rectangular"):
+            DuoPolicy(**kwargs)
+    with pytest.raises(ValueError, match="either gates or artifact"):
+        DuoPolicy(gates=((1.0,),), artifact="x.safetensors")
+    with pytest.raises(ValueError, match="exceed sink_tokens"):
+        DuoPolicy(sink_tokens=4).with_budget(4)
+
+
+# ------------------------------------------------------------------ storage is split per head
+def test_streaming_heads_keep_only_sinks_and_window(model4):
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    retrieval = policy.retrieval_mask(kvpress.get_adapter(model4))
+    sizes = {}
+    for length in (40, 90):
+        cache = run(model4, policy, random_ids(length, seed=length)).past_key_values
+        seen = length + 3
+        for layer, mask in zip(cache.layers, retrieval):
+            tensors = layer.state_tensors()
+            h_ret, h_str = int(mask.sum()), int((~mask).sum())
+            if h_ret:
+                assert tensors["retrieval_k"].shape[1] == h_ret and tensors["retrieval_k"].shape[2] >= seen
+            if h_str:
+                assert tensors["streaming_k"].shape[1:3] == (h_str, 8)  # sinks + window, at every length
+                assert tensors["streaming_pos"].shape[1] == 8
+            sizes.setdefault(layer.layer_idx, []).append(tensors.get("streaming_k", torch.empty(0)).shape)
+        stats = kvpress.cache_stats(cache)
+        full = kvpress.cache_stats(run(model4, kvpress.get_policy("full"), random_ids(length, seed=length)).past_key_values)
+        assert stats.resident_bytes < 0.75 * full.resident_bytes
+    assert all(a == b for a, b in sizes.values())
+
+
+def test_beam_reorder_selects_rows_of_both_buffers(model4):
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    out = run(model4, policy, random_ids(30, batch=2, seed=7))
+    layer = out.past_key_values.layers[0]
+    before = {k: v.clone() for k, v in layer.state_tensors().items()}
+    layer.batch_select(torch.tensor([1, 1]))
+    for name, tensor in layer.state_tensors().items():
+        assert torch.equal(tensor[0], before[name][1]) and torch.equal(tensor[1], before[name][1])
+
+
+# ------------------------------------------------------------------ equivalences
+def test_all_retrieval_equals_full_and_all_streaming_equals_streaming(model4):
+    ids = random_ids(40, seed=3)
+    full = run(model4, kvpress.get_policy("full"), ids)
+    stream = run(model4, kvpress.get_policy("streaming", sink_tokens=2, window_size=6), ids)
+    duo_full = run(model4, DuoPolicy(gates=GATES, sparsity=0.0, sink_tokens=2, window_size=6), ids)
+    duo_stream = run(model4, DuoPolicy(gates=GATES, sparsity=1.0, sink_tokens=2, window_size=6), ids)
+    for ref, got in ((full, duo_full), (stream, duo_stream)):
+        assert torch.equal(ref.sequences, got.sequences)
+        for a, b in zip(ref.scores, got.scores):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_mixed_prefill_matches_hard_gated_calibration_attention(model4):
+    """Runtime split == the calibration's gated mix with gates at exactly 0/1 (per head, GQA)."""
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    retrieval = policy.retrieval_mask(kvpress.get_adapter(model4))
+    ids = random_ids(37, seed=11)
+    with torch.no_grad(), kvpress.apply(model4, policy):
+        got = model4(ids, use_cache=True).logits
+    logits = torch.where(retrieval, torch.tensor(float("inf")), torch.tensor(float("-inf")))
+    with torch.no_grad(), gated_attention(model4, logits, sink_tokens=2, window_size=6):
+        ref = model4(ids, use_cache=False).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    with torch.no_grad():  # and the split really differs from full attention
+        assert (model4(ids).logits - got).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ artifacts
+def test_artifact_round_trip_and_model_checks(model4, llama, tmp_path):
+    adapter = kvpress.get_adapter(model4)
+    path = save_artifact(tmp_path / "duo.safetensors", {"gates": torch.tensor(GATES)}, policy="duo", version=1, adapter=adapter)
+    policy = kvpress.get_policy("duo", artifact=str(path), sink_tokens=2, window_size=6)
+    assert torch.equal(policy.load_gates(adapter), torch.tensor(GATES))
+    run(model4, policy, random_ids(20))
+    with pytest.raises(ValueError, match="another model"):  # 2 layers / 2 KV heads
+        with kvpress.apply(llama, policy):
+            pass
+    with pytest.raises(ValueError, match="another model"):
+        DuoPolicy(gates=((0.1, 0.2),)).check_model(adapter)
+    with pytest.raises(FileNotFoundError, match="kvpress calibrate duo"):
+        DuoPolicy(artifact=str(tmp_path / "missing.safetensors")).check_model(adapter)
+    with pytest.raises(ValueError, match="another model"):  # the shipped SmolLM2 artifact on a tiny model
+        kvpress.get_policy("duo").check_model(adapter)
+
+
+def test_reads_upstream_tsv_pattern(model4, tmp_path):
+    run_dir = tmp_path / "lr=0.02-reg=0.05"
+    run_dir.mkdir()
+    (run_dir / "full_attention_heads.tsv").write_text(
+        "\n".join("\t".join(f"{g:.18e}" for g in row) for row in GATES) + "\n"
+    )
+    adapter = kvpress.get_adapter(model4)
+    for artifact in (run_dir, run_dir / "full_attention_heads.tsv"):
+        gates = DuoPolicy(artifact=str(artifact)).load_gates(adapter)
+        torch.testing.assert_close(gates, torch.tensor(GATES))
+    (tmp_path / "ragged.tsv").write_text("1.0\t0.5\n0.3\n")
+    with pytest.raises(ValueError, match="rectangular"):
+        DuoPolicy(artifact=str(tmp_path / "ragged.tsv")).load_gates(adapter)
+    with pytest.raises(ValueError, match="another model"):
+        DuoPolicy(artifact=str(run_dir)).load_gates(kvpress.get_adapter(tiny_model("llama")))
+
+
+@pytest.mark.smollm2
+def test_shipped_artifact_fits_smollm2():
+    model, _ = kvpress.load_model("smollm2")
+    adapter = kvpress.get_adapter(model)
+    policy = kvpress.get_policy("duo")
+    gates = policy.load_gates(adapter)
+    assert gates.shape == (adapter.num_layers, adapter.num_kv_heads)
+    assert bool(((gates > 0) & (gates < 1)).all()) and float(gates.std()) > 0  # trained, not constant
+    assert int(policy.retrieval_mask(adapter).sum()) == round(0.5 * gates.numel())
+
+
+# ------------------------------------------------------------------ calibration
+def test_calibration_trains_only_gates_and_restores_model(llama):
+    state = {k: v.clone() for k, v in llama.state_dict().items()}
+    grads = {n: p.requires_grad for n, p in llama.named_parameters()}
+    ids = random_ids(48, seed=9)
+    settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=6)
+    gates, info = calibrate(llama, settings=settings, samples=[(ids, 40)] * 2, log=lambda *_: None)
+    assert gates.shape == (2, 2) and bool(((gates > 0) & (gates < 1)).all())
+    assert len(info["history"]) == 2 and all(h["distill"] >= 0 for h in info["history"])
+    assert llama.config._attn_implementation == "sdpa"
+    assert {n: p.requires_grad for n, p in llama.named_parameters()} == grads
+    assert all(torch.equal(v, state[k]) for k, v in llama.state_dict().items())
+    assert "duo" in CALIBRATORS
+
+
+@pytest.mark.smollm2
+def test_passkey_samples_hold_the_answer():
+    import random
+
+    from kvpress.policies._duo_calibrate import passkey_sample
+
+    _, tokenizer = kvpress.load_model("smollm2")
+    ids, start = passkey_sample(tokenizer, 600, random.Random(0), num_passkeys=3, passkey_words=2)
+    assert 0.9 * 600 <= ids.shape[1] <= 1.1 * 600
+    answer = tokenizer.decode(ids[0, start:])
+    prompt = tokenizer.decode(ids[0, :start])
+    keys = answer.split(":", 1)[1].strip(" .").split("; ")
+    assert len(keys) == 3 and all(len(k.split()) == 2 and k in prompt for k in keys)
