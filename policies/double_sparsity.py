@@ -36,7 +36,7 @@ class DoubleSparsityPolicy(Policy):
 
     GQA: the label channels belong to the KV head, so every query head of a group uses its KV
     head's channels; the group's per-head scores are combined with ``group_reduction``
-    (default ``"softmax_max"``: a softmax over tokens per query head, then the max over the
+    (default ``"softmax_max"``: a softmax over the candidate tokens per query head, then the max over the
     group, so one selection serves a token that any head of the group attends to strongly).
 
     Prefill is full causal attention; the dense K/V cache stays resident (selection, not
@@ -247,14 +247,24 @@ class DoubleSparsityLayer(DenseLayer):
         """
         p = self.policy
         batch, seq = q0.shape[0], self.seen
-        mask = None
-        if row_start is not None:
-            mask = torch.arange(seq, device=q0.device)[None, :] >= row_start[:, None]  # (B, T) real tokens
+        keep = p.budget - p.sink_tokens - p.window_size
+        lo, hi = p.sink_tokens, seq - p.window_size  # candidates: between the sinks and the window
+        if row_start is None and hi - lo >= keep:
+            # Hot path (no padding): score only the candidates, top-k, no masks.
+            scores = label_scores(q0, self.label_view()[:, :, lo:hi], self.channels, scale=scaling,
+                                  reduction=p.group_reduction)  # (B, H_kv, hi - lo)
+            ids = torch.topk(scores, keep, dim=-1, sorted=False).indices.sort(dim=-1).values + lo
+            cnt = torch.full(ids.shape[:2], keep, dtype=torch.int32, device=q0.device)
+            seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=q0.device)
+            return SparseIndex(1, ids.to(torch.int32), cnt, seq_lens, None, p.sink_tokens, p.window_size)
+        # Padded rows: the same candidates per row ([start + sinks, seq - window)), masked.
+        start = torch.zeros(batch, dtype=torch.long, device=q0.device) if row_start is None else row_start
+        pos = torch.arange(seq, device=q0.device)[None, :]  # (1, T)
+        mask = (pos >= start[:, None] + p.sink_tokens) & (pos < hi)  # (B, T)
         scores = label_scores(q0, self.label_view(), self.channels, scale=scaling,
                               reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
         seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=q0.device)
-        return select_topk(scores, p.budget - p.sink_tokens - p.window_size, block_size=1, seq_lens=seq_lens,
-                           seq_starts=None if row_start is None else row_start.to(torch.int32),
+        return select_topk(scores, keep, block_size=1, seq_lens=seq_lens, seq_starts=start.to(torch.int32),
                            sinks=p.sink_tokens, dense_tail=p.window_size)
 
     def _sparse_step(self, q, scaling, row_start):
