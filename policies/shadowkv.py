@@ -223,11 +223,11 @@ class ShadowKVLayer(CacheLayer):
         q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
         full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
         gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
-        out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._backend(D),
+        out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._decode_backend,
                                  validate_index=False)
         if self.exact_max:
             index = SparseIndex(1, self.exact_idx, self.exact_cnt, full(self.exact_max))
-            o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._backend(D),
+            o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
                                  validate_index=False)
             out, lse = merge_states(out, lse, o, l)
         k_sel = min(self.max_selectable, max(0, (p.budget - self.exact_max - self.gen_len) // p.chunk_size))
@@ -258,9 +258,11 @@ class ShadowKVLayer(CacheLayer):
         index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
                             torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
         return sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
-                             backend=self._backend(D), validate_index=False)
+                             backend=self._decode_backend, validate_index=False)
 
-    def _backend(self, head_dim: int) -> str:
+    @property
+    def _decode_backend(self) -> str:
+        # "triton" for the rebuild still lets sparse_decode fall back to torch for unsupported head_dims
         return "torch" if self.policy.backend == "torch" else "auto"
 
     def _rope_inv_freq(self, device) -> torch.Tensor:
