@@ -1,0 +1,197 @@
+"""kvpress eval: grid validation, resumable JSONL, CSVs, plots, shared prefill (tiny random model)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.evals import results as res
+from kvpress.evals.decode import generate_sample, shared_prefill
+from kvpress.evals.models import byte_tokenizer
+from kvpress.evals.plots import PLOT_FILES
+from kvpress.evals.runner import EvalGrid, expand_policies, run_eval
+from conftest import random_ids, tiny_model
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), byte_tokenizer()
+
+
+def _grid(**kw):
+    base = dict(model="random-smollm2", policies=("full", "window"), budgets=(32,), tasks=("niah_single",),
+                lengths=(512,), samples=2, max_new_tokens=3)
+    return EvalGrid(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- bad input, no model
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(tasks=("nope",)), "unknown task 'nope'"),
+        (dict(tasks=("vt:colour=red",)), "unknown option"),
+        (dict(policies=("nope",)), "unknown policy 'nope'"),
+        (dict(options={"window.nope": "1"}), "has no field"),
+        (dict(options={"window.window_size": "-3"}), "out of range"),
+        (dict(options={"nothere.x": "1"}), "policy of the grid"),
+        (dict(model="no-such-model"), "unknown model"),
+        (dict(budgets=(0,)), "positive ints"),
+        (dict(samples=0), "samples"),
+        (dict(lengths=()), "at least one"),
+    ],
+)
+def test_bad_grid_is_a_value_error(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _grid(**kw)
+
+
+def test_cli_rejects_bad_input_before_loading(monkeypatch, capsys):
+    from kvpress.cli import main
+
+    def boom(*a, **k):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("kvpress.evals.runner.load_eval_model", boom)
+    for argv, message in [
+        (["eval", "--policies", "full,nope"], "unknown policy"),
+        (["eval", "--tasks", "niah_single,nope"], "unknown task"),
+        (["eval", "--model", "no-such-model"], "unknown model"),
+        (["eval", "--policies", "window", "-o", "window.size=3"], "has no field"),
+        (["eval", "--budgets", "12x"], "comma-separated list of int"),
+    ]:
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_budgets_map_through_with_budget_and_budgetless_policies_run_once():
+    names = kvpress.list_policies()
+    variants = expand_policies(names, budgets=(64, 128))
+    for name in names:
+        base = kvpress.get_policy(name)
+        try:
+            configs = {json.dumps(base.with_budget(b).to_dict(), sort_keys=True) for b in (64, 128)}
+        except ValueError:
+            configs = {json.dumps(base.to_dict(), sort_keys=True)}
+        mine = [v for v in variants if v.policy.name == name]
+        assert len(mine) == len(configs), name
+    full = [v for v in variants if v.policy.name == "full"]
+    assert [v.label for v in full] == ["full"] and full[0].budget is None
+    assert [v.label for v in variants if v.policy.name == "window"] == ["window@64", "window@128"]
+
+
+# --------------------------------------------------------------------------- the grid on a tiny model
+
+
+def test_grid_resumes_and_writes_jsonl_csv_and_plots(tiny, tmp_path, capsys):
+    model, tok = tiny
+    grid = _grid()
+    first = run_eval(grid, tmp_path, model=model, tokenizer=tok, max_cells=3, progress=False)
+    assert len(first) == 3
+    assert "1 cell(s) pending" in capsys.readouterr().out
+    lines_before = (tmp_path / res.RESULTS_FILE).read_text().splitlines()
+
+    records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False)
+    table = capsys.readouterr().out
+    lines_after = (tmp_path / res.RESULTS_FILE).read_text().splitlines()
+    assert lines_after[:3] == lines_before, "finished cells are kept as written"
+    assert len(records) == len(lines_after) == 4  # 2 policy configs x 1 task x 1 length x 2 samples
+    assert len({r["key"] for r in records}) == 4
+    assert {(r["policy_label"], r["sample"]) for r in records} == {
+        ("full", 0), ("full", 1), ("window@32", 0), ("window@32", 1)}
+    for r in records:
+        assert r["grid"]["policies"] == ["full", "window"] and r["policy"]["policy"] == r["policy_name"]
+        assert r["versions"]["torch"] == torch.__version__ and "git_sha" in r
+        assert 0.0 <= r["score"] <= 1.0 and r["answers"] and 1 <= r["new_tokens"] <= 3
+        assert r["resident_bytes"] > 0 and r["prefill_s"] > 0 and 490 <= r["num_tokens"] <= 512
+    window = [r for r in records if r["policy_name"] == "window"]
+    full = [r for r in records if r["policy_name"] == "full"]
+    assert max(r["resident_bytes"] for r in window) < min(r["resident_bytes"] for r in full)
+
+    # A third run has nothing left to do and appends nothing.
+    run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False)
+    assert (tmp_path / res.RESULTS_FILE).read_text().splitlines() == lines_after
+
+    with open(tmp_path / res.CELLS_CSV) as f:
+        cells = list(csv.DictReader(f))
+    assert len(cells) == 4 and set(res.CELL_COLUMNS) <= set(cells[0])
+    with open(tmp_path / res.SUMMARY_CSV) as f:
+        summary = list(csv.DictReader(f))
+    assert {(s["policy_label"], s["n"]) for s in summary} == {("full", "2"), ("window@32", "2")}
+    mean_full = sum(r["score"] for r in full) / 2
+    assert float(next(s for s in summary if s["policy_label"] == "full")["score"]) == pytest.approx(mean_full)
+    for header in ("score", "KV MiB", "decode ms/tok", "prefill s"):
+        assert header in table
+    for name in PLOT_FILES:
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_killed_mid_line_results_file_still_resumes(tiny, tmp_path):
+    model, tok = tiny
+    grid = _grid(policies=("full",), samples=2)
+    run_eval(grid, tmp_path, model=model, tokenizer=tok, max_cells=1, progress=False, plots=False, quiet=True)
+    with open(tmp_path / res.RESULTS_FILE, "a") as f:
+        f.write('{"key": "half a line')  # a kill during the write
+    records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    assert sorted(r["sample"] for r in records) == [0, 1]
+
+
+def test_ppl_task_scores_perplexity_through_the_policy_cache(tiny, tmp_path):
+    model, tok = tiny
+    grid = _grid(tasks=("ppl",), lengths=(256,), chunk_size=64)
+    records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    by = {r["policy_label"]: r for r in records}
+    assert set(by) == {"full", "window@32"} and all(r["metric"] == "perplexity" for r in records)
+    assert by["full"]["score"] != pytest.approx(by["window@32"]["score"], rel=1e-6)
+    ids = torch.tensor([kvpress.evals.tasks.get_task("ppl").token_ids(tok, 256)])
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:])
+    assert by["full"]["score"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+
+
+# --------------------------------------------------------------------------- shared prefill
+
+
+def _shared_policies(model):
+    adapter = kvpress.get_adapter(model)
+    out = []
+    for name in kvpress.list_policies():
+        cls = kvpress.policy_class(name)
+        if cls.full_prefill:
+            out.append(cls.example(adapter))
+    return out
+
+
+def test_shared_prefill_equals_each_policy_prefilling_alone(tiny):
+    model, _ = tiny
+    ids = random_ids(80, seed=3)
+    prefill = shared_prefill(model, ids)
+    for policy in _shared_policies(model):
+        own = generate_sample(model, policy, ids, max_new_tokens=6, eos_token_id=None)
+        shared = generate_sample(model, policy, ids, max_new_tokens=6, eos_token_id=None, prefill=prefill)
+        assert shared.shared_prefill and not own.shared_prefill
+        assert shared.tokens == own.tokens, policy.name
+        assert shared.stats.resident_bytes == own.stats.resident_bytes, policy.name
+
+
+def test_runner_with_and_without_prefill_sharing_agree(tiny, tmp_path):
+    model, tok = tiny
+    grid = _grid(policies=("full",), samples=1, max_new_tokens=4)
+    sharers = [p for p in _shared_policies(model) if p.name != "full"]
+    if not sharers:
+        pytest.skip("only `full` declares full_prefill")
+    grid = _grid(policies=("full", sharers[0].name), budgets=(32,), samples=1, max_new_tokens=4)
+    a = run_eval(grid, tmp_path / "a", model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    nogrid = _grid(policies=("full", sharers[0].name), budgets=(32,), samples=1, max_new_tokens=4, share_prefill=False)
+    b = run_eval(nogrid, tmp_path / "b", model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    assert any(r["shared_prefill"] for r in a) and not any(r["shared_prefill"] for r in b)
+    pick = lambda rs: sorted((r["policy_label"], r["prediction"], r["score"], r["resident_bytes"]) for r in rs)  # noqa: E731
+    assert pick(a) == pick(b)
