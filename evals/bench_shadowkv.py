@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -108,6 +109,8 @@ def run_quality(args) -> dict:
                 if name == "shadowkv":
                     transfers.append(transfer_summary(cache))
                     ratios.append(kvpress.cache_stats(cache).resident_bytes / kvpress.cache_stats(sp.cache).resident_bytes)
+            print(f"[{task_name} #{sample.index}] full {scores['full'][-1]:.2f} shadowkv {scores['shadowkv'][-1]:.2f}",
+                  file=sys.stderr, flush=True)
         f, s = (sum(v) / len(v) for v in (scores["full"], scores["shadowkv"]))
         rec = {"full": f, "shadowkv": s, "ratio": s / f if f else float("nan"), "budget": pol.budget,
                "resident_vs_full": sum(ratios) / len(ratios),
