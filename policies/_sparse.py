@@ -66,8 +66,11 @@ class SelectiveLayer(CacheLayer):
             return dense_causal_attention(
                 q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
             )
-        index = self.select(q[:, :, 0], scaling, lengths)
-        return self.sparse_attend(q, index, scaling)
+        return self.decode_step(q, scaling, lengths)
+
+    def decode_step(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> torch.Tensor:
+        """One sparse decode step (the token is already stored): q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
+        return self.sparse_attend(q, self.select(q[:, :, 0], scaling, lengths), scaling)
 
     def dense_step(self, lengths: torch.Tensor) -> bool:
         """Whether this decode step attends densely: every row fits in the budget."""
@@ -184,7 +187,8 @@ def check_budget(budget: int, always_on: int, what: str) -> None:
                          f"allowed: budget >= {always_on}")
 
 
-def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor,
+                 row_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` candidate pages per (row, KV head), ids ascending.
 
     Parameters
@@ -195,13 +199,15 @@ def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor) -> tupl
         Pages to select (at most).
     candidates : torch.Tensor
         bool ``(B, P)``: selectable pages of each row.
+    row_k : torch.Tensor, optional
+        long ``(B,)``: a smaller per-row limit (at most ``k``).
 
     Returns
     -------
     ids : torch.Tensor
         int64 ``(B, H_kv, min(k, P))``, valid ids first (ascending), then -1.
     count : torch.Tensor
-        int64 ``(B, H_kv)``, ``min(k, candidates per row)``.
+        int64 ``(B, H_kv)``, ``min(k, row_k, candidates per row)``.
     """
     B, H, P = scores.shape
     k = min(k, P)
@@ -209,7 +215,10 @@ def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor) -> tupl
     s = torch.nan_to_num(scores.float(), nan=lowest, neginf=lowest).clamp(min=lowest)
     s = s.masked_fill(~candidates[:, None, :], float("-inf"))  # (B, H, P)
     ids = torch.topk(s, k, dim=-1).indices  # candidates (finite) rank before the rest
-    count = candidates.sum(-1).clamp(max=k)[:, None].expand(B, H)  # (B, H)
+    count = candidates.sum(-1).clamp(max=k)  # (B,)
+    if row_k is not None:
+        count = torch.minimum(count, row_k)
+    count = count[:, None].expand(B, H)  # (B, H)
     slot_ok = torch.arange(k, device=scores.device) < count[..., None]  # (B, H, k)
     ids = torch.where(slot_ok, ids, torch.full_like(ids, P)).sort(dim=-1).values
     return torch.where(slot_ok, ids, torch.full_like(ids, -1)), count

@@ -100,9 +100,13 @@ class QuestLayer(SelectiveLayer):
         candidates = torch.where((lengths <= self.budget)[:, None], touching, inside)  # (B, P)
         scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
                               scale=scaling, mask=candidates)  # (B, H_kv, P)
-        k = max(p.selected_pages, -(-self.budget // size))
-        ids, count = select_pages(scores, k if bool((lengths <= self.budget).any()) else p.selected_pages,
-                                  candidates)
+        covered = lengths <= self.budget  # (B,)
+        if bool(covered.any()):
+            k = max(p.selected_pages, -(-self.budget // size))
+            row_k = torch.where(covered, k, p.selected_pages)
+            ids, count = select_pages(scores, k, candidates, row_k)
+        else:
+            ids, count = select_pages(scores, p.selected_pages, candidates)
         return page_index(ids, count, size, self.seen, self.row_start, sinks=p.sink_tokens, dense_tail=p.dense_tail)
 
     def state_tensors(self):

@@ -1,0 +1,119 @@
+"""Decode speed of the sparse policies against ``full``: ``python -m kvpress.evals.bench_sparse_decode``.
+
+For each policy and budget, one greedy generation with :func:`kvpress.generation.timed_generate`
+(no early stop) on a ``--length``-token prompt (the ``ppl`` document). Columns:
+
+``decode ms/tok``  end-to-end decode step (model forward + greedy pick), mean over the steps;
+``attn ms/tok``    time inside the kvpress attention function per decode step, summed over the
+                   layers (cache update, selection, sparse_decode);
+``speedup``        full's decode ms/token / the policy's, at the same context.
+
+Before timing, each policy's first generated tokens are printed next to ``full``'s as a sanity
+check. Results are also written as JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+class _AttentionTimer:
+    """Wraps kvpress' registered attention function to time one-token (decode) calls."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __enter__(self):
+        import kvpress.patching as patching
+
+        self._patching = patching
+        self._original = patching.kvpress_attention
+        original = self._original
+
+        def timed(module, query, *args, **kwargs):
+            if query.shape[2] != 1:
+                return original(module, query, *args, **kwargs)
+            start = time.perf_counter()
+            out = original(module, query, *args, **kwargs)
+            if query.is_cuda:
+                torch.cuda.synchronize(query.device)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return out
+
+        patching.kvpress_attention = timed  # apply() registers whatever this name holds
+        return self
+
+    def __exit__(self, *exc):
+        self._patching.kvpress_attention = self._original
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(self._patching.ATTN_NAME, self._original)
+        return False
+
+
+def run(args) -> list[dict]:
+    import kvpress
+    from kvpress.evals.tasks import get_task
+    from kvpress.generation import timed_generate
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = kvpress.load_model(args.model)
+    num_layers = kvpress.get_adapter(model).num_layers
+    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])
+    rows = []
+    reference = None
+    full_ms = None
+    for name in args.policies.split(","):
+        for budget in ([None] if name == "full" else args.budgets):
+            policy = kvpress.get_policy(name) if budget is None else kvpress.get_policy(name).with_budget(budget)
+            with _AttentionTimer() as timer:
+                result = timed_generate(model, ids, policy, max_new_tokens=args.new_tokens, eos_token_id=[])
+            steps = max(1, timer.calls // num_layers)
+            tokens = result.tokens[0].tolist()
+            if reference is None:
+                reference = tokens
+            agree = sum(a == b for a, b in zip(tokens, reference))
+            if name == "full":
+                full_ms = result.decode_ms_per_token
+            row = dict(policy=name, context=args.length, budget=budget, prefill_s=result.prefill_s,
+                       decode_ms_per_token=result.decode_ms_per_token,
+                       attention_ms_per_token=1000.0 * timer.seconds / steps,
+                       resident_mib=result.stats.resident_bytes / 2**20,
+                       speedup_vs_full=(full_ms / result.decode_ms_per_token) if full_ms else None,
+                       tokens_agreeing_with_first=f"{agree}/{len(tokens)}")
+            rows.append(row)
+            print(f"# {name} budget={budget}: first tokens {tokenizer.decode(tokens[:12])!r} "
+                  f"(agree with {args.policies.split(',')[0]}: {agree}/{len(tokens)})", flush=True)
+    print(f"{'policy':<8} {'context':>7} {'budget':>6} {'decode ms/tok':>13} {'attn ms/tok':>11} "
+          f"{'speedup':>7} {'resident MiB':>12} {'prefill s':>9}")
+    for r in rows:
+        speed = "-" if r["speedup_vs_full"] is None else f"{r['speedup_vs_full']:.2f}x"
+        print(f"{r['policy']:<8} {r['context']:>7} {str(r['budget'] or '-'):>6} {r['decode_ms_per_token']:>13.1f} "
+              f"{r['attention_ms_per_token']:>11.1f} {speed:>7} {r['resident_mib']:>12.1f} {r['prefill_s']:>9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=args.model, threads=args.threads, new_tokens=args.new_tokens, rows=rows), f, indent=2)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--length", type=int, default=8192, help="prompt tokens (default 8192)")
+    parser.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[256])
+    parser.add_argument("--policies", default="full,quest,tidal,snapkv", help="comma-separated; full first")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write the rows here")
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

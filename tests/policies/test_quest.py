@@ -1,0 +1,130 @@
+"""Quest: incremental page bounds, exact budgets, always-on tokens, identity, bad input, SmolLM2 smoke."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.attention import dense_causal_attention
+from kvpress.cache import PolicyCache
+from kvpress.kernels import page_min_max
+from kvpress.policies._sparse import PageStats
+
+from conftest import random_ids, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")  # 4 query heads, 2 KV heads, head_dim 16, 2 layers
+
+
+def quest_layer(model, row_start=None, **fields):
+    policy = kvpress.get_policy("quest", **{"dense_layers": 0, "page_size": 8, **fields})
+    cache = PolicyCache(policy, kvpress.get_adapter(model))
+    if row_start is not None:
+        cache._set_row_start(torch.tensor(row_start))
+    return cache.layers[1]
+
+
+def prefill(layer, length, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(batch, 2, length, 16, generator=g), torch.randn(batch, 2, length, 16, generator=g)
+    layer.ingest_prefill(k, v)
+    return k, v
+
+
+def test_page_bounds_are_updated_incrementally_and_match_a_recompute():
+    g = torch.Generator().manual_seed(0)
+    stats = PageStats(page_size=8, grow_pages=2)
+    keys = torch.randn(2, 3, 61, 16, generator=g)
+    row_start = torch.tensor([0, 5])
+    stats.append(keys[:, :, :37], 0, row_start)  # a prompt ending mid-page
+    for t in range(37, 61):  # decode appends, crossing page boundaries and capacity growth
+        stats.append(keys[:, :, t : t + 1], t, row_start)
+    for b in range(2):
+        rel = keys[b : b + 1, :, int(row_start[b]) :]  # pages count from the row's first real token
+        mn, mx = page_min_max(rel, 8)
+        got_min, got_max = stats.bounds(mn.shape[2])
+        torch.testing.assert_close(got_min[b : b + 1], mn, rtol=0, atol=0)
+        torch.testing.assert_close(got_max[b : b + 1], mx, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sinks", [0, 8])
+def test_attended_tokens_equal_budget_and_always_on_tokens_are_kept(model, sinks):
+    layer = quest_layer(model, budget=36, sink_tokens=sinks)
+    policy = layer.policy
+    prefill(layer, 101)
+    q = torch.randn(1, 4, 16)
+    index = layer.select(q, 0.25, layer.lengths())
+    assert index.num_attended().tolist() == [[36, 36]]
+    mask = index.token_mask(layer.buffer.k.shape[2])[0]  # (H_kv, T_cap)
+    assert mask[:, :sinks].all() and mask[:, 101 - policy.dense_tail : 101].all()
+    assert policy.dense_tail >= policy.page_size  # the current (partial) page is always attended
+    assert not mask[:, 101:].any()
+
+
+def test_left_padded_rows_page_from_their_first_token_with_exact_budget(model):
+    layer = quest_layer(model, row_start=[0, 5], budget=28)
+    prefill(layer, 70, batch=2)
+    index = layer.select(torch.randn(2, 4, 16), 0.25, layer.lengths())
+    assert index.block_size == 1  # misaligned rows: pages expanded to tokens
+    assert index.num_attended().tolist() == [[28, 28], [28, 28]]
+    assert not index.token_mask(layer.buffer.k.shape[2])[1, :, :5].any()  # padding never attended
+
+
+def test_row_covered_by_budget_attends_everything_in_a_batch_with_longer_rows(model):
+    layer = quest_layer(model, row_start=[0, 40], budget=32)
+    prefill(layer, 64, batch=2)  # row 1 has 24 real tokens <= budget
+    index = layer.select(torch.randn(2, 4, 16), 0.25, layer.lengths())
+    assert index.num_attended()[1].tolist() == [24, 24]
+    assert index.num_attended()[0].tolist() == [32, 32]
+
+
+def test_decode_with_budget_covering_the_sequence_is_dense_attention(model):
+    layer = quest_layer(model, budget=64)
+    k, v = prefill(layer, 40)
+    q, k1, v1 = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    out = layer.attend(q, k1, v1, 0.25)
+    ref = dense_causal_attention(q, torch.cat([k, k1], 2), torch.cat([v, v1], 2), 0.25, q_start=40)
+    assert torch.equal(out, ref)
+
+
+def test_sparse_decode_matches_attention_over_the_selected_tokens(model):
+    layer = quest_layer(model, budget=24)
+    k, v = prefill(layer, 60)
+    q, k1, v1 = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    out = layer.attend(q, k1, v1, 0.25)
+    index = layer.select(q[:, :, 0], 0.25, layer.lengths())
+    mask = index.token_mask(61)[0]  # (H_kv, 61)
+    keys, values = torch.cat([k, k1], 2)[0], torch.cat([v, v1], 2)[0]
+    for h in range(4):
+        sel = mask[h // 2]
+        w = torch.softmax(q[0, h, 0] @ keys[h // 2, sel].T * 0.25, -1)
+        torch.testing.assert_close(out[0, h, 0], w @ values[h // 2, sel], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="page_size"):
+        kvpress.get_policy("quest", page_size=12)
+    with pytest.raises(ValueError, match="budget >= 16"):
+        kvpress.get_policy("quest", budget=8)
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        kvpress.get_policy("quest", sink_tokens=4)
+    with pytest.raises(ValueError, match="dense_layers"):
+        with kvpress.apply(model, kvpress.get_policy("quest", dense_layers=3)):
+            pass
+
+
+@pytest.mark.smollm2
+def test_smollm2_finds_a_needle_far_outside_the_recent_tokens():
+    from kvpress.generation import timed_generate
+
+    model, tokenizer = kvpress.load_model("smollm2")
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    text = "The pass key is 68142. Remember it. 68142 is the pass key. " + filler * 40 + "What is the pass key?"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    assert ids.shape[1] > 800
+    res = timed_generate(model, ids, kvpress.get_policy("quest", budget=128), max_new_tokens=10,
+                         eos_token_id=tokenizer.eos_token_id)
+    assert "68142" in tokenizer.decode(res.tokens[0], skip_special_tokens=True)
+    assert res.stats.resident_bytes > res.stats.dense_bytes  # quest keeps the whole cache plus page bounds
