@@ -172,11 +172,11 @@ def _shared_policies(model):
 
 def test_shared_prefill_equals_each_policy_prefilling_alone(tiny):
     model, _ = tiny
-    ids = random_ids(80, seed=3)
+    ids = random_ids(48, seed=3)
     prefill = shared_prefill(model, ids)
     for policy in _shared_policies(model):
-        own = generate_sample(model, policy, ids, max_new_tokens=6, eos_token_id=None)
-        shared = generate_sample(model, policy, ids, max_new_tokens=6, eos_token_id=None, prefill=prefill)
+        own = generate_sample(model, policy, ids, max_new_tokens=4, eos_token_id=None)
+        shared = generate_sample(model, policy, ids, max_new_tokens=4, eos_token_id=None, prefill=prefill)
         assert shared.shared_prefill and not own.shared_prefill
         assert shared.tokens == own.tokens, policy.name
         assert shared.stats.resident_bytes == own.stats.resident_bytes, policy.name
@@ -184,10 +184,18 @@ def test_shared_prefill_equals_each_policy_prefilling_alone(tiny):
 
 def test_runner_with_and_without_prefill_sharing_agree(tiny, tmp_path):
     model, tok = tiny
-    grid = _grid(policies=("full",), samples=1, max_new_tokens=4)
-    sharers = [p for p in _shared_policies(model) if p.name != "full"]
+    adapter = kvpress.get_adapter(model)
+
+    def runs_with_defaults(name):
+        try:
+            kvpress.get_policy(name).check_model(adapter)
+        except ValueError:
+            return False
+        return True
+
+    sharers = [p for p in _shared_policies(model) if p.name != "full" and runs_with_defaults(p.name)]
     if not sharers:
-        pytest.skip("only `full` declares full_prefill")
+        pytest.skip("no other artifact-free policy declares full_prefill")
     grid = _grid(policies=("full", sharers[0].name), budgets=(32,), samples=1, max_new_tokens=4)
     a = run_eval(grid, tmp_path / "a", model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
     nogrid = _grid(policies=("full", sharers[0].name), budgets=(32,), samples=1, max_new_tokens=4, share_prefill=False)
