@@ -68,6 +68,19 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(*packed.shape[:-1], -1)
 
 
+_LUTS: dict = {}
+
+
+def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``unpack_codes(packed, bits).float()`` through a 256-entry lookup table (one embedding
+    gather per byte; ~3.5x faster on CPU than shift + mask + convert)."""
+    key = (bits, packed.device)
+    if key not in _LUTS:
+        _LUTS[key] = unpack_codes(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None], bits).float()
+    out = torch.nn.functional.embedding(packed.long(), _LUTS[key])  # (..., N * bits / 8, 8 / bits)
+    return out.view(*packed.shape[:-1], -1)
+
+
 def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Min/max quantize ``x`` (fp32) over ``reduce_dim``; scale and zero are rounded to fp16 first
     so that the codes are optimal for the parameters actually stored."""
@@ -163,7 +176,7 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         g0, g1 = t0 // group_size, t1 // group_size
-        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D): one chunk, never the cache
+        c = unpack_float(codes[:, :, t0:t1], bits)  # (B, H, t, D): one chunk, never the cache
         s, z = scale[:, :, g0:g1].float(), zero[:, :, g0:g1].float()  # (B, H, ng, D)
         if M < group_size:
             # fold the scale into the query: (B, H, ng, M, D) @ (B, H, ng, D, G)
@@ -187,7 +200,7 @@ def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_siz
     step = _chunk(group_size)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D)
+        c = unpack_float(codes[:, :, t0:t1], bits)  # (B, H, t, D)
         s = scale[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, NGd, t)
         acc = qsum @ zero[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, M, t)
         for g in range(ng):
@@ -216,7 +229,7 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         pc = p[..., t0:t1]
-        c = unpack_codes(codes[:, :, t0:t1], bits).float()  # (B, H, t, D)
+        c = unpack_float(codes[:, :, t0:t1], bits)  # (B, H, t, D)
         s = scale[:, :, t0:t1].float()  # (B, H, t, NGd)
         out += (pc @ zero[:, :, t0:t1].float())[..., None]
         for g in range(ng):
@@ -234,7 +247,7 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         g0, g1 = t0 // group_size, t1 // group_size
-        c = unpack_codes(codes[:, :, t0:t1], bits).float().view(B, H, g1 - g0, group_size, D)
+        c = unpack_float(codes[:, :, t0:t1], bits).view(B, H, g1 - g0, group_size, D)
         pg = p[..., t0:t1].reshape(B, H, M, g1 - g0, group_size).transpose(2, 3)  # (B, H, ng, M, G)
         out += ((pg @ c) * scale[:, :, g0:g1, None].float()).sum(2)
         out += (pg.sum(-1, keepdim=True) * zero[:, :, g0:g1, None].float()).sum(2)
