@@ -1,7 +1,25 @@
-"""Torch backend of `sparse_decode`: gather only the selected K/V rows, then two small matmuls.
+"""Torch backend of `sparse_decode`: gather only the selected K/V rows, then one attention pass.
 
 Work and memory traffic grow with the budget (sinks + tail + K_max * block_size), not with
 the context, which makes this the fast path on CPU. Scores and softmax run in fp32.
+
+A decode step calls this once per layer, so the fixed cost per call matters as much as the
+bandwidth (a budget of 256 tokens moves ~2 MB, ~0.2 ms on one CPU core). The step is therefore
+written as ~25 torch ops whatever the index looks like, with no Python loop over heads or
+blocks and no device sync:
+
+1. ``_positions``: one flat list of ``V = sinks + dense_tail + K_max * block_size`` slots per
+   (row, KV head). A cached per-shape template says, for every slot, which base it adds to
+   (seq_start, tail_start or its block's first token) and which row range bounds it (sinks:
+   ``[seq_start, sink_end)``, tail: ``[tail_start, seq_len)``, blocks:
+   ``[sink_end, tail_start)``). The ranges are disjoint, so the slots are deduplicated by
+   construction, and padding blocks (-1) land below ``sink_end``.
+2. ``_row_view``: a ``(rows, D)`` view of the cache storage, so one ``index_select`` per K/V
+   copies the selected rows of every (row, KV head) whatever the cache strides are
+   (``KVBuffer`` views with spare capacity, HF caches, transposed layouts).
+3. ``_attend``: on CPU torch's fused flash-attention kernel (scores, additive mask, softmax,
+   ``P @ V`` and the log-sum-exp in one call, the G query heads of a group as G query rows);
+   elsewhere, or where that op is missing, ``baddbmm`` + ``logsumexp`` + ``bmm``.
 """
 from __future__ import annotations
 
@@ -12,6 +30,118 @@ import torch
 
 from .checks import check_decode_inputs
 from .index import SparseIndex
+
+CPU_CHUNK_BYTES = 16 << 20  # gathered bytes per step of the CPU loop (bounds the workspace)
+DENSE_FRACTION = 0.75  # padded selection >= this share of the cache: one masked pass instead
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------- positions
+_EMPTY = -(1 << 40)  # both bounds of an empty range: clamping sends every slot there
+_CACHE: dict = {}  # small per-shape constants (aranges, row offsets), built once
+_MAX_CACHE = 256
+
+
+def _const(key: tuple, build) -> tuple[torch.Tensor, ...]:
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) >= _MAX_CACHE:  # contexts grow K_max step by step: keep it bounded
+            _CACHE.clear()
+        hit = _CACHE[key] = build()
+    return hit
+
+
+def _row_table_host(index: SparseIndex) -> tuple[torch.Tensor, bool, bool]:
+    """`_row_table` from Python ints: cheaper than ~15 tiny tensor ops, and no sync on CPU."""
+    S, Tl, K = index.sinks, index.dense_tail, index.max_blocks
+    lens = index.seq_lens.tolist()
+    starts = [0] * len(lens) if index.seq_starts is None else index.seq_starts.tolist()
+    rows, any_empty, no_fixed = [], False, False
+    for start, n in zip(starts, lens):
+        sink_end = min(start + S, n)
+        tail_start = max(n - Tl, sink_end)
+        row = [start, tail_start]
+        for lo, hi, slots in ((start, sink_end, S), (tail_start, n, Tl), (sink_end, tail_start, K)):
+            row += [lo, hi - 1] if hi > lo else [_EMPTY, _EMPTY]
+            any_empty |= bool(slots) and hi <= lo
+        no_fixed |= sink_end == start and n == tail_start
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.long).view(len(lens), 8), any_empty, no_fixed
+
+
+def _row_table_device(index: SparseIndex) -> tuple[torch.Tensor, bool, bool]:
+    """`_row_table` with tensor ops only (no host sync: CUDA and other devices)."""
+    starts, sink_end, tail_start = index.row_ranges()  # (B,) each
+    lens = index.seq_lens.long()
+    cols = [starts, tail_start]
+    for lo, hi in ((starts, sink_end), (tail_start, lens), (sink_end, tail_start)):
+        ok = hi > lo
+        cols += [torch.where(ok, lo, _EMPTY), torch.where(ok, hi - 1, _EMPTY)]
+    return torch.stack(cols, 1), True, True
+
+
+def _row_table(index: SparseIndex) -> tuple[torch.Tensor, bool, bool]:
+    """Per-row token ranges of the SparseIndex decomposition (see `kvpress.kernels.index`).
+
+    Returns
+    -------
+    table : torch.Tensor
+        int64 ``(B, 8)``: ``seq_start, tail_start``, then the inclusive bounds ``lo, hi`` of
+        the sink ``[seq_start, sink_end)``, tail ``[tail_start, seq_len)`` and block
+        ``[sink_end, tail_start)`` ranges; an empty range gets ``lo = hi = _EMPTY``.
+    any_empty : bool
+        Whether some row has an empty range for a segment that has slots (False is exact).
+    maybe_nothing : bool
+        Whether some (row, KV head) may attend no token at all (False is exact).
+    """
+    if index.device.type == "cpu":
+        return _row_table_host(index)
+    return _row_table_device(index)
+
+
+def _slot_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Token position of every slot, clamped into its range, and the slot's additive mask.
+
+    Slots per (row, KV head): ``sinks`` from ``seq_start``, ``dense_tail`` from
+    ``tail_start``, then ``block_size`` tokens per block slot (``V`` in all). Each segment is
+    clamped into its range (sinks ``[seq_start, sink_end)``, tail ``[tail_start, seq_len)``,
+    blocks ``[sink_end, tail_start)``): a slot counts exactly when clamping leaves it
+    unchanged, so the disjoint ranges deduplicate by construction, padding ids (-1) and
+    overlaps drop out, and every counted position is a real token.
+
+    Returns
+    -------
+    pos : torch.Tensor
+        int64 ``(B, H_kv, V)``; in ``[0, capacity)`` for every slot (uncounted ones too).
+    bias : torch.Tensor
+        fp32 ``(B, H_kv, V)``: 0 for counted slots, -inf otherwise.
+    maybe_nothing : bool
+        False when every (row, KV head) certainly attends at least one token.
+    """
+    B, H_kv, K = index.block_idx.shape
+    S, Tl, bs = index.sinks, index.dense_tail, index.block_size
+    F, V = S + Tl, S + Tl + K * bs
+    dev = index.device
+    ar_s, ar_t, ar_b = _const(("ar", S, Tl, bs, str(dev)),
+                              lambda: tuple(torch.arange(n, device=dev) for n in (S, Tl, bs)))
+    table, any_empty, maybe_nothing = _row_table(index)
+    t = table[:, None, :, None].expand(B, H_kv, 8, 1)  # broadcasts over slots
+    slots = torch.empty(B, H_kv, V, dtype=torch.long, device=dev)
+    pos = torch.empty_like(slots)
+    # three segments, each built by one add and clamped by one clamp (segment-wide bounds)
+    for first, end, base_col, bound_col, offsets in ((0, S, 0, 2, ar_s), (S, F, 1, 4, ar_t)):
+        if end > first:
+            torch.add(t[:, :, base_col], offsets, out=slots[..., first:end])
+            torch.clamp(slots[..., first:end], t[:, :, bound_col], t[:, :, bound_col + 1],
+                        out=pos[..., first:end])
+    if K:
+        torch.add(ar_b, index.block_idx[..., None], alpha=bs, out=slots[..., F:].view(B, H_kv, K, bs))
+        torch.clamp(slots[..., F:], t[:, :, 6], t[:, :, 7], out=pos[..., F:])
+    # eq gives 1.0 / 0.0 and log turns that into the 0 / -inf mask in place
+    bias = torch.eq(pos, slots, out=torch.empty(B, H_kv, V, device=dev)).log_()
+    if any_empty:
+        pos.clamp_(min=0)  # the _EMPTY sentinel; every other clamped slot is a real token
+    return pos, bias, maybe_nothing
 
 
 def selected_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,89 +155,177 @@ def selected_positions(index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor]:
     valid : torch.Tensor
         bool ``(B, H_kv, V)``; True exactly once for every attended token (deduplicated).
     """
-    B, H_kv, K_max = index.block_idx.shape
-    dev = index.device
-    starts, sink_end, tail_start = index.row_ranges()  # (B,) each
-    lens = index.seq_lens.long()
-    pos_parts, valid_parts = [], []
-    if index.sinks:
-        p = starts[:, None] + torch.arange(index.sinks, device=dev)  # (B, sinks)
-        pos_parts.append(p[:, None, :].expand(B, H_kv, -1))
-        valid_parts.append((p < sink_end[:, None])[:, None, :].expand(B, H_kv, -1))
-    if index.dense_tail:
-        p = tail_start[:, None] + torch.arange(index.dense_tail, device=dev)  # (B, tail)
-        pos_parts.append(p[:, None, :].expand(B, H_kv, -1))
-        valid_parts.append((p < lens[:, None])[:, None, :].expand(B, H_kv, -1))
-    if K_max:
-        bs = index.block_size
-        ids = index.block_idx.long()  # (B, H_kv, K_max)
-        p = (ids[..., None] * bs + torch.arange(bs, device=dev)).reshape(B, H_kv, K_max * bs)  # (B, H_kv, K_max*bs)
-        # padding ids (-1) give p < 0 <= sink_end, so this also drops the padded slots
-        ok = (p >= sink_end[:, None, None]) & (p < tail_start[:, None, None])
-        pos_parts.append(p)
-        valid_parts.append(ok)
-    if not pos_parts:
-        empty = torch.zeros(B, H_kv, 0, dtype=torch.long, device=dev)
-        return empty, empty.bool()
-    pos = torch.cat(pos_parts, dim=-1) if len(pos_parts) > 1 else pos_parts[0]  # (B, H_kv, V)
-    valid = torch.cat(valid_parts, dim=-1) if len(valid_parts) > 1 else valid_parts[0]
-    return torch.where(valid, pos, torch.zeros_like(pos)), valid
+    pos, bias, _ = _slot_positions(index)
+    valid = bias == 0
+    return pos.masked_fill_(~valid, 0), valid
+
+
+# ---------------------------------------------------------------------------- gather
+def _row_view(cache: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """A ``(rows, D)`` view of ``cache``'s storage and the row arithmetic to address it.
+
+    Returns ``rows, b_step, h_step, t_step``: token ``t`` of (row ``b``, KV head ``h``) is
+    ``rows[b * b_step + h * h_step + t * t_step]``. Rows are ``g`` elements apart with ``g``
+    the gcd of the cache strides (``D`` for every layout met in practice); they overlap when
+    ``g < D``, which is fine for reading.
+    """
+    B, H_kv, T, D = cache.shape
+    strides = [s for s, n in zip(cache.stride()[:3], (B, H_kv, T)) if n > 1 and s]
+    g = math.gcd(*strides) if strides else D
+    sb, sh, st = (s // g if n > 1 else 0 for s, n in zip(cache.stride()[:3], (B, H_kv, T)))
+    n_rows = (B - 1) * sb + (H_kv - 1) * sh + (T - 1) * st + 1
+    return cache.as_strided((n_rows, D), (g, 1)), sb, sh, st
 
 
 _WORKSPACE = threading.local()
-CPU_CHUNK_BYTES = 4 << 20  # gathered K+V bytes per step of the CPU loop: fits in L2/L3
 
 
-def _workspace(slot: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-    """Reusable per-thread CPU buffer of at least ``numel`` elements.
+def _workspace(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Reusable per-thread CPU buffer of ``shape``.
 
     Why: a fresh multi-MB CPU tensor is returned to the OS on free and page-faults again on
     the next step; at a 4k budget that costs more than the gather itself.
     """
-    key = (slot, like.dtype)
-    buf = getattr(_WORKSPACE, "buffers", {}).get(key)
+    buffers = getattr(_WORKSPACE, "buffers", None)
+    if buffers is None:
+        buffers = _WORKSPACE.buffers = {}
+    numel = math.prod(shape)
+    buf = buffers.get((slot, dtype))
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=like.dtype)
-        if not hasattr(_WORKSPACE, "buffers"):
-            _WORKSPACE.buffers = {}
-        _WORKSPACE.buffers[key] = buf
-    return buf[:numel]
+        buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
 
 
-def _gather_rows(cache: torch.Tensor, first: int, pos: torch.Tensor, slot: str) -> torch.Tensor:
-    """Rows ``cache[b, h, pos[i, v]]`` for the (b, h) pairs ``first + i`` -> ``(n, V, D)``.
+def _gather(rows: torch.Tensor, flat: torch.Tensor, slot: str) -> torch.Tensor:
+    """``rows[flat]`` for ``flat`` of shape (n, V) -> fp32 ``(n, V, D)`` (one copy of each row)."""
+    n, V = flat.shape
+    D = rows.shape[1]
+    if rows.device.type != "cpu":
+        return rows.index_select(0, flat.view(-1)).view(n, V, D).float()
+    sel = torch.index_select(rows, 0, flat.view(-1), out=_workspace(slot, (n * V, D), rows.dtype))
+    if rows.dtype == torch.float32:
+        return sel.view(n, V, D)
+    # fp16 / bf16: the copy reads half the bytes; the math runs in fp32 like the reference
+    return _workspace(slot + "32", (n, V, D), torch.float32).copy_(sel.view(n, V, D))
 
-    Touches only the selected rows; pair ``p`` is ``(b, h) = divmod(p, H_kv)``.
+
+# ---------------------------------------------------------------------------- attention
+def _fused_cpu_op():
+    """torch's fused CPU flash-attention op, or None when absent or unfit.
+
+    It returns the log-sum-exp next to the output, which the public SDPA does not. It is a
+    private op, so it is probed once: a row with every token masked must come out as zeros
+    (older torch versions gave NaN there), and the lse it returns is checked by the tests.
     """
-    B, H_kv, T_cap, D = cache.shape
-    n, V = pos.shape
-    pairs = torch.arange(first, first + n, device=pos.device)[:, None]  # (n, 1)
-    if cache.is_contiguous():
-        flat = (pairs * T_cap + pos).reshape(-1)  # (n*V,) rows of the (B*H_kv*T, D) view
-        rows = cache.view(B * H_kv * T_cap, D)
-        if cache.device.type == "cpu":
-            buf = _workspace(slot, flat.numel() * D, cache).view(-1, D)
-            return torch.index_select(rows, 0, flat, out=buf).view(n, V, D)
-        return rows.index_select(0, flat).view(n, V, D)
-    return cache[pairs // H_kv, pairs % H_kv, pos]  # (n, V, D)
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None:
+        return None
+    try:
+        q, k = torch.ones(2, 1, 1, 8), torch.ones(2, 1, 3, 8)
+        bias = torch.tensor([0.0, float("-inf")])[:, None, None, None].expand(2, 1, 1, 3)
+        o, lse = op(q, k, k, attn_mask=bias.contiguous(), scale=1.0)
+        if o.shape != q.shape or not torch.equal(o[1], torch.zeros_like(o[1])) \
+                or abs(float(lse[0, 0, 0]) - (8 + math.log(3))) > 1e-4:
+            return None
+    except RuntimeError:
+        return None
+    return op
 
 
-def _attend(q_g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 masked softmax attention: q_g (..., G, D), k/v (..., V, D), valid (..., V).
+_FUSED_CPU = _fused_cpu_op()
+USE_FUSED_CPU = True  # tests switch it off to cover the explicit path on CPU
 
-    Written out instead of ``torch.logsumexp`` + ``exp`` (that pair was ~20x slower than one
-    exp on small CPU tensors); normalising the (G, D) output is cheaper than the (G, V) weights.
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
+            maybe_nothing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with an additive mask, all fp32.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(n, 1, G, D)``: the G query heads sharing one KV head are G query rows.
+    k, v : torch.Tensor
+        ``(n, 1, V, D)``, any strides with a contiguous last dim.
+    bias : torch.Tensor
+        ``(n, 1, 1, V)``, 0 for attended tokens and -inf otherwise.
+    scale : float
+        Score scale.
+    maybe_nothing : bool
+        Whether some row of ``bias`` may be all -inf (False skips the fix-up for such rows).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``(n, 1, G, D)``, contiguous; zeros where nothing is attended.
+    lse : torch.Tensor
+        ``(n, 1, G)``, natural log-sum-exp of the scaled, masked scores; -inf where nothing
+        is attended.
     """
-    scores = q_g @ k.float().transpose(-1, -2)  # (..., G, V)
-    scores.masked_fill_(~valid[..., None, :], float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)  # (..., G, 1)
-    m.masked_fill_(m == float("-inf"), 0.0)  # nothing valid: exp(-inf - 0) = 0, no NaN
-    p = scores.sub_(m).exp_()
-    denom = p.sum(dim=-1, keepdim=True)  # (..., G, 1); 0 when nothing is valid
-    lse = (m + denom.log()).squeeze(-1)  # log(0) = -inf for empty rows
-    o = (p @ v.float()).div_(denom.masked_fill_(denom == 0, 1.0))  # (..., G, D)
-    return o, lse
+    if q.device.type == "cpu" and _FUSED_CPU is not None and USE_FUSED_CPU:
+        o, lse = _FUSED_CPU(q, k, v, attn_mask=bias, scale=scale)
+        # the op reports lse 0 for a row with nothing attended; max(bias) is 0 or -inf
+        return o, (lse.add_(bias.amax(-1)) if maybe_nothing else lse)
+    scores = torch.baddbmm(bias.flatten(0, 2)[:, None], q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
+                           alpha=scale)  # (n, G, V)
+    lse = torch.logsumexp(scores, dim=-1)  # (n, G); -inf where everything is masked
+    p = scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # masked tokens: exp(-inf) = 0
+    return torch.bmm(p, v.flatten(0, 1)).view(q.shape), lse.view(q.shape[:-1])
+
+
+_FLT_MIN = torch.finfo(torch.float32).min
+USE_BAG_CPU = True  # tests switch it off to cover the gather-both path on CPU
+
+
+def _attend_bag(q: torch.Tensor, k: torch.Tensor, rows_v: torch.Tensor, flat_v: torch.Tensor,
+                bias: torch.Tensor, scale: float, maybe_nothing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention whose ``P @ V`` reads the selected V rows straight from the cache.
+
+    ``embedding_bag(mode="sum", per_sample_weights=P)`` is a weighted sum of table rows: with
+    the cache rows as the table it computes ``P @ V`` without copying V first, at about half
+    the cost of gather + bmm on CPU (fbgemm's prefetching row kernel).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        fp32 ``(n, G, D)``.
+    k : torch.Tensor
+        fp32 ``(n, V, D)``, the gathered K rows.
+    rows_v : torch.Tensor
+        fp32 ``(rows, D)`` view of the V cache (contiguous rows).
+    flat_v : torch.Tensor
+        int64 ``(n, G, V)`` row ids, repeated over the G query heads of a group.
+    bias : torch.Tensor
+        fp32 ``(n, 1, V)``, 0 / -inf.
+
+    Returns
+    -------
+    o : torch.Tensor
+        fp32 ``(n, G, D)``. lse : fp32 ``(n, G)``; zeros / -inf where nothing is attended.
+    """
+    n, G, V = flat_v.shape
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)  # (n, G, V)
+    m = scores.amax(-1, keepdim=True)  # (n, G, 1)
+    if maybe_nothing:
+        m.clamp_(min=_FLT_MIN)  # all -inf row: exp(-inf - min) = 0 instead of NaN
+    p = scores.sub_(m).exp_()  # unnormalised: the max term is exp(0) = 1
+    denom = p.sum(-1, keepdim=True)  # (n, G, 1); >= 1 unless nothing is attended
+    lse = denom.log().add_(m)  # log(0) = -inf for empty rows
+    offsets = _const(("bag", n * G, V, str(q.device)),
+                     lambda: (torch.arange(n * G, device=q.device) * V,))[0]
+    o = torch.nn.functional.embedding_bag(flat_v.reshape(-1), rows_v, offsets, mode="sum",
+                                          per_sample_weights=p.view(-1))  # (n * G, D)
+    o = o.view(n, G, -1).div_(denom.clamp_(min=1.0) if maybe_nothing else denom)
+    return o, lse.view(n, G)
+
+
+def _cache_rows(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` view of ``cache`` and the row id ``(B * H_kv, V)`` of each token in ``pos``."""
+    B, H_kv, V = pos.shape
+    rows, sb, sh, st = _row_view(cache)
+    pair = _const(("pair", B, H_kv, sb, sh, str(pos.device)),
+                  lambda: ((torch.arange(B)[:, None, None] * sb
+                            + torch.arange(H_kv)[:, None] * sh).to(pos.device),))[0]  # (B, H_kv, 1)
+    return rows, torch.add(pair, pos, alpha=st).view(B * H_kv, V)
 
 
 def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -117,32 +335,58 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Torch implementation of `kvpress.kernels.sparse_decode` (same arguments and results)."""
     B, H_q, H_kv, G, T_cap, D = check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    pos, valid = selected_positions(index)  # (B, H_kv, V)
-    V = pos.shape[-1]
-    if out is None:
-        out = torch.empty_like(q)
-    if V == 0 or T_cap == 0:
-        out.zero_()
-        return out, torch.full((B, H_q), float("-inf"), device=q.device)
-    q_g = q.float().reshape(B, H_kv, G, D) * scale  # (B, H_kv, G, D)
-    if V >= T_cap:
-        # the padded selection is no smaller than the cache: a masked pass over the cache
-        # reads less than gathering (copying) it first
-        o, lse = _attend(q_g, k_cache, v_cache, index.token_mask(T_cap))  # (B, H_kv, G, D), (B, H_kv, G)
-        out.copy_(o.reshape(B, H_q, D))
-        return out, lse.reshape(B, H_q)
     N = B * H_kv
-    # CPU: gather a few heads at a time so the gathered rows are still in cache when the
-    # matmuls read them (one pass over DRAM instead of three)
-    per_pair = 2 * V * D * k_cache.element_size()
-    chunk = N if q.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // per_pair)
-    q_n, pos_n, valid_n = q_g.view(N, G, D), pos.view(N, V), valid.view(N, V)
-    o = torch.empty(N, G, D, device=q.device)
-    lse = torch.empty(N, G, device=q.device)
-    for s in range(0, N, chunk):
-        e = min(N, s + chunk)
-        k_sel = _gather_rows(k_cache, s, pos_n[s:e], "k")  # (n, V, D)
-        v_sel = _gather_rows(v_cache, s, pos_n[s:e], "v")
-        o[s:e], lse[s:e] = _attend(q_n[s:e], k_sel, v_sel, valid_n[s:e])
-    out.copy_(o.view(B, H_q, D))
+    V = index.sinks + index.dense_tail + index.max_blocks * index.block_size
+    if V == 0 or T_cap == 0:
+        out = torch.zeros_like(q) if out is None else out.zero_()
+        return out, torch.full((B, H_q), _NEG_INF, device=q.device)
+    q4 = q.reshape(N, 1, G, D).float()  # (N, 1, G, D); a view for contiguous fp32 q
+    if q.dtype == torch.float32 and V >= DENSE_FRACTION * T_cap:
+        # the padded selection is about as large as the cache: one masked pass over the cache
+        # reads less than gathering (copying) most of it first. (fp16/bf16 always gather: the
+        # fused CPU kernel is slow in half precision, and the gathered copy is fp32 anyway.)
+        bias = torch.where(index.token_mask(T_cap), 0.0, _NEG_INF).view(N, 1, 1, T_cap)
+        o, lse = _attend(q4, k_cache.reshape(N, 1, T_cap, D), v_cache.reshape(N, 1, T_cap, D), bias,
+                         scale, True)
+    else:
+        pos, bias, maybe_nothing = _slot_positions(index)  # (B, H_kv, V) each
+        rows_k, flat_k = _cache_rows(k_cache, pos)  # (N, V) row ids
+        if q.device.type == "cpu" and q.dtype == torch.float32 and USE_BAG_CPU:
+            rows_v, sb, sh, st = _row_view(v_cache)
+            pair = _const(("pairg", B, H_kv, G, sb, sh),
+                          lambda: ((torch.arange(B)[:, None, None, None] * sb
+                                    + torch.arange(H_kv)[:, None, None] * sh).expand(B, H_kv, G, 1),))[0]
+            flat_v = torch.add(pair, pos[:, :, None], alpha=st).view(N, G, V)  # (N, G, V)
+            q3, bias = q4.view(N, G, D), bias.view(N, 1, V)
+            chunk = max(1, CPU_CHUNK_BYTES // (V * D * 4))
+            parts = []
+            for s in range(0, N, chunk):
+                e = min(N, s + chunk)
+                k_sel = _gather(rows_k, flat_k[s:e], "k")  # (n, V, D) fp32
+                parts.append(_attend_bag(q3[s:e], k_sel, rows_v, flat_v[s:e], bias[s:e], scale, maybe_nothing))
+            o, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+            o = o.view(B, H_q, D)
+            if out is None:
+                return o, lse.view(B, H_q)
+            return out.copy_(o), lse.view(B, H_q)
+        bias = bias.view(N, 1, 1, V)
+        if v_cache.stride() == k_cache.stride():  # same row arithmetic (HF caches, KVBuffer)
+            rows_v, flat_v = _row_view(v_cache)[0], flat_k
+        else:
+            rows_v, flat_v = _cache_rows(v_cache, pos)
+        # CPU: gather a few heads at a time so the gathered rows are still in cache when the
+        # attention reads them (one pass over DRAM instead of three)
+        chunk = N if q.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (2 * V * D * 4))
+        parts = []
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            k_sel = _gather(rows_k, flat_k[s:e], "k")  # (n, V, D) fp32
+            v_sel = _gather(rows_v, flat_v[s:e], "v")
+            parts.append(_attend(q4[s:e], k_sel[:, None], v_sel[:, None], bias[s:e], scale, maybe_nothing))
+        o, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    o = o.view(B, H_q, D)
+    if out is None:
+        out = o if o.dtype == q.dtype else o.to(q.dtype)
+    else:
+        out.copy_(o)
     return out, lse.view(B, H_q)
