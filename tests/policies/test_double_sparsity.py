@@ -259,9 +259,9 @@ def test_smollm2_shipped_artifact_smoke():
     res = timed_generate(model, ids, pol, max_new_tokens=3, keep_cache=True)
     assert res.tokens.shape == (1, 3)
     layer = res.cache.layers[0]
-    assert layer.channels.shape == (3, 8)  # SmolLM2: 3 KV heads, r = head_dim 64 // 8
+    assert layer.channels.shape == (3, 16)  # SmolLM2: 3 KV heads, default r = min(16, 64 // 4)
     assert layer._validated  # the sparse decode path ran
     index = layer.select(torch.randn(1, 9, 64), 0.125, None)
     assert bool((index.num_attended() == 64).all())
-    labels = 30 * 3 * layer.buffer.k.shape[2] * 8 * 4  # fp32 labels of every layer (capacity rows)
+    labels = 30 * 3 * layer.buffer.k.shape[2] * 16 * 4  # fp32 labels of every layer (capacity rows)
     assert res.stats.resident_bytes == kvpress.cache_stats(res.cache).resident_bytes >= res.stats.dense_bytes + labels
