@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from kvpress.kernels import SparseIndex, reference_sparse_decode, select_topk, sparse_decode
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
+# (H_q, H_kv, head_dim) per --shape; smollm2 is the SmolLM2 decode shape the policies run
+SHAPES = {"llama3-8b": (H_Q, H_KV, HEAD_DIM), "smollm2": (9, 3, 64)}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 COLUMNS = [("B", 3, "d"), ("context", 7, "d"), ("budget", 7, "s"), ("sparse_ms", 9, ".3f"),
            ("dense_ms", 9, ".3f"), ("read_MB", 8, ".1f"), ("GB/s", 7, ".1f"), ("%copy", 6, ".0f"),
@@ -96,8 +98,10 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return out.view(B, H_q, D)
 
 
-def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) -> float:
+def check_correctness(device: torch.device, backend: str, dtype: torch.dtype,
+                      heads: tuple[int, int, int] = SHAPES["llama3-8b"]) -> float:
     """Max abs error against the fp32 reference on a small odd-sized GQA case; exits on failure."""
+    H_Q, H_KV, HEAD_DIM = heads
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, H_Q, HEAD_DIM, generator=gen).to(device, dtype)
     k = torch.randn(2, H_KV, 1000, HEAD_DIM, generator=gen).to(device, dtype)
@@ -118,9 +122,15 @@ def check_correctness(device: torch.device, backend: str, dtype: torch.dtype) ->
 
 
 def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backend, block_size, warmup, iters,
-              copy_gbps, caches, clock="wall") -> dict:
-    """One row: sparse decode with ``budget`` tokens (None = every block) vs dense SDPA."""
-    key = (B, context)
+              copy_gbps, caches, clock="wall", heads: tuple[int, int, int] = SHAPES["llama3-8b"],
+              sinks: int = 0, tail: int = 0) -> dict:
+    """One row: sparse decode with ``budget`` tokens (None = every block) vs dense SDPA.
+
+    ``budget`` counts block tokens; ``sinks`` / ``tail`` add always-attended tokens (the
+    accounting columns use the exact `SparseIndex.num_attended`).
+    """
+    H_Q, H_KV, HEAD_DIM = heads
+    key = (B, context, heads)
     if key not in caches:
         caches.clear()  # keep one context's cache resident at a time
         gen = torch.Generator(device=device).manual_seed(B * 7919 + context)
@@ -133,7 +143,8 @@ def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backen
         index = SparseIndex.dense(lens, H_KV, block_size=block_size, capacity=context)
     else:
         scores = torch.rand(B, H_KV, -(-context // block_size), device=device)
-        index = select_topk(scores, budget // block_size, block_size=block_size, seq_lens=lens)
+        index = select_topk(scores, budget // block_size, block_size=block_size, seq_lens=lens,
+                            sinks=sinks, dense_tail=tail)
     index.validate(num_kv_heads=H_KV, capacity=context)
     out = torch.empty_like(q)
     sparse_ms, dense_ms = timeit(
@@ -184,6 +195,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="CPU timer: wall (perf_counter) or cpu (thread CPU time; use with --threads 1)")
+    p.add_argument("--shape", choices=list(SHAPES), default="llama3-8b",
+                   help="attention shape: llama3-8b (H_q=32, H_kv=8, D=128) or smollm2 (9, 3, 64)")
+    p.add_argument("--sinks", type=int, default=0, help="always-attended first tokens")
+    p.add_argument("--tail", type=int, default=0, help="always-attended last tokens")
     p.add_argument("--out", default=None, help="directory for bench_kernels.json / .csv")
     args = p.parse_args(argv)
 
@@ -204,25 +219,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
         sys.exit("--clock cpu measures one thread: add --threads 1")
     torch.manual_seed(0)
 
-    err = check_correctness(device, backend, dtype)
+    heads = SHAPES[args.shape]
+    err = check_correctness(device, backend, dtype, heads)
     copy_gbps = copy_bandwidth(device, 1 << 30 if cuda else 1 << 26, warmup, iters)
     print(f"# device={torch.cuda.get_device_name(device) if cuda else 'cpu'} threads={torch.get_num_threads()} "
-          f"backend={backend} dtype={dtype} block_size={args.block_size} H_q={H_Q} H_kv={H_KV} D={HEAD_DIM} "
-          f"clock={'cuda-events' if cuda else args.clock}")
+          f"backend={backend} dtype={dtype} block_size={args.block_size} H_q={heads[0]} H_kv={heads[1]} D={heads[2]} "
+          f"sinks={args.sinks} tail={args.tail} clock={'cuda-events' if cuda else args.clock}")
     print(f"# correctness: max abs error vs fp32 reference {err:.2e}; copy bandwidth {copy_gbps:.1f} GB/s; "
           f"load average {os.getloadavg()[0]:.1f}")
 
     rows, caches = [], {}
     for B in batches:
         for context in contexts:
-            need = 2 * B * H_KV * context * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
+            need = 2 * B * heads[1] * context * heads[2] * torch.empty(0, dtype=dtype).element_size()
             if cuda and need > 0.4 * torch.cuda.mem_get_info(device)[0]:
                 print(f"# skip B={B} context={context}: cache needs {need / 2**30:.1f} GiB")
                 continue
             for budget in [b for b in budgets if b < context] + [None]:
                 rows.append(bench_one(B, context, budget, device=device, dtype=dtype, backend=backend,
                                       block_size=args.block_size, warmup=warmup, iters=iters,
-                                      copy_gbps=copy_gbps, caches=caches, clock=args.clock))
+                                      copy_gbps=copy_gbps, caches=caches, clock=args.clock, heads=heads,
+                                      sinks=args.sinks, tail=args.tail))
     caches.clear()
     print(table(rows))
     if args.out:

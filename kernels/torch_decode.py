@@ -318,14 +318,27 @@ def _attend_bag(q: torch.Tensor, k: torch.Tensor, rows_v: torch.Tensor, flat_v: 
     return o, lse.view(n, G)
 
 
-def _cache_rows(cache: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` view of ``cache`` and the row id ``(B * H_kv, V)`` of each token in ``pos``."""
+def _cache_rows(cache: torch.Tensor, pos: torch.Tensor, group: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` view of ``cache`` and the row id of each token in ``pos`` (B, H_kv, V).
+
+    Returns ``rows`` and int64 row ids ``(B * H_kv, V)``, or ``(B * H_kv, group, V)`` repeated
+    over ``group`` query heads when ``group`` is given (the layout `_attend_bag` reads).
+    """
     B, H_kv, V = pos.shape
+    n_rep = 1 if group is None else group
     rows, sb, sh, st = _row_view(cache)
-    pair = _const(("pair", B, H_kv, sb, sh, str(pos.device)),
-                  lambda: ((torch.arange(B)[:, None, None] * sb
-                            + torch.arange(H_kv)[:, None] * sh).to(pos.device),))[0]  # (B, H_kv, 1)
-    return rows, torch.add(pair, pos, alpha=st).view(B * H_kv, V)
+    pair = _const(("pair", B, H_kv, n_rep, sb, sh, str(pos.device)),
+                  lambda: ((torch.arange(B)[:, None, None, None] * sb + torch.arange(H_kv)[:, None, None] * sh)
+                           .expand(B, H_kv, n_rep, 1).to(pos.device),))[0]  # (B, H_kv, n_rep, 1)
+    flat = torch.add(pair, pos[:, :, None], alpha=st)  # (B, H_kv, n_rep, V)
+    return rows, flat.view(B * H_kv, V) if group is None else flat.view(B * H_kv, n_rep, V)
+
+
+def _cat_parts(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -340,6 +353,7 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if V == 0 or T_cap == 0:
         out = torch.zeros_like(q) if out is None else out.zero_()
         return out, torch.full((B, H_q), _NEG_INF, device=q.device)
+    cpu = q.device.type == "cpu"
     q4 = q.reshape(N, 1, G, D).float()  # (N, 1, G, D); a view for contiguous fp32 q
     if q.dtype == torch.float32 and V >= DENSE_FRACTION * T_cap:
         # the padded selection is about as large as the cache: one masked pass over the cache
@@ -351,39 +365,30 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     else:
         pos, bias, maybe_nothing = _slot_positions(index)  # (B, H_kv, V) each
         rows_k, flat_k = _cache_rows(k_cache, pos)  # (N, V) row ids
-        if q.device.type == "cpu" and q.dtype == torch.float32 and USE_BAG_CPU:
-            rows_v, sb, sh, st = _row_view(v_cache)
-            pair = _const(("pairg", B, H_kv, G, sb, sh),
-                          lambda: ((torch.arange(B)[:, None, None, None] * sb
-                                    + torch.arange(H_kv)[:, None, None] * sh).expand(B, H_kv, G, 1),))[0]
-            flat_v = torch.add(pair, pos[:, :, None], alpha=st).view(N, G, V)  # (N, G, V)
-            q3, bias = q4.view(N, G, D), bias.view(N, 1, V)
-            chunk = max(1, CPU_CHUNK_BYTES // (V * D * 4))
-            parts = []
-            for s in range(0, N, chunk):
-                e = min(N, s + chunk)
-                k_sel = _gather(rows_k, flat_k[s:e], "k")  # (n, V, D) fp32
-                parts.append(_attend_bag(q3[s:e], k_sel, rows_v, flat_v[s:e], bias[s:e], scale, maybe_nothing))
-            o, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-            o = o.view(B, H_q, D)
-            if out is None:
-                return o, lse.view(B, H_q)
-            return out.copy_(o), lse.view(B, H_q)
-        bias = bias.view(N, 1, 1, V)
-        if v_cache.stride() == k_cache.stride():  # same row arithmetic (HF caches, KVBuffer)
-            rows_v, flat_v = _row_view(v_cache)[0], flat_k
+        rows_v = _row_view(v_cache)[0]
+        # embedding_bag needs a plain (rows, D) table: fp32, non-overlapping rows
+        bag = cpu and USE_BAG_CPU and q.dtype == torch.float32 and rows_v.is_contiguous()
+        if bag:
+            flat_v = _cache_rows(v_cache, pos, G)[1]  # (N, G, V)
+        elif v_cache.stride() == k_cache.stride():  # same row arithmetic (HF caches, KVBuffer)
+            flat_v = flat_k
         else:
-            rows_v, flat_v = _cache_rows(v_cache, pos)
-        # CPU: gather a few heads at a time so the gathered rows are still in cache when the
-        # attention reads them (one pass over DRAM instead of three)
-        chunk = N if q.device.type != "cpu" else max(1, CPU_CHUNK_BYTES // (2 * V * D * 4))
+            flat_v = _cache_rows(v_cache, pos)[1]
+        # CPU: bound the gathered bytes per step (workspace size; cache residency)
+        per_pair = V * D * 4 * (1 if bag else 2)
+        chunk = max(1, CPU_CHUNK_BYTES // per_pair) if cpu else N
         parts = []
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
             k_sel = _gather(rows_k, flat_k[s:e], "k")  # (n, V, D) fp32
-            v_sel = _gather(rows_v, flat_v[s:e], "v")
-            parts.append(_attend(q4[s:e], k_sel[:, None], v_sel[:, None], bias[s:e], scale, maybe_nothing))
-        o, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+            if bag:
+                parts.append(_attend_bag(q4[s:e, 0], k_sel, rows_v, flat_v[s:e], bias.view(N, 1, V)[s:e],
+                                         scale, maybe_nothing))
+            else:
+                v_sel = _gather(rows_v, flat_v[s:e], "v")
+                parts.append(_attend(q4[s:e], k_sel[:, None], v_sel[:, None], bias.view(N, 1, 1, V)[s:e],
+                                     scale, maybe_nothing))
+        o, lse = _cat_parts(parts)
     o = o.view(B, H_q, D)
     if out is None:
         out = o if o.dtype == q.dtype else o.to(q.dtype)
