@@ -8,6 +8,7 @@ import torch
 from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, quant_decode, quantize_per_channel,
                                    quantize_per_token, token_quant_values)
 from kvpress.kernels.merge import merge_states
+from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.registry import Policy, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
@@ -61,6 +62,7 @@ class KiviLayer(QuantWindowLayer):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
         self.bits, self.group_size = policy.bits, policy.group_size
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
+        self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
     def _flush(self, k, v, start):
         g = self.group_size
@@ -87,7 +89,8 @@ class KiviLayer(QuantWindowLayer):
         return token_quant_values(p, vc, vs, vz, self.bits, self.group_size)
 
     def attend(self, q, k_new, v_new, scaling):
-        if q.is_cuda and q.shape[2] == 1 and self.n_quant:
+        fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= 8 * k_new.shape[1]
+        if (q.is_cuda or self.decode_backend == "triton") and fused_ok and q.shape[2] == 1 and self.n_quant:
             return self._fused_decode(q, k_new, v_new, scaling)
         return super().attend(q, k_new, v_new, scaling)
 
@@ -101,7 +104,7 @@ class KiviLayer(QuantWindowLayer):
         self.seen += 1
         rs = self.row_start
         out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
-                                    seq_starts=rs, scale=scaling)
+                                    seq_starts=rs, scale=scaling, backend=self.decode_backend)
         qg = q[:, :, 0].float().view(B, H, H_q // H, D)
         s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
         if rs is not None:

@@ -49,7 +49,36 @@ def _run_cases():
         results["pack"].append({"shapes": all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ref, got)),
                                 "scale_equal": torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]),
                                 "max_code_diff": diff.max().item(), "frac_diff": diff.float().mean().item()})
+    results["layer"] = _kivi_layer_case()
     return results
+
+
+def _kivi_layer_case():
+    """The kivi layer's fused decode path (triton kernel + window + merge) vs its torch path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvpress
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    model = LlamaForCausalLM(cfg).eval()
+    policy = kvpress.get_policy("kivi", bits=4, group_size=16, residual_length=16)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 90, 64, generator=gen), torch.randn(1, 2, 90, 64, generator=gen), \
+        torch.randn(1, 2, 90, 64, generator=gen)
+    outs = []
+    for backend in ("triton", "torch"):
+        layer = kvpress.make_cache(model, policy).layers[0]
+        layer.decode_backend = backend
+        layer.update(k[:, :, :80], v[:, :, :80])
+        layer.attend(q[:, :, :80], *layer.take_pending(), 0.125)
+        steps = []
+        for t in range(80, 90):
+            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+            steps.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.125))
+        outs.append(torch.cat(steps, 2))
+    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +102,11 @@ def test_quantize_pack_matches_torch(results, i):
     assert r["shapes"] and r["scale_equal"], r
     # torch rounds exact ties to even, the kernel rounds them up: at most a one-code difference, rarely
     assert r["max_code_diff"] <= 1 and r["frac_diff"] < 1e-3, r
+
+
+def test_kivi_layer_fused_path_matches_torch_path(results):
+    r = results["layer"]
+    assert r["n_quant"] >= 64 and r["err"] <= 2e-5, r
 
 
 if __name__ == "__main__":
