@@ -265,3 +265,26 @@ def test_smollm2_shipped_artifact_smoke():
     assert bool((index.num_attended() == 64).all())
     labels = 30 * 3 * layer.buffer.k.shape[2] * 16 * 4  # fp32 labels of every layer (capacity rows)
     assert res.stats.resident_bytes == kvpress.cache_stats(res.cache).resident_bytes >= res.stats.dense_bytes + labels
+
+
+def test_calibrate_command_is_registered():
+    from kvpress.cli import make_parser
+
+    args = make_parser().parse_args(["calibrate", "double_sparsity", "--out", "x.safetensors", "--tokens", "512"])
+    assert args.func is calib.run_cli and args.tokens == 512 and args.model == "smollm2"
+
+
+@pytest.mark.smollm2
+def test_smollm2_cli_calibration_agrees_with_shipped_artifact(tmp_path, capsys):
+    from kvpress.cli import main
+
+    out = tmp_path / "ds.safetensors"
+    assert main(["calibrate", "double_sparsity", "--tokens", "512", "--seq-len", "256", "--out", str(out)]) == 0
+    assert "chunk 2/2" in capsys.readouterr().out  # progress is printed
+    model, _ = kvpress.load_model("smollm2")
+    adapter = kvpress.get_adapter(model)
+    mine, shipped = calib.load(out, adapter), calib.load(shipped_artifact(calib.SHIPPED), adapter)
+    # the top-16 channel sets of a 512-token calibration mostly agree with the shipped 4096-token one
+    overlap = [len(set(mine[l, h, :16].tolist()) & set(shipped[l, h, :16].tolist())) / 16
+               for l in range(adapter.num_layers) for h in range(adapter.num_kv_heads)]
+    assert sum(overlap) / len(overlap) > 0.7
