@@ -104,11 +104,13 @@ class DoubleSparsityPolicy(Policy):
         if self.artifact is not None:
             return pathlib.Path(self.artifact)
         shipped = shipped_artifact(calib.SHIPPED)
-        if not calib.matches_model(shipped, adapter):
+        try:
+            _channel_rank(shipped, adapter)
+        except (FileNotFoundError, ValueError) as exc:
             raise ValueError(
                 f"double_sparsity ships a channel artifact only for SmolLM2 ({shipped.name}); model "
                 f"{adapter.model_id!r} needs its own: run `{calib.CALIBRATE_COMMAND}` and pass artifact=FILE"
-            )
+            ) from exc
         return shipped
 
     def make_layer(self, cache, layer_idx):
