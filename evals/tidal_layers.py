@@ -75,7 +75,7 @@ def layer_recalls(records, budget: int, selection_layer: int) -> dict[int, dict[
         probs.append(torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1))
         scores = exact_scores(q[0].transpose(0, 1), k.expand(M, -1, -1, -1), scale=scaling,
                               mask=candidates)  # (M, H_kv, T)
-        selections.append(torch.topk(scores, min(budget, T - M), dim=-1).indices)  # (M, H_kv, K)
+        selections.append(torch.topk(scores, min(budget, T), dim=-1).indices)  # (M, H_kv, K)
     current = (pos[None, :] == q_pos[:, None]).float()  # (M, T)
     recall: dict[int, dict[int, float]] = {}
     for s in range(selection_layer, num_layers):

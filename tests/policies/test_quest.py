@@ -115,16 +115,13 @@ def test_bad_input_is_a_clear_error(model):
 
 
 @pytest.mark.smollm2
-def test_smollm2_finds_a_needle_far_outside_the_recent_tokens():
+def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
+    from kvpress.evals.tasks import get_task
     from kvpress.generation import timed_generate
 
     model, tokenizer = kvpress.load_model("smollm2")
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    text = "The pass key is 68142. Remember it. 68142 is the pass key. " + filler * 40 + "What is the pass key?"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    assert ids.shape[1] > 800
-    res = timed_generate(model, ids, kvpress.get_policy("quest", budget=128), max_new_tokens=10,
-                         eos_token_id=tokenizer.eos_token_id)
-    assert "68142" in tokenizer.decode(res.tokens[0], skip_special_tokens=True)
-    assert res.stats.resident_bytes > res.stats.dense_bytes  # quest keeps the whole cache plus page bounds
+    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
+    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
+    res = timed_generate(model, ids, kvpress.get_policy("quest", budget=480), max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(res.tokens, ref.tokens)
+    assert res.stats.resident_bytes > ref.stats.resident_bytes  # the whole cache plus page bounds

@@ -1,0 +1,134 @@
+"""TidalDecode: selection reuse and refresh, exact budgets, layer defaults, the layer finder, bad input."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.cache import PolicyCache
+from kvpress.evals.tidal_layers import layer_recalls, pick_reselection
+from kvpress.policies.tidal import artifact_name
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=4)  # 4 query heads, 2 KV heads, head_dim 16
+
+
+def make_cache(model, **fields):
+    policy = kvpress.get_policy("tidal", **{"selection_layer": 1, "reselection_layer": 2, "budget": 20,
+                                            "sink_tokens": 2, "recent_tokens": 3, **fields})
+    return PolicyCache(policy, kvpress.get_adapter(model))
+
+
+def prefill(cache, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for layer in cache.layers:
+        layer.ingest_prefill(torch.randn(1, 2, length, 16, generator=g), torch.randn(1, 2, length, 16, generator=g))
+
+
+def decode(cache, layer_ids, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    outs = {}
+    for i in layer_ids:
+        q, k, v = (torch.randn(1, h, 1, 16, generator=g) for h in (4, 2, 2))
+        outs[i] = cache.layers[i].attend(q, k, v, 0.25)
+    return outs
+
+
+def test_selection_layers_select_and_the_others_reuse(model):
+    cache = make_cache(model)
+    assert [type(l).__name__ for l in cache.layers] == ["DenseLayer", "TidalLayer", "TidalLayer", "TidalLayer"]
+    assert [getattr(l, "selects", None) for l in cache.layers] == [None, True, True, False]
+    prefill(cache, 64)
+    decode(cache, [0, 1])
+    first = cache.shared["tidal_index"][1]
+    decode(cache, [2])
+    refreshed = cache.shared["tidal_index"][1]
+    assert refreshed is not first  # the re-selection layer replaced the selection
+    assert refreshed.num_attended().tolist() == [[20, 20]]  # sinks + recent + top tokens == budget
+    mask = refreshed.token_mask(65)[0]
+    assert mask[:, :2].all() and mask[:, 62:65].all()  # sinks and recent tokens never dropped
+    calls = []
+    layer3 = cache.layers[3]
+    original = layer3.sparse_attend
+    layer3.sparse_attend = lambda q, index, scaling: (calls.append(index), original(q, index, scaling))[1]
+    decode(cache, [3])
+    assert calls == [refreshed]
+
+
+def test_selected_tokens_are_the_top_exact_scores(model):
+    cache = make_cache(model, reselection_layer=-1, sink_tokens=0, recent_tokens=1, budget=9)
+    prefill(cache, 50)
+    layer = cache.layers[1]
+    q = torch.randn(1, 4, 1, 16)
+    layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
+    index = cache.shared["tidal_index"][1]
+    keys = layer.buffer.keys[0]  # (H_kv, 51, D)
+    for h in range(2):
+        probs = torch.softmax(q[0, 2 * h : 2 * h + 2, 0] @ keys[h, :50].T * 0.25, -1).amax(0)  # group softmax-max
+        want = set(torch.topk(probs, 8).indices.tolist())
+        assert set(index.block_idx[0, h, : int(index.block_cnt[0, h])].tolist()) == want
+
+
+def test_a_sparse_layer_without_a_fresh_selection_refuses(model):
+    cache = make_cache(model)
+    prefill(cache, 64)
+    with pytest.raises(RuntimeError, match="no selection for this step"):
+        decode(cache, [3])
+
+
+def test_default_layers_come_from_the_measurement_or_the_middle(model):
+    adapter = kvpress.get_adapter(model)
+    policy = kvpress.get_policy("tidal", selection_layer=0)
+    with pytest.warns(UserWarning, match="middle layer 2"):
+        assert policy.layers_for(adapter) == (0, 2)
+    assert policy.replace(reselection_layer=-1).layers_for(adapter) == (0, None)
+    # the shipped SmolLM2 measurement is found by model name and shape, not by a fixed number
+    smol = dataclasses.replace(adapter, model_id="HuggingFaceTB/SmolLM2-135M-Instruct", num_layers=30,
+                               num_kv_heads=3, head_dim=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        selection, reselection = kvpress.get_policy("tidal").layers_for(smol)
+    assert selection == 2 and 2 < reselection < 30
+    assert artifact_name("/x/kvpress/smollm2-135m-instruct/tf-5.23.0-abc") == artifact_name(smol.model_id)
+
+
+def test_layer_finder_recall_is_one_when_the_budget_covers_everything():
+    g = torch.Generator().manual_seed(0)
+    records = [(torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), 0.25) for _ in range(4)]
+    full = layer_recalls(records, budget=12, selection_layer=1)
+    assert all(abs(r - 1) < 1e-5 for per in full.values() for r in per.values())
+    partial = layer_recalls(records, budget=2, selection_layer=1)
+    best, means = pick_reselection(partial, 4, 1)
+    assert best in (2, 3) and means[best] == max(means[r] for r in (2, 3))
+    assert all(0 <= r <= 1 + 1e-6 for per in partial.values() for r in per.values())
+
+
+def test_bad_input_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="budget >= 5"):
+        kvpress.get_policy("tidal", budget=4, sink_tokens=4, recent_tokens=1)
+    with pytest.raises(ValueError, match="reselection_layer"):
+        kvpress.get_policy("tidal", selection_layer=3, reselection_layer=2)
+    with pytest.raises(ValueError, match="recent_tokens"):
+        kvpress.get_policy("tidal", recent_tokens=0)
+    with pytest.raises(ValueError, match="selection_layer"):
+        with kvpress.apply(model, kvpress.get_policy("tidal", selection_layer=4, reselection_layer=-1)):
+            pass
+
+
+@pytest.mark.smollm2
+def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
+    from kvpress.evals.tasks import get_task
+    from kvpress.generation import timed_generate
+
+    model, tokenizer = kvpress.load_model("smollm2")
+    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
+    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
+    res = timed_generate(model, ids, kvpress.get_policy("tidal", budget=500), max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(res.tokens, ref.tokens)  # 12+ of 512 tokens dropped per step in 26 layers
+    assert res.stats.resident_bytes == ref.stats.resident_bytes  # tidal keeps the whole cache
