@@ -165,3 +165,27 @@ def test_bad_input(llama):
             with kvpress.apply(llama, kvpress.get_policy(name, group_size=32)):
                 pass
     assert llama.config._attn_implementation == "sdpa"
+
+
+def test_zipcache_salient_tokens_go_to_high_precision(llama):
+    policy = kvpress.get_policy("zipcache", group_size=8, residual_length=8, flush_size=8, salient_ratio=0.1,
+                                probe_recent=8, probe_random=8)
+    layer = kvpress.make_cache(llama, policy).layers[0]
+    gen = torch.Generator().manual_seed(5)
+    T = 128
+    u = torch.randn(1, 2, 1, 16, generator=gen)  # a direction shared by the queries of each KV head
+    q = torch.randn(1, 4, T, 16, generator=gen) + u.repeat_interleave(2, dim=1)
+    k = torch.randn(1, 2, T, 16, generator=gen)
+    hot = [10, 50, 90]
+    k[:, :, hot] = 2 * u  # every later query attends there
+    layer.update(k, torch.randn(1, 2, T, 16, generator=gen))
+    layer.attend(q, *layer.take_pending(), 0.25)
+    sal = layer.saliency(k[:, :, :64], 0)  # (B, H, n)
+    assert set(sal[0, 0].topk(2).indices.tolist()) == {10, 50}
+    n_hi = layer.hi.n
+    assert n_hi == round(0.1 * layer.n_quant) and layer.lo.n == layer.n_quant - n_hi
+    hi = dequantize_per_token(layer.hi.t["kc"][:, :, :n_hi], layer.hi.t["ks"][:, :, :n_hi],
+                              layer.hi.t["kz"][:, :, :n_hi], 4, 8) * layer.kn.float()[:, :, None]
+    for t in hot:  # each hot key is stored at 4 bits: some high-precision entry reproduces it closely
+        err = (hi - k[:, :, t : t + 1]).norm(dim=-1).min(-1).values / k[:, :, t].norm(dim=-1)
+        assert (err < 0.1).all(), err
