@@ -31,8 +31,14 @@ def main(argv=None) -> int:
     parser.add_argument("--random-seeds", default="0", help="seeds of the random-heads ablation (comma-separated)")
     parser.add_argument("--artifact", default=None, help="duo artifact (default: the shipped one)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--policies", default=None, help="subset of full,duo,duo_random<seed> to run (default: all)")
     parser.add_argument("--out", default=None, help="JSON file for per-sample rows")
+    parser.add_argument("--table", nargs="+", default=None, help="only print the table of these JSON files (merged)")
     args = parser.parse_args(argv)
+    if args.table:
+        rows = [r for f in args.table for r in json.loads(pathlib.Path(f).read_text())["rows"]]
+        _table(rows, list(dict.fromkeys(r["policy"] for r in rows)))
+        return 0
     torch.set_num_threads(args.threads)
 
     import kvpress
@@ -44,6 +50,8 @@ def main(argv=None) -> int:
     policies = {"full": kvpress.get_policy("full"), "duo": duo}
     for seed in [int(s) for s in args.random_seeds.split(",") if s.strip()]:
         policies[f"duo_random{seed}"] = duo.replace(random_heads_seed=seed)
+    if args.policies:
+        policies = {k: v for k, v in policies.items() if k in args.policies.split(",")}
 
     rows = []
     for length in [int(x) for x in args.lengths.split(",")]:
@@ -69,23 +77,29 @@ def main(argv=None) -> int:
                 if args.out:
                     _write(args.out, args, rows)
 
+    if args.out:
+        _write(args.out, args, rows)
+    _table(rows, list(policies))
+    return 0
+
+
+def _table(rows, names) -> None:
     print(f"\n{'length':>6}  {'task':<16}  {'policy':<12}  {'score':>5}  {'% full':>6}  {'MiB':>7}  {'/full':>5}  {'prefill s':>9}  {'ms/tok':>6}")
     keys = sorted({(r["length"], r["task"]) for r in rows})
     for length, spec in keys:
         group = [r for r in rows if r["length"] == length and r["task"] == spec]
         full = _mean(group, "full")
-        for name in policies:
+        for name in names:
             m = _mean(group, name)
             pct = 100 * m["score"] / full["score"] if full["score"] else float("nan")
             print(f"{length:>6}  {spec[:16]:<16}  {name:<12}  {m['score']:5.2f}  {pct:6.1f}  {m['resident_bytes'] / 2**20:7.2f}  "
                   f"{m['resident_bytes'] / full['resident_bytes']:5.3f}  {m['prefill_s']:9.2f}  {m['decode_ms_per_token']:6.1f}")
-    if args.out:
-        _write(args.out, args, rows)
-    return 0
 
 
 def _mean(group, name):
     rows = [r for r in group if r["policy"] == name]
+    if not rows:
+        return {k: float("nan") for k in ("score", "resident_bytes", "prefill_s", "decode_ms_per_token")}
     return {k: sum(r[k] for r in rows) / len(rows) for k in ("score", "resident_bytes", "prefill_s", "decode_ms_per_token")}
 
 
