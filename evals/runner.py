@@ -224,6 +224,15 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
         model, tokenizer = load_eval_model(grid.model, dtype=grid.dtype, device=grid.device or default_device())
     elif tokenizer is None:
         raise ValueError("pass the tokenizer together with the model")
+    adapter = kvpress.get_adapter(model)
+    problems = []
+    for variant in variants:  # model-dependent checks (head counts, artifacts) before any cell runs
+        try:
+            variant.policy.check_model(adapter)
+        except (ValueError, OSError) as exc:  # OSError: a missing calibration artifact
+            problems.append(f"{variant.label}: {exc}")
+    if problems:
+        raise ValueError("policies that cannot run on this model:\n  " + "\n  ".join(problems))
     env = res.environment()
     eos = _eos(tokenizer, model)
 

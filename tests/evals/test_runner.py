@@ -189,7 +189,7 @@ def test_runner_with_and_without_prefill_sharing_agree(tiny, tmp_path):
     def runs_with_defaults(name):
         try:
             kvpress.get_policy(name).check_model(adapter)
-        except ValueError:
+        except (ValueError, OSError):
             return False
         return True
 
@@ -203,3 +203,19 @@ def test_runner_with_and_without_prefill_sharing_agree(tiny, tmp_path):
     assert any(r["shared_prefill"] for r in a) and not any(r["shared_prefill"] for r in b)
     pick = lambda rs: sorted((r["policy_label"], r["prediction"], r["score"], r["resident_bytes"]) for r in rs)  # noqa: E731
     assert pick(a) == pick(b)
+
+
+def test_policy_that_cannot_run_on_the_model_fails_before_any_cell(tiny, tmp_path):
+    model, tok = tiny
+    adapter = kvpress.get_adapter(model)
+    misfits = []
+    for name in kvpress.list_policies():
+        try:
+            kvpress.get_policy(name).check_model(adapter)
+        except (ValueError, OSError):
+            misfits.append(name)
+    if not misfits:
+        pytest.skip("every registered policy runs on the tiny model with its defaults")
+    with pytest.raises(ValueError, match="cannot run on this model"):
+        run_eval(_grid(policies=("full", misfits[0])), tmp_path, model=model, tokenizer=tok, progress=False)
+    assert not (tmp_path / res.RESULTS_FILE).exists()
