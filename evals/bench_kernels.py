@@ -15,7 +15,14 @@ CPU (torch backend, fp32, batch 1, contexts 8k..32k)::
 
     python -m kvpress.evals.bench_kernels --device cpu --out results/
 
-Target: sparse/dense time ratio within 2x of budget/context.
+Target: sparse/dense time ratio within 2x of budget/context. On a shared machine use one thread
+and thread CPU time (``--threads 1 --clock cpu``). ``--shape smollm2`` times the SmolLM2 decode
+shape the policies run (H_q=9, H_kv=3, D=64), ``--sinks`` / ``--tail`` add always-attended
+tokens, and ``--baseline FILE`` times another ``torch_sparse_decode`` (e.g. an older
+``kernels/torch_decode.py`` from ``git show``) in the same run::
+
+    python -m kvpress.evals.bench_kernels --device cpu --threads 1 --clock cpu --shape smollm2 \
+        --contexts 4k,8k --budgets 256 --sinks 4 --tail 64 --baseline /tmp/torch_decode_old.py
 """
 from __future__ import annotations
 
@@ -123,11 +130,12 @@ def check_correctness(device: torch.device, backend: str, dtype: torch.dtype,
 
 def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backend, block_size, warmup, iters,
               copy_gbps, caches, clock="wall", heads: tuple[int, int, int] = SHAPES["llama3-8b"],
-              sinks: int = 0, tail: int = 0) -> dict:
+              sinks: int = 0, tail: int = 0, baseline=None) -> dict:
     """One row: sparse decode with ``budget`` tokens (None = every block) vs dense SDPA.
 
     ``budget`` counts block tokens; ``sinks`` / ``tail`` add always-attended tokens (the
-    accounting columns use the exact `SparseIndex.num_attended`).
+    accounting columns use the exact `SparseIndex.num_attended`). ``baseline``: another
+    ``torch_sparse_decode``-like function timed in the same run (``base_ms`` / ``base_ratio``).
     """
     H_Q, H_KV, HEAD_DIM = heads
     key = (B, context, heads)
@@ -147,9 +155,16 @@ def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backen
                             sinks=sinks, dense_tail=tail)
     index.validate(num_kv_heads=H_KV, capacity=context)
     out = torch.empty_like(q)
-    sparse_ms, dense_ms = timeit(
-        [lambda: sparse_decode(q, k, v, index, backend=backend, out=out, validate_index=False),
-         lambda: dense_decode(q, k, v)], device, warmup, iters, clock)
+    sparse = lambda: sparse_decode(q, k, v, index, backend=backend, out=out, validate_index=False)  # noqa: E731
+    dense = lambda: dense_decode(q, k, v)  # noqa: E731
+    if baseline is None:
+        sparse_ms, dense_ms = timeit([sparse, dense], device, warmup, iters, clock)
+        base_ms = None
+    else:
+        # each sparse variant runs right after a dense pass, so both see the same cold caches
+        base = lambda: baseline(q, k, v, index, out=out, validate_index=False)  # noqa: E731
+        d1, base_ms, d2, sparse_ms = timeit([dense, base, dense, sparse], device, warmup, iters, clock)
+        dense_ms = (d1 + d2) / 2
     attended = int(index.num_attended().sum())
     elt = k.element_size()
     read = 2 * attended * HEAD_DIM * elt + 2 * q.numel() * elt + index.block_idx.numel() * 4
@@ -167,15 +182,27 @@ def bench_one(B: int, context: int, budget: int | None, *, device, dtype, backen
             "block_size": block_size, "B": B, "context": context, "budget": "all" if budget is None else str(budget),
             "sparse_ms": sparse_ms, "dense_ms": dense_ms, "read_MB": read / 1e6, "GB/s": gbps,
             "%copy": 100 * gbps / copy_gbps, "speedup": dense_ms / sparse_ms, "ideal": ideal,
-            "time_ratio": time_ratio, "budget_ratio": budget_ratio, "target": target}
+            "time_ratio": time_ratio, "budget_ratio": budget_ratio, "target": target,
+            **({} if base_ms is None else {"base_ms": base_ms, "base_ratio": base_ms / dense_ms})}
 
 
 def table(rows: list[dict]) -> str:
-    head = " ".join(f"{name:>{w}}" for name, w, _ in COLUMNS)
+    cols = COLUMNS + ([("base_ms", 8, ".3f"), ("base_ratio", 10, ".4f")] if rows and "base_ms" in rows[0] else [])
+    head = " ".join(f"{name:>{w}}" for name, w, _ in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(" ".join(f"{r[name]:>{w}{fmt}}" for name, w, fmt in COLUMNS))
+        lines.append(" ".join(f"{r[name]:>{w}{fmt}}" for name, w, fmt in cols))
     return "\n".join(lines)
+
+
+def load_baseline(path: str):
+    """``torch_sparse_decode`` from a source file written as a module of `kvpress.kernels`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvpress.kernels._bench_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # relative imports resolve inside kvpress.kernels
+    return module.torch_sparse_decode
 
 
 def parse_ints(text: str) -> list[int]:
@@ -199,6 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="attention shape: llama3-8b (H_q=32, H_kv=8, D=128) or smollm2 (9, 3, 64)")
     p.add_argument("--sinks", type=int, default=0, help="always-attended first tokens")
     p.add_argument("--tail", type=int, default=0, help="always-attended last tokens")
+    p.add_argument("--baseline", default=None,
+                   help="file defining torch_sparse_decode (e.g. an older kernels/torch_decode.py from git show) "
+                        "to time in the same run: adds base_ms / base_ratio")
     p.add_argument("--out", default=None, help="directory for bench_kernels.json / .csv")
     args = p.parse_args(argv)
 
@@ -220,6 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.manual_seed(0)
 
     heads = SHAPES[args.shape]
+    baseline = None if args.baseline is None else load_baseline(args.baseline)
     err = check_correctness(device, backend, dtype, heads)
     copy_gbps = copy_bandwidth(device, 1 << 30 if cuda else 1 << 26, warmup, iters)
     print(f"# device={torch.cuda.get_device_name(device) if cuda else 'cpu'} threads={torch.get_num_threads()} "
@@ -239,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(bench_one(B, context, budget, device=device, dtype=dtype, backend=backend,
                                       block_size=args.block_size, warmup=warmup, iters=iters,
                                       copy_gbps=copy_gbps, caches=caches, clock=args.clock, heads=heads,
-                                      sinks=args.sinks, tail=args.tail))
+                                      sinks=args.sinks, tail=args.tail, baseline=baseline))
     caches.clear()
     print(table(rows))
     if args.out:

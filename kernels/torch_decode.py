@@ -4,22 +4,31 @@ Work and memory traffic grow with the budget (sinks + tail + K_max * block_size)
 the context, which makes this the fast path on CPU. Scores and softmax run in fp32.
 
 A decode step calls this once per layer, so the fixed cost per call matters as much as the
-bandwidth (a budget of 256 tokens moves ~2 MB, ~0.2 ms on one CPU core). The step is therefore
-written as ~25 torch ops whatever the index looks like, with no Python loop over heads or
-blocks and no device sync:
+bandwidth: a budget of 256 tokens moves ~2 MB, ~0.2 ms on one CPU core, while every distinct
+torch op costs a few microseconds warm and tens of microseconds when its code and data were
+evicted (which a layer's MLP, or the dense pass of the benchmark, does). So a call is ~20
+torch ops whatever the index looks like, with no Python loop over heads or blocks and no
+device sync:
 
-1. ``_positions``: one flat list of ``V = sinks + dense_tail + K_max * block_size`` slots per
-   (row, KV head). A cached per-shape template says, for every slot, which base it adds to
-   (seq_start, tail_start or its block's first token) and which row range bounds it (sinks:
-   ``[seq_start, sink_end)``, tail: ``[tail_start, seq_len)``, blocks:
-   ``[sink_end, tail_start)``). The ranges are disjoint, so the slots are deduplicated by
-   construction, and padding blocks (-1) land below ``sink_end``.
-2. ``_row_view``: a ``(rows, D)`` view of the cache storage, so one ``index_select`` per K/V
-   copies the selected rows of every (row, KV head) whatever the cache strides are
-   (``KVBuffer`` views with spare capacity, HF caches, transposed layouts).
-3. ``_attend``: on CPU torch's fused flash-attention kernel (scores, additive mask, softmax,
-   ``P @ V`` and the log-sum-exp in one call, the G query heads of a group as G query rows);
-   elsewhere, or where that op is missing, ``baddbmm`` + ``logsumexp`` + ``bmm``.
+1. ``_slot_positions``: ``V = sinks + dense_tail + K_max * block_size`` slots per (row, KV
+   head) in three segments, each built by one ``add`` and clamped by one ``clamp`` into its
+   range of the `SparseIndex` decomposition (sinks ``[seq_start, sink_end)``, tail
+   ``[tail_start, seq_len)``, blocks ``[sink_end, tail_start)``). A slot counts exactly when
+   the clamp leaves it unchanged: the ranges are disjoint, so tokens are deduplicated by
+   construction, padding ids (-1) and overlaps drop out, and every clamped position is a real
+   token (safe to gather). ``eq`` + ``log_`` turn that test into the 0 / -inf mask. The
+   per-row bounds come from Python ints on CPU (`_row_table_host`) and from tensor ops
+   elsewhere (`_row_table_device`, no sync).
+2. ``_row_view`` / ``_cache_rows``: a ``(rows, D)`` view of the cache storage and one row id
+   per slot, so one ``index_select`` copies the selected rows of every (row, KV head)
+   whatever the cache strides are (``KVBuffer`` views with spare capacity, HF caches,
+   transposed layouts).
+3. Attention. CPU fp32: ``baddbmm`` scores (scale and mask folded in), an unnormalised
+   softmax, and ``embedding_bag`` for ``P @ V``, which reads the selected V rows straight from
+   the cache instead of copying them (`_attend_bag`). CPU fp16/bf16 or caches whose rows
+   overlap: gather K and V (converted to fp32) and torch's fused CPU flash-attention op, which
+   also returns the log-sum-exp (`_attend`). Other devices: ``baddbmm`` + ``logsumexp`` +
+   ``bmm``. A selection that covers most of the cache (fp32) is one masked pass instead.
 """
 from __future__ import annotations
 

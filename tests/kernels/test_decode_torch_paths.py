@@ -137,3 +137,14 @@ def test_constant_cache_stays_bounded(monkeypatch):
                             torch.full((1, 2), k_max, dtype=torch.int32), torch.tensor([80], dtype=torch.int32))
         _check(q, k, v, index)
         assert len(td._CACHE) <= 4
+
+
+def test_bench_smollm2_shape_sinks_tail_and_baseline(tmp_path):
+    from kvpress.evals.bench_kernels import main
+
+    rows = main(["--device", "cpu", "--shape", "smollm2", "--contexts", "1k", "--budgets", "256", "--sinks", "4",
+                 "--tail", "64", "--warmup", "0", "--iters", "1", "--baseline", td.__file__, "--out", str(tmp_path)])
+    assert [r["budget"] for r in rows] == ["256", "all"]
+    assert all(r["sparse_ms"] > 0 and r["base_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
+    # 4 sinks + 64 tail + 4 blocks of 64 (a chosen block that overlaps the sinks counts once)
+    assert (4 + 64 + 256 - 4) / 1024 <= rows[0]["budget_ratio"] <= (4 + 64 + 256) / 1024
