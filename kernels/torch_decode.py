@@ -255,8 +255,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
         ``(n, 1, G, D)``: the G query heads sharing one KV head are G query rows.
     k, v : torch.Tensor
         ``(n, 1, V, D)``, any strides with a contiguous last dim.
-    bias : torch.Tensor
-        ``(n, 1, 1, V)``, 0 for attended tokens and -inf otherwise.
+    bias : torch.Tensor or None
+        ``(n, 1, 1, V)``, 0 for attended tokens and -inf otherwise; None attends every token.
     scale : float
         Score scale.
     maybe_nothing : bool
@@ -273,9 +273,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     if q.device.type == "cpu" and _FUSED_CPU is not None and USE_FUSED_CPU:
         o, lse = _FUSED_CPU(q, k, v, attn_mask=bias, scale=scale)
         # the op reports lse 0 for a row with nothing attended; max(bias) is 0 or -inf
-        return o, (lse.add_(bias.amax(-1)) if maybe_nothing else lse)
-    scores = torch.baddbmm(bias.flatten(0, 2)[:, None], q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
-                           alpha=scale)  # (n, G, V)
+        return o, (lse.add_(bias.amax(-1)) if maybe_nothing and bias is not None else lse)
+    kt = k.flatten(0, 1).transpose(1, 2)  # (n, D, V)
+    if bias is None:
+        scores = torch.bmm(q.flatten(0, 1), kt).mul_(scale)  # (n, G, V)
+    else:
+        scores = torch.baddbmm(bias.flatten(0, 2)[:, None], q.flatten(0, 1), kt, alpha=scale)  # (n, G, V)
     lse = torch.logsumexp(scores, dim=-1)  # (n, G); -inf where everything is masked
     p = scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()  # masked tokens: exp(-inf) = 0
     return torch.bmm(p, v.flatten(0, 1)).view(q.shape), lse.view(q.shape[:-1])
@@ -344,6 +347,17 @@ def _cache_rows(cache: torch.Tensor, pos: torch.Tensor, group: int | None = None
     return rows, flat.view(B * H_kv, V) if group is None else flat.view(B * H_kv, n_rep, V)
 
 
+def _selects_whole_cache(index: SparseIndex, capacity: int) -> bool:
+    """Whether ``index`` (a valid one) attends every token of every row: full rows and every
+    block of the cache selected (ids are distinct and in range, so the count decides)."""
+    if index.seq_starts is not None and any(index.seq_starts.tolist()):
+        return False
+    if any(n != capacity for n in index.seq_lens.tolist()):
+        return False
+    n_blocks = -(-capacity // index.block_size)
+    return index.max_blocks >= n_blocks and int(index.block_cnt.min()) == n_blocks
+
+
 def _cat_parts(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 1:
         return parts[0]
@@ -368,9 +382,11 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # the padded selection is about as large as the cache: one masked pass over the cache
         # reads less than gathering (copying) most of it first. (fp16/bf16 always gather: the
         # fused CPU kernel is slow in half precision, and the gathered copy is fp32 anyway.)
-        bias = torch.where(index.token_mask(T_cap), 0.0, _NEG_INF).view(N, 1, 1, T_cap)
+        everything = cpu and _selects_whole_cache(index, T_cap)
+        # every token of every row selected: plain attention, no mask to build (~10 ops on T)
+        bias = None if everything else torch.where(index.token_mask(T_cap), 0.0, _NEG_INF).view(N, 1, 1, T_cap)
         o, lse = _attend(q4, k_cache.reshape(N, 1, T_cap, D), v_cache.reshape(N, 1, T_cap, D), bias,
-                         scale, True)
+                         scale, not everything)
     else:
         pos, bias, maybe_nothing = _slot_positions(index)  # (B, H_kv, V) each
         rows_k, flat_k = _cache_rows(k_cache, pos)  # (N, V) row ids

@@ -148,3 +148,17 @@ def test_bench_smollm2_shape_sinks_tail_and_baseline(tmp_path):
     assert all(r["sparse_ms"] > 0 and r["base_ms"] > 0 and r["dense_ms"] > 0 for r in rows)
     # 4 sinks + 64 tail + 4 blocks of 64 (a chosen block that overlaps the sinks counts once)
     assert (4 + 64 + 256 - 4) / 1024 <= rows[0]["budget_ratio"] <= (4 + 64 + 256) / 1024
+
+
+@pytest.mark.parametrize("T,bs,sinks,tail", [(64, 8, 0, 0), (67, 16, 3, 5), (1000, 64, 4, 64)])
+def test_whole_cache_selection_is_plain_attention(path, T, bs, sinks, tail):
+    q, k, v, index = build(case(B=2, H_kv=2, G=4, T_cap=T, block_size=bs, mode="all", sinks=sinks, tail=tail))
+    assert td._selects_whole_cache(index, T)
+    fewer = (index.block_cnt - 1).to(torch.int32)  # one block short: not everything
+    assert not td._selects_whole_cache(SparseIndex(bs, index.block_idx, fewer, index.seq_lens, None, sinks, tail), T)
+    short = torch.tensor([T, T - 1], dtype=torch.int32)  # one row shorter than the cache
+    assert not td._selects_whole_cache(SparseIndex(bs, index.block_idx, index.block_cnt, short, None, sinks, tail), T)
+    _check(q, k, v, index)
+    out = sparse_decode(q, k, v, index, backend="torch")[0]
+    dense = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
