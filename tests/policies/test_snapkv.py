@@ -1,0 +1,129 @@
+"""SnapKV: the observation window picks what each head keeps, memory really shrinks, the budget holds."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.cache import PolicyCache
+from kvpress.policies.snapkv import snap_scores
+from kvpress.stats import tensor_bytes
+
+from conftest import random_ids, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")  # 4 query heads, 2 KV heads, head_dim 16
+
+
+def snap_layer(model, row_start=None, **fields):
+    policy = kvpress.get_policy("snapkv", **{"budget": 20, "window_size": 4, "kernel_size": 3, **fields})
+    cache = PolicyCache(policy, kvpress.get_adapter(model))
+    if row_start is not None:
+        cache._set_row_start(torch.tensor(row_start))
+    layer = cache.layers[0]
+    return layer
+
+
+def prompt(layer, length, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 4, length, 16, generator=g)
+    k, v = torch.randn(batch, 2, length, 16, generator=g), torch.randn(batch, 2, length, 16, generator=g)
+    layer.lazy_initialization(k, v)
+    layer.attend(q, k, v, 0.25)
+    return q, k, v
+
+
+def step(layer, seed):
+    g = torch.Generator().manual_seed(seed)
+    b = layer.k.shape[0]
+    return layer.attend(torch.randn(b, 4, 1, 16, generator=g), torch.randn(b, 2, 1, 16, generator=g),
+                        torch.randn(b, 2, 1, 16, generator=g), 0.25)
+
+
+def test_each_head_keeps_the_window_and_its_top_scored_tokens(model):
+    layer = snap_layer(model)
+    q, k, _ = prompt(layer, 60)
+    assert layer.filled == 20 and layer.k.shape[2] == 20  # only budget tokens exist
+    # reference scores, written out: window attention summed, max-pooled over 3, group mean
+    probs = torch.softmax((q[0, :, -4:] @ k[0].repeat_interleave(2, 0).transpose(-1, -2)) * 0.25
+                          + torch.triu(torch.full((4, 60), float("-inf")), diagonal=57), -1)  # (H_q, 4, 60)
+    votes = probs.sum(1)
+    pooled = torch.stack([votes[:, max(0, t - 1) : t + 2].amax(-1) for t in range(60)], -1)
+    scores = pooled.reshape(2, 2, 60).mean(1)  # (H_kv, 60)
+    torch.testing.assert_close(snap_scores(q[:, :, -4:], k, 0.25, None, 4, 3)[0], scores)
+    for h in range(2):
+        kept = set(layer.pos[0, h].tolist())
+        assert set(range(56, 60)) <= kept  # the observation window is never evicted
+        assert kept - set(range(56, 60)) == set(torch.topk(scores[h, :56], 16).indices.tolist())
+        torch.testing.assert_close(layer.k[0, h], k[0, h, layer.pos[0, h]])  # stored rows are those tokens
+
+
+def test_resident_bytes_shrink_and_are_the_tensors_that_exist(model):
+    policy = kvpress.get_policy("snapkv", budget=24, window_size=8, kernel_size=3)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = model(random_ids(80), use_cache=True).past_key_values
+    with torch.no_grad(), kvpress.apply(model, kvpress.get_policy("full")):
+        full = model(random_ids(80), use_cache=True).past_key_values
+    stats, full_stats = kvpress.cache_stats(cache), kvpress.cache_stats(full)
+    assert stats.resident_bytes == sum(tensor_bytes(l.state_tensors().values()) for l in cache.layers)
+    per_layer = 2 * 2 * 24 * 16 * 4 + 2 * 24 * 8 + 8  # k and v, pos (int64), kept (int64)
+    assert stats.resident_bytes == 2 * per_layer < full_stats.resident_bytes
+    assert [l.stored_tokens() for l in cache.layers] == [24, 24]
+
+
+def test_decode_holds_the_budget_with_a_sliding_recent_window(model):
+    layer = snap_layer(model)
+    prompt(layer, 60)
+    selected = {h: set(layer.pos[0, h].tolist()) - set(range(56, 60)) for h in range(2)}
+    for t in range(7):
+        step(layer, seed=10 + t)
+        assert layer.filled == 20 and layer.k.shape[2] == 20
+        index = layer._index()
+        assert index.num_attended().tolist() == [[20, 20]]
+        for h in range(2):
+            kept = set(layer.pos[0, h].tolist())
+            assert set(range(60 + t - 3, 61 + t)) <= kept  # the 4 most recent tokens
+            assert selected[h] <= kept  # the prompt selection stays
+
+
+def test_short_prompt_grows_until_the_budget_then_evicts(model):
+    layer = snap_layer(model, budget=12)
+    prompt(layer, 9)
+    assert layer.filled == 9 and sorted(layer.pos[0, 0].tolist()) == [-1] * 3 + list(range(9))
+    for t in range(5):
+        step(layer, seed=t)
+    assert layer.filled == 12 and layer.stored_tokens() == 12
+    assert set(layer.pos[0, 0].tolist()) == set(range(14)) - {8, 9}  # 8 and 9 left the window of 4
+
+
+def test_left_padded_short_row_fills_its_free_slots_first(model):
+    layer = snap_layer(model, row_start=[0, 50])
+    prompt(layer, 60, batch=2)  # row 1 has 10 real tokens: all kept, right-aligned
+    assert layer.kept.tolist() == [20, 10]
+    assert (layer.pos[1, :, :10] == -1).all() and layer.pos[1, 0, 10:].tolist() == list(range(50, 60))
+    step(layer, seed=3)
+    assert layer.kept.tolist() == [20, 11] and layer.pos[1, 0, 9] == 60
+    assert layer._index().num_attended().tolist() == [[20, 20], [11, 11]]
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="budget >= 32"):
+        kvpress.get_policy("snapkv", budget=16)
+    with pytest.raises(ValueError, match="odd"):
+        kvpress.get_policy("snapkv", kernel_size=4)
+    with pytest.raises(ValueError, match="window_size"):
+        kvpress.get_policy("snapkv", window_size=0)
+
+
+@pytest.mark.smollm2
+def test_smollm2_decode_follows_full_when_few_tokens_are_evicted():
+    from kvpress.evals.tasks import get_task
+    from kvpress.generation import timed_generate
+
+    model, tokenizer = kvpress.load_model("smollm2")
+    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
+    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
+    res = timed_generate(model, ids, kvpress.get_policy("snapkv", budget=480), max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(res.tokens, ref.tokens)
+    assert res.stats.resident_bytes < 0.95 * ref.stats.resident_bytes
