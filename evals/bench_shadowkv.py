@@ -40,7 +40,7 @@ def shadowkv_policy(args, length: int):
     budget = args.budget or default_budget(length, args.chunk_size, args.outlier_chunks, args.local_window)
     return kvpress.get_policy("shadowkv", budget=budget, chunk_size=args.chunk_size, rank=args.rank,
                               outlier_chunks=args.outlier_chunks, local_window=args.local_window,
-                              backend=args.backend)
+                              score_reduction=args.score_reduction, backend=args.backend)
 
 
 def load(name: str):
@@ -262,6 +262,7 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-size", type=int, default=8)
     parser.add_argument("--outlier-chunks", type=int, default=8)
     parser.add_argument("--local-window", type=int, default=32)
+    parser.add_argument("--score-reduction", default="softmax_max", help="GQA group reduction of landmark scores")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: double until OOM on GPU, 1 on CPU)")

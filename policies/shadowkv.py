@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
-from kvpress.kernels import SparseIndex, chunk_landmarks, landmark_scores, merge_states, sparse_decode
+from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, landmark_scores, merge_states, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -50,6 +50,7 @@ class ShadowKVPolicy(Policy):
     rank: int = 160
     outlier_chunks: int = 8
     local_window: int = 32
+    score_reduction: str = "softmax_max"
     backend: str = "auto"
 
     name = "shadowkv"
@@ -64,6 +65,7 @@ class ShadowKVPolicy(Policy):
         check_int("rank", self.rank, 1)
         check_int("outlier_chunks", self.outlier_chunks, 0)
         check_int("local_window", self.local_window, 0)
+        check_choice("score_reduction", self.score_reduction, REDUCTIONS)
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):
@@ -242,7 +244,8 @@ class ShadowKVLayer(CacheLayer):
         p = self.policy
         B, H, C, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
-        scores = landmark_scores(q0, self.landmarks, scale=scaling, mask=self.selectable.any(1))  # (B, H, C)
+        scores = landmark_scores(q0, self.landmarks, scale=scaling, reduction=p.score_reduction,
+                                 mask=self.selectable.any(1))  # (B, H, C) GQA group reduced
         scores = scores.masked_fill(~self.selectable, float("-inf"))
         top, ids = torch.topk(scores, k_sel, dim=-1)  # (B, H, k)
         ok = torch.isfinite(top)
