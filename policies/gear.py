@@ -34,10 +34,10 @@ class GearPolicy(Policy):
     """
 
     bits: int = 2
-    group_size: int = 64
+    group_size: int = 32
     residual_length: int = 128
     flush_size: int = 128
-    rank: int = 2
+    rank: int = 1
     outlier_ratio: float = 0.01
     power_iterations: int = 3
 
