@@ -117,6 +117,7 @@ class ShadowKVLayer(CacheLayer):
         self.max_selectable = 0
         self.max_attended = 0  # most tokens one KV head attended in a decode step
         self.exact_mode = False
+        self._exact_cnt_cpu = self._sel_cnt_cpu = None
         self.counters = TransferCounters()
         self._inv_freq = None
 
@@ -154,9 +155,12 @@ class ShadowKVLayer(CacheLayer):
         win_first = max(C - n_win, 0)
         first_full = (rope_start + cs - 1) // cs  # (B,) first chunk without padding
         middle = (chunk[None, :] >= first_full[:, None]) & (chunk[None, :] < win_first)  # (B, C)
-        n_mid = int(middle.sum(1).max()) if B else 0
-        self.exact_mode = p.budget >= T - int(rs.min())  # the budget covers the prompt: keep all exact
-        n_out = n_mid if self.exact_mode else min(p.outlier_chunks, n_mid)
+        # A row whose prompt fits the budget keeps every chunk exact (decided per row, so a padded
+        # row of a batch behaves like the same prompt alone); other rows keep `outlier_chunks`.
+        row_exact = p.budget >= T - rs  # (B,)
+        out_cnt = torch.where(row_exact, middle.sum(1), middle.sum(1).clamp(max=p.outlier_chunks))  # (B,)
+        n_out = int(out_cnt.max()) if B else 0
+        self.exact_mode = bool(row_exact.all())
 
         landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
         # Outliers: chunks whose landmark represents its keys worst (lowest min cosine similarity).
@@ -164,7 +168,7 @@ class ShadowKVLayer(CacheLayer):
         cos = cos.masked_fill(~real.view(B, 1, C, cs), float("inf")).amin(-1)  # (B, H, C)
         cos = cos.masked_fill(~middle[:, None], float("inf"))
         out_score, out_ids = torch.topk(-cos, n_out, dim=-1)  # (B, H, n_out)
-        out_ok = torch.isfinite(out_score)
+        out_ok = torch.isfinite(out_score) & (torch.arange(n_out, device=dev) < out_cnt[:, None, None])
         is_outlier = torch.zeros(B, H, C + 1, dtype=torch.bool, device=dev)
         is_outlier.scatter_(2, torch.where(out_ok, out_ids, torch.full_like(out_ids, C)), True)
         selectable = middle[:, None] & ~is_outlier[:, :, :C]  # (B, H, C)
@@ -188,17 +192,16 @@ class ShadowKVLayer(CacheLayer):
         self.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)  # (B, H, E)
         self.exact_cnt = cnt.to(torch.int32)
         self.exact_max = E
+        self._exact_cnt_cpu = cnt.cpu()  # (B, H) per-head budgets, read on the host: no sync per step
+        self._sel_cnt_cpu = selectable.sum(-1).cpu()
 
         self.max_selectable = int(selectable.sum(-1).max()) if B else 0
         if self.max_selectable:
             self.landmarks, self.selectable, self.rope_start = landmarks, selectable, rope_start
-            # Pre-RoPE keys (exact inverse rotation), padding zeroed so it adds nothing to the SVD.
+            # Pre-RoPE keys (exact inverse rotation), padding zeroed.
             k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
             k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
-            u, s, vh = torch.linalg.svd(k_pre, full_matrices=False)  # (B, T_pad, m), (B, m), (B, m, H*D)
-            r = min(p.rank, s.shape[-1])
-            self.factor = (u[..., :r] * s[:, None, :r]).to(k.dtype).contiguous()  # (B, T_pad, r)
-            self.basis = vh[:, :r].reshape(B, r, H, D).to(k.dtype).contiguous()  # (B, r, H, D)
+            self.factor, self.basis = _low_rank(k_pre, rope_start, min(p.rank, H * D), H, k.dtype)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
         self.seen += T
 
@@ -232,15 +235,19 @@ class ShadowKVLayer(CacheLayer):
             o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
                                  validate_index=False)
             out, lse = merge_states(out, lse, o, l)
-        k_sel = min(self.max_selectable, max(0, (p.budget - self.exact_max - self.gen_len) // p.chunk_size))
+        # chunks each (row, KV head) may add: what its own exact tokens and the generated ones leave
+        allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
+        allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
+        k_sel = int(allow.max()) if allow.numel() else 0
         if k_sel:
-            o, l = self._attend_selected(q0, k_sel, scaling)
+            o, l = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
             out, lse = merge_states(out, lse, o, l)
-        self.max_attended = max(self.max_attended, self.exact_max + k_sel * p.chunk_size + self.gen_len)
+        attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
+        self.max_attended = max(self.max_attended, attended + self.gen_len)
         return out[:, :, None]
 
-    def _attend_selected(self, q0, k_sel, scaling):
-        """Top ``k_sel`` chunks per KV head: rebuild their keys, fetch their values, attend."""
+    def _attend_selected(self, q0, k_sel, allow, scaling):
+        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head: rebuild their keys, fetch their values, attend."""
         p = self.policy
         B, H, C, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
@@ -248,7 +255,7 @@ class ShadowKVLayer(CacheLayer):
                                  mask=self.selectable.any(1))  # (B, H, C) GQA group reduced
         scores = scores.masked_fill(~self.selectable, float("-inf"))
         top, ids = torch.topk(scores, k_sel, dim=-1)  # (B, H, k)
-        ok = torch.isfinite(top)
+        ok = torch.isfinite(top) & (torch.arange(k_sel, device=dev) < allow[..., None])
         # ascending chunk order, empty slots last: contiguous host reads, stable slots across steps
         ids = torch.where(ok, ids, C).sort(dim=-1).values
         ids = torch.where(ids < C, ids, -1).to(torch.int32)
@@ -292,6 +299,27 @@ class ShadowKVLayer(CacheLayer):
             return 0
         b, h, _, d = self.exact_k.shape
         return 2 * b * h * self.seen * d
+
+
+def _low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):
+    """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
+
+    Each row is factored on its own real tokens only (padding rows excluded, not just zeroed) and
+    short rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the
+    same factors as the same prompt run alone.
+    """
+    B, T_pad, HD = k_pre.shape
+    factor = k_pre.new_zeros(B, T_pad, rank)
+    basis = k_pre.new_zeros(B, rank, HD)
+    starts = rope_start.tolist()
+    groups = [list(range(B))] if len(set(starts)) == 1 else [[b] for b in range(B)]
+    for rows in groups:
+        first = starts[rows[0]]
+        u, s, vh = torch.linalg.svd(k_pre[rows, first:], full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
+        r = min(rank, s.shape[-1])
+        factor[rows, first:, :r] = u[..., :r] * s[:, None, :r]
+        basis[rows, :r] = vh[:, :r]
+    return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)
 
 
 def transfer_summary(cache) -> dict:
