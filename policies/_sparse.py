@@ -94,13 +94,8 @@ class SelectiveLayer(CacheLayer):
 
     # ------------------------------------------------------------------ helpers
     def min_row_start(self) -> int:
-        """Smallest first-real-token index over the rows (cached: one device sync per generation)."""
-        row_start = self.cache._row_start
-        if row_start is None:
-            return 0
-        if getattr(self, "_min_row_start", None) is None or self._min_row_start[0] is not row_start:
-            self._min_row_start = (row_start, int(row_start.min()))
-        return self._min_row_start[1]
+        """Smallest first-real-token index over the rows (no device sync)."""
+        return self.cache.min_row_start
 
     def lengths(self) -> torch.Tensor:
         """Real tokens per row [B] (long) on the cache's device."""

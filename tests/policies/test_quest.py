@@ -21,7 +21,7 @@ def quest_layer(model, row_start=None, **fields):
     policy = kvpress.get_policy("quest", **{"dense_layers": 0, "page_size": 8, **fields})
     cache = PolicyCache(policy, kvpress.get_adapter(model))
     if row_start is not None:
-        cache._set_row_start(torch.tensor(row_start))
+        cache.set_left_padding(torch.tensor(row_start))
     return cache.layers[1]
 
 

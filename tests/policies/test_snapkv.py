@@ -20,7 +20,7 @@ def snap_layer(model, row_start=None, **fields):
     policy = kvpress.get_policy("snapkv", **{"budget": 20, "window_size": 4, "kernel_size": 3, **fields})
     cache = PolicyCache(policy, kvpress.get_adapter(model))
     if row_start is not None:
-        cache._set_row_start(torch.tensor(row_start))
+        cache.set_left_padding(torch.tensor(row_start))
     layer = cache.layers[0]
     return layer
 
