@@ -176,7 +176,6 @@ class DoubleSparsityLayer(DenseLayer):
         self.labels = self.label_codes = self.label_scale = self.label_zero = None
         self.label_len = 0
         self._validated = False
-        self._min_row_start: int | None = None
 
     # ------------------------------------------------------------------ storage
     def _append_labels(self, k: torch.Tensor) -> None:
@@ -219,7 +218,6 @@ class DoubleSparsityLayer(DenseLayer):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, indices.to(t.device)))
-        self._min_row_start = None
 
     # ------------------------------------------------------------------ attention
     def attend(self, q, k_new, v_new, scaling):
@@ -235,9 +233,7 @@ class DoubleSparsityLayer(DenseLayer):
         return self._sparse_step(q, scaling, row_start)
 
     def _budget_covers(self, row_start) -> bool:
-        if self._min_row_start is None:
-            self._min_row_start = 0 if row_start is None else int(row_start.min())
-        return self.seen - self._min_row_start <= self.policy.budget
+        return self.seen - self.cache.min_row_start <= self.policy.budget
 
     def select(self, q0: torch.Tensor, scaling: float, row_start: torch.Tensor | None) -> SparseIndex:
         """Token-level index of this decode step: sinks + window + top label scores.
