@@ -30,12 +30,15 @@ and the wall time.
 
 Measured on SmolLM2 with the shipped gates, 50% retrieval heads (sinks 16 + window 240)::
 
-    python -m kvpress.evals.bench_duo --lengths 4096 --samples 2 --policies full,duo,duo_random0
+    python -m kvpress.evals.bench_duo --lengths 4096,8192 --samples 2 --policies full,duo,duo_random0
     python -m kvpress.evals.bench_duo --lengths 4096 --tasks niah_single:depth=0.5 --samples 1
 
 niah_single at 4k, depths 0 / 1 / 0.5: full 3/3, duo 3/3 (100% of full) at 96.4 MiB resident =
 0.519 of full's 185.6 MiB; the same number of random heads (``random_heads_seed=0``) 2/3 (fails the
-depth-0 needle). Few samples on a shared CPU: evidence, not a benchmark.
+depth-0 needle). At 8k, depths 0 / 1: full 1/2 (fails depth 0), duo 1/2 with the same outputs
+as full, 185.7 MiB = 0.516 of full's 360.0 MiB; random heads 1/2 (the depth-1 needle sits in the
+window, so this sample cannot separate them). Few samples on a shared CPU: evidence, not a
+benchmark.
 """
 
 from __future__ import annotations
