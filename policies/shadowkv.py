@@ -210,7 +210,8 @@ class ShadowKVLayer(CacheLayer):
         B, H, _, D = k.shape
         if self.gen_k is None or self.gen_len == self.gen_k.shape[2]:
             cap = self.gen_len + 64  # grow in 64-token steps: one copy every 64 tokens
-            new_k, new_v = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, D)
+            # zeros, not empty: a backend reading the unused slots under a -inf mask must not meet NaN (0 * NaN)
+            new_k, new_v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
             if self.gen_len:
                 new_k[:, :, : self.gen_len] = self.gen_k[:, :, : self.gen_len]
                 new_v[:, :, : self.gen_len] = self.gen_v[:, :, : self.gen_len]
