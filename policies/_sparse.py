@@ -24,12 +24,12 @@ from __future__ import annotations
 import torch
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import CacheLayer, KVBuffer
+from kvpress.layers import DenseLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 
 
-class SelectiveLayer(CacheLayer):
-    """Dense storage, dense prefill, sparse decode over a per-step selection.
+class SelectiveLayer(DenseLayer):
+    """Dense storage (a :class:`DenseLayer`), dense prefill, sparse decode over a per-step selection.
 
     Subclasses implement :meth:`select` and may override :meth:`on_append` (metadata).
 
@@ -43,7 +43,6 @@ class SelectiveLayer(CacheLayer):
     def __init__(self, cache, layer_idx: int, budget: int):
         super().__init__(cache, layer_idx)
         self.budget = budget
-        self.buffer = KVBuffer()
         self._validated = False  # sparse_decode checks the first index against the cache only
 
     # ------------------------------------------------------------------ hooks
@@ -85,11 +84,8 @@ class SelectiveLayer(CacheLayer):
         return out[:, :, None]
 
     def ingest_prefill(self, k, v):
-        if not self.is_initialized:
-            self.lazy_initialization(k, v)
         start = self.seen
-        self.buffer.append(k, v)
-        self.seen += k.shape[2]
+        super().ingest_prefill(k, v)
         self.on_append(start, k.shape[2])
 
     # ------------------------------------------------------------------ helpers
@@ -102,23 +98,6 @@ class SelectiveLayer(CacheLayer):
         row_start = self.row_start
         full = torch.full((self.batch_size,), self.seen, dtype=torch.long, device=self.device)
         return full if row_start is None else full - row_start
-
-    def state_tensors(self):
-        return {"k": self.buffer.k, "v": self.buffer.v}
-
-    def batch_select(self, indices):
-        if self.buffer.k is not None:
-            self.buffer.k = self.buffer.k.index_select(0, indices.to(self.buffer.k.device))
-            self.buffer.v = self.buffer.v.index_select(0, indices.to(self.buffer.v.device))
-
-    def stored_tokens(self) -> int:
-        return self.buffer.length
-
-    def cached_elements(self) -> int:
-        if self.buffer.k is None:
-            return 0
-        b, h, _, d = self.buffer.k.shape
-        return 2 * b * h * self.buffer.length * d
 
 
 class PageStats:
