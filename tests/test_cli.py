@@ -33,7 +33,7 @@ def test_generate_rejects_bad_policy_input_before_loading(tmp_path, capsys, monk
 def test_generate_and_demo_on_smollm2(tmp_path, capsys):
     prompt = tmp_path / "p.txt"
     prompt.write_text("The pass key is 4821. Remember it. What is the pass key?")
-    assert cli.main(["generate", "--policy", "streaming", "--budget", "64", "--prompt-file", str(prompt), "--max-new-tokens", "8"]) == 0
+    assert cli.main(["generate", "--policy", "streaming", "--budget", "64", "--prompt-file", str(prompt), "--max-new-tokens", "16"]) == 0
     captured = capsys.readouterr()
     assert "4821" in captured.out
     assert "[streaming]" in captured.err and "ms/token" in captured.err
