@@ -29,10 +29,11 @@ class SnapKVPolicy(Policy):
     ``budget - window_size`` tokens; the other keys and values are dropped, so resident bytes
     shrink to ``budget`` tokens per head.
 
-    Decode (our choice; the paper lets the cache grow): the budget is a hard cap. New tokens
-    join a recent window of ``window_size`` tokens; once a row holds ``budget`` tokens, each new
-    token replaces the one that just left that window, so a row keeps ``budget - window_size``
-    selected prompt tokens plus the ``window_size`` most recent ones. Attention over the kept
+    Decode (our choice; the paper lets the cache grow): the budget is a hard cap. Once a row
+    holds ``budget`` tokens, each new token replaces, per KV head, the lowest-scored kept prompt
+    token until ``window_size`` tokens have been generated, then the generated token leaving
+    the ``window_size`` most recent ones. The observation window itself is never evicted: a
+    needle right before the question must survive while the model copies it out. Attention over the kept
     tokens runs through ``kvpress.kernels.sparse_decode``.
     """
 
@@ -108,7 +109,8 @@ class SnapKVLayer(CacheLayer):
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
         super().__init__(cache, layer_idx)
         self.policy = policy
-        self.k = self.v = self.pos = self.kept = None
+        self.k = self.v = self.pos = self.kept = self.score = None
+        self.prompt_len = 0
         self.filled = 0
         self._validated = False
 
@@ -133,13 +135,13 @@ class SnapKVLayer(CacheLayer):
         keep = min(p.budget, T - first)
         pos = torch.arange(T, device=k.device).expand(B, H, T)  # (B, H, T)
         real = pos >= starts[:, None, None]
-        if T - first <= p.budget:  # every row fits: keep everything (no scores needed)
+        w = min(p.window_size, T)
+        scores = snap_scores(q[:, :, T - w :], k, scaling, row_start, p.window_size, p.kernel_size)
+        scores = scores.masked_fill(pos >= T - p.window_size, float("inf"))  # the window stays
+        scores = scores.masked_fill(~real, float("-inf"))
+        if T - first <= p.budget:  # every row fits: keep everything
             chosen = pos[:, :, first:]
         else:
-            w = min(p.window_size, T)
-            scores = snap_scores(q[:, :, T - w :], k, scaling, row_start, p.window_size, p.kernel_size)
-            scores = scores.masked_fill(pos >= T - p.window_size, float("inf"))  # the window stays
-            scores = scores.masked_fill(~real, float("-inf"))
             top = torch.topk(scores, keep, dim=-1)
             chosen = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
             chosen = chosen.sort(dim=-1).values  # free slots (-1) first, then ascending positions
@@ -152,6 +154,12 @@ class SnapKVLayer(CacheLayer):
         self.k[:, :, :keep] = k.gather(2, index)  # free slots hold a copy of token 0: never attended
         self.v[:, :, :keep] = v.gather(2, index)
         self.pos[:, :, :keep] = chosen
+        # Retention score per slot: prompt tokens keep their SnapKV score (the observation window
+        # +inf), generated tokens +inf; a full row evicts its lowest-scored prompt token until
+        # window_size tokens have been generated, then the generated token leaving the window.
+        self.score = torch.full((B, H, cap), float("inf"), device=k.device)
+        self.score[:, :, :keep] = torch.where(chosen >= 0, scores.gather(2, chosen.clamp(min=0)), float("inf"))
+        self.prompt_len = T
         self.filled = keep
 
     # ------------------------------------------------------------------ decode
@@ -162,18 +170,23 @@ class SnapKVLayer(CacheLayer):
         if self.filled < p.budget:  # still growing: every row appends at slot `filled`
             if self.filled == self.k.shape[2]:
                 self._grow(min(p.budget, self.filled + _GROW))
-            slot = torch.full((B,), self.filled, dtype=torch.long, device=k_new.device)
+            slot = torch.full((B, H), self.filled, dtype=torch.long, device=k_new.device)
             self.filled += 1
         else:
-            # a full row overwrites the token leaving the recent window (same slot in every head);
-            # a shorter row fills the free slot just before its tokens
-            leaving = (self.pos[:, 0, :] == position - p.window_size).to(torch.int8).argmax(-1)  # (B,)
-            slot = torch.where(self.kept >= self.filled, leaving, self.filled - self.kept - 1)
+            leaving = position - p.window_size
+            if leaving >= self.prompt_len:  # a generated token leaves the recent window: replace it
+                victim = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H)
+            else:  # too few tokens generated yet: drop each head's lowest-scored prompt token
+                victim = self.score.argmin(-1)  # (B, H)
+            # a shorter row fills the free slot just before its tokens instead
+            free = (self.filled - self.kept - 1)[:, None].expand(B, H)
+            slot = torch.where((self.kept >= self.filled)[:, None], victim, free)
         self.kept = (self.kept + 1).clamp(max=self.filled)
-        index = slot[:, None, None, None].expand(B, H, 1, D)
+        index = slot[:, :, None, None].expand(B, H, 1, D)
         self.k.scatter_(2, index, k_new)
         self.v.scatter_(2, index, v_new)
         self.pos.scatter_(2, index[..., 0], torch.full((B, H, 1), position, dtype=torch.long, device=k_new.device))
+        self.score.scatter_(2, index[..., 0], torch.full((B, H, 1), float("inf"), device=k_new.device))
         self.seen += 1
         out, _ = sparse_decode(q[:, :, 0], self.k, self.v, self._index(), scale=scaling,
                                validate_index=not self._validated)
@@ -195,7 +208,7 @@ class SnapKVLayer(CacheLayer):
 
     def _grow(self, cap: int) -> None:
         B, H, old, D = self.k.shape
-        for name, fill in (("k", 0), ("v", 0), ("pos", -1)):
+        for name, fill in (("k", 0), ("v", 0), ("pos", -1), ("score", float("inf"))):
             t = getattr(self, name)
             new = t.new_full((B, H, cap) + tuple(t.shape[3:]), fill)
             new[:, :, :old] = t
@@ -203,7 +216,7 @@ class SnapKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ accounting
     def state_tensors(self):
-        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept}
+        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score}
 
     def stored_tokens(self) -> int:
         return self.filled

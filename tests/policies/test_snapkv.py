@@ -67,15 +67,17 @@ def test_resident_bytes_shrink_and_are_the_tensors_that_exist(model):
         full = model(random_ids(80), use_cache=True).past_key_values
     stats, full_stats = kvpress.cache_stats(cache), kvpress.cache_stats(full)
     assert stats.resident_bytes == sum(tensor_bytes(l.state_tensors().values()) for l in cache.layers)
-    per_layer = 2 * 2 * 24 * 16 * 4 + 2 * 24 * 8 + 8  # k and v, pos (int64), kept (int64)
+    per_layer = 2 * 2 * 24 * 16 * 4 + 2 * 24 * 8 + 8 + 2 * 24 * 4  # k and v, pos (int64), kept (int64), score (fp32)
     assert stats.resident_bytes == 2 * per_layer < full_stats.resident_bytes
     assert [l.stored_tokens() for l in cache.layers] == [24, 24]
 
 
-def test_decode_holds_the_budget_with_a_sliding_recent_window(model):
+def test_decode_holds_the_budget_and_never_evicts_the_observation_window(model):
     layer = snap_layer(model)
     prompt(layer, 60)
-    selected = {h: set(layer.pos[0, h].tolist()) - set(range(56, 60)) for h in range(2)}
+    window = set(range(56, 60))
+    score = {h: {int(p): float(sc) for p, sc in zip(layer.pos[0, h], layer.score[0, h]) if p >= 0} for h in range(2)}
+    selected = {h: set(score[h]) - window for h in range(2)}
     for t in range(7):
         step(layer, seed=10 + t)
         assert layer.filled == 20 and layer.k.shape[2] == 20
@@ -83,18 +85,27 @@ def test_decode_holds_the_budget_with_a_sliding_recent_window(model):
         assert index.num_attended().tolist() == [[20, 20]]
         for h in range(2):
             kept = set(layer.pos[0, h].tolist())
+            assert window <= kept  # the observation window (the question) is never evicted
             assert set(range(60 + t - 3, 61 + t)) <= kept  # the 4 most recent tokens
-            assert selected[h] <= kept  # the prompt selection stays
+            # the first 4 generated tokens each push out the lowest-scored selected prompt token;
+            # later ones replace the generated token leaving the recent window
+            dropped = sorted(selected[h], key=lambda p: score[h][p])[: min(t + 1, 4)]
+            assert kept & selected[h] == selected[h] - set(dropped)
 
 
 def test_short_prompt_grows_until_the_budget_then_evicts(model):
     layer = snap_layer(model, budget=12)
     prompt(layer, 9)
     assert layer.filled == 9 and sorted(layer.pos[0, 0].tolist()) == [-1] * 3 + list(range(9))
+    score = {int(p): float(sc) for p, sc in zip(layer.pos[0, 0], layer.score[0, 0]) if p >= 0}
     for t in range(5):
         step(layer, seed=t)
     assert layer.filled == 12 and layer.stored_tokens() == 12
-    assert set(layer.pos[0, 0].tolist()) == set(range(14)) - {8, 9}  # 8 and 9 left the window of 4
+    # position 12 pushed out the lowest-scored prompt token outside the observation window (5..8);
+    # position 13 replaced generated token 9, which left the recent window of 4
+    lowest = min(range(5), key=lambda p: score[p])
+    assert set(layer.pos[0, 0].tolist()) == set(range(14)) - {lowest, 9}
+    assert set(range(5, 9)) <= set(layer.pos[0, 0].tolist())
 
 
 def test_left_padded_short_row_fills_its_free_slots_first(model):
