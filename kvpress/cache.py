@@ -145,8 +145,9 @@ class KVBuffer:
         n = k.shape[2]
         if self.k is None:
             cap = _round_up(n, self.grow)
-            self.k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            self.v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            # Zeroed, not empty: masked kernels multiply unused slots by 0, and 0 * NaN is NaN.
+            self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
         elif self.length + n > self.k.shape[2]:
             cap = _round_up(self.length + n, self.grow)
             self.k = _grow(self.k, self.length, cap)
@@ -169,7 +170,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
-    out = x.new_empty(x.shape[0], x.shape[1], cap, x.shape[3])
+    out = x.new_zeros(x.shape[0], x.shape[1], cap, x.shape[3])
     out[:, :, :length] = x[:, :, :length]
     return out
 
