@@ -50,7 +50,7 @@ def cmd_eval(args) -> int:
 
 def configure_eval(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local folder, a hub id, or random-llama3-8b[-Nl]")
-    p.add_argument("--policies", default=None, help="comma-separated registered names (default: all)")
+    p.add_argument("--policies", default=None, help="comma-separated registered names, each optionally with fields: duo:random_heads_seed=0 (default: all)")
     p.add_argument("--budgets", default=None, help="comma-separated token budgets, e.g. 128,256,512,1024")
     p.add_argument("--bits", default=None, help="comma-separated bit widths for policies with a `bits` field")
     p.add_argument("--tasks", default="niah_single,niah_multikey,vt",

@@ -40,7 +40,8 @@ def plot_score_vs_budget(rows: list[dict], path) -> Path:
         by_policy: dict[str, dict] = defaultdict(lambda: defaultdict(list))
         for r in rows:
             if r["task"] == task and _finite(r["score"]):
-                name = r["policy_name"] + (f"/b{r['bits']}" if r.get("bits") is not None else "")
+                name = r.get("policy_spec") or r["policy_name"]
+                name += (f"/b{r['bits']}" if r.get("bits") is not None else "")
                 by_policy[name][r.get("budget")].append(r["score"])
         for name, points in by_policy.items():
             if set(points) == {None}:  # no budget: a reference line across the sweep

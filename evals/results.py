@@ -21,12 +21,12 @@ SUMMARY_CSV = "summary.csv"
 MIB = 2.0**20
 
 CELL_COLUMNS = [
-    "policy_label", "policy_name", "budget", "bits", "task", "task_spec", "length", "sample", "num_tokens",
+    "policy_label", "policy_name", "policy_spec", "budget", "bits", "task", "task_spec", "length", "sample", "num_tokens",
     "metric", "score", "resident_bytes", "offloaded_bytes", "dense_bytes", "prefill_s",
     "decode_ms_per_token", "new_tokens", "shared_prefill", "prediction",
 ]
 SUMMARY_COLUMNS = [
-    "policy_label", "policy_name", "budget", "bits", "task", "length", "metric", "n", "score",
+    "policy_label", "policy_name", "policy_spec", "budget", "bits", "task", "length", "metric", "n", "score",
     "resident_mib", "offloaded_mib", "decode_ms_per_token", "prefill_s",
 ]
 
@@ -107,6 +107,7 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({
             "policy_label": label,
             "policy_name": first["policy_name"],
+            "policy_spec": first.get("policy_spec", first["policy_name"]),
             "budget": first.get("budget"),
             "bits": first.get("bits"),
             "task": task,

@@ -43,6 +43,7 @@ class PolicyVariant:
     policy: object
     budget: int | None = None
     bits: int | None = None
+    spec: str = ""
 
     @property
     def config(self) -> dict:
@@ -125,12 +126,30 @@ class EvalGrid:
         return expand_policies(self.policies, self.budgets, self.bits, self.options)
 
 
+def parse_policy_spec(spec: str) -> tuple[str, dict]:
+    """Split a grid entry ``name[:field=value[:field=value...]]`` into name and field overrides.
+
+    ``"duo:random_heads_seed=0"`` is ``duo`` with its streaming heads drawn at random (an
+    ablation beside plain ``duo`` in the same grid). Values are strings; :func:`kvpress.get_policy`
+    converts them to the field types.
+    """
+    name, *parts = spec.split(":")
+    fields = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy spec {spec!r}: expected name:field=value[:field=value...], got {part!r}")
+        fields[key] = value
+    return name, fields
+
+
 def _policy_options(names, options: dict) -> dict[str, dict]:
-    per_policy: dict[str, dict] = {name: {} for name in names}
+    bases = {parse_policy_spec(name)[0] for name in names}
+    per_policy: dict[str, dict] = {name: {} for name in bases}
     for key, value in options.items():
         name, dot, fld = key.partition(".")
         if not dot or name not in per_policy:
-            raise ValueError(f"policy option {key!r} must be <policy>.<field> with a policy of the grid: {list(names)}")
+            raise ValueError(f"policy option {key!r} must be <policy>.<field> with a policy of the grid: {sorted(bases)}")
         per_policy[name][fld] = value
     return per_policy
 
@@ -146,7 +165,8 @@ def expand_policies(names, budgets=(), bits=(), options=None) -> list[PolicyVari
     per_policy = _policy_options(names, options or {})
     variants, seen = [], set()
     for name in names:
-        base = kvpress.get_policy(name, **per_policy[name])
+        registered, spec_fields = parse_policy_spec(name)
+        base = kvpress.get_policy(registered, **{**per_policy[registered], **spec_fields})
         candidates = []
         budget_list = list(budgets) or [None]
         for budget in budget_list:
@@ -166,7 +186,7 @@ def expand_policies(names, budgets=(), bits=(), options=None) -> list[PolicyVari
                     continue
                 seen.add(key)
                 label = name + (f"@{budget}" if budget is not None else "") + (f"/b{b}" if b is not None else "")
-                variants.append(PolicyVariant(label, variant, budget, b))
+                variants.append(PolicyVariant(label, variant, budget, b, spec=name))
     return variants
 
 
@@ -282,6 +302,7 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
                 record = {
                     "key": res.cell_key(grid.model, variant.config, task.spec, length, index, grid.seed),
                     "model": grid.model, "policy_label": variant.label, "policy_name": variant.policy.name,
+                    "policy_spec": variant.spec or variant.policy.name,
                     "policy": variant.config, "budget": variant.budget, "bits": variant.bits,
                     "task": task.name, "task_spec": task.spec, "length": length, "sample": index,
                     "seed": grid.seed, "device": str(model.device), "dtype": str(model.dtype),

@@ -87,6 +87,20 @@ def test_budgets_map_through_with_budget_and_budgetless_policies_run_once():
     assert [v.label for v in variants if v.policy.name == "window"] == ["window@64", "window@128"]
 
 
+def test_policy_specs_put_variants_of_one_policy_in_one_grid():
+    variants = expand_policies(["streaming", "streaming:sink_tokens=2"], budgets=(128,),
+                               options={"streaming.rerotate": "true"})
+    assert [v.label for v in variants] == ["streaming@128", "streaming:sink_tokens=2@128"]
+    assert [v.spec for v in variants] == ["streaming", "streaming:sink_tokens=2"]
+    plain, two = (v.policy for v in variants)
+    assert plain.rerotate and two.rerotate and two.sink_tokens == 2 and plain.sink_tokens != 2
+    assert plain.sink_tokens + plain.window_size == two.sink_tokens + two.window_size == 128
+    assert expand_policies(["window:window_size=64"])[0].policy.window_size == 64
+    for bad, message in [("window:size", "field=value"), ("window:nope=1", "has no field"), ("nope:x=1", "unknown policy")]:
+        with pytest.raises(ValueError, match=message):
+            expand_policies([bad])
+
+
 # --------------------------------------------------------------------------- the grid on a tiny model
 
 
