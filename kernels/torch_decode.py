@@ -39,6 +39,7 @@ import torch
 
 from .checks import check_decode_inputs
 from .index import SparseIndex
+from .torch_fast import clean_decode_bag, clean_row_ids, clean_rows
 
 CPU_CHUNK_BYTES = 16 << 20  # gathered bytes per step of the CPU loop (bounds the workspace)
 DENSE_FRACTION = 0.75  # padded selection >= this share of the cache: one masked pass instead
@@ -364,6 +365,38 @@ def _cat_parts(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+USE_CLEAN_CPU = True  # tests switch it off to cover the masked path with clean indices
+
+
+def _clean_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
+                  rows: list, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """CPU path for a clean index (`kvpress.kernels.torch_fast`): no positions, no mask.
+
+    fp32 with contiguous V rows and a workspace under ``CPU_CHUNK_BYTES``: the lean
+    ``embedding_bag`` path, which writes ``out`` (returns ``out, lse, True``). Otherwise gathers
+    K and V rows (fp32) in chunks and runs the unmasked attention: ``(N, 1, G, D)``,
+    ``(N, 1, G)``, False.
+    """
+    B, H_kv, _ = index.block_idx.shape
+    N, G, D = B * H_kv, q.shape[1] // H_kv, q.shape[2]
+    V = index.sinks + index.dense_tail + index.max_blocks * index.block_size
+    rows_k, *steps_k = _row_view(k_cache)
+    rows_v, *steps_v = _row_view(v_cache)
+    if (q.dtype == torch.float32 and USE_BAG_CPU and rows_v.is_contiguous() and q.is_contiguous()
+            and N * V * D * 4 <= CPU_CHUNK_BYTES):
+        return *clean_decode_bag(q, rows_k, tuple(steps_k), rows_v, tuple(steps_v), index, rows, scale, out), True
+    ids_k = clean_row_ids(index, rows, tuple(steps_k)).view(N, V)
+    ids_v = ids_k if steps_v == steps_k else clean_row_ids(index, rows, tuple(steps_v)).view(N, V)
+    q4 = q.reshape(N, 1, G, D).float()
+    chunk = max(1, CPU_CHUNK_BYTES // (V * D * 8))  # gathered K + V bytes per step
+    parts = []
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        k_sel, v_sel = _gather(rows_k, ids_k[s:e], "k"), _gather(rows_v, ids_v[s:e], "v")  # (n, V, D) fp32
+        parts.append(_attend(q4[s:e], k_sel[:, None], v_sel[:, None], None, scale, False))
+    return *_cat_parts(parts), False
+
+
 def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         index: SparseIndex, *, scale: float | None = None,
                         out: torch.Tensor | None = None, validate_index: bool = True
@@ -377,8 +410,15 @@ def torch_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out = torch.zeros_like(q) if out is None else out.zero_()
         return out, torch.full((B, H_q), _NEG_INF, device=q.device)
     cpu = q.device.type == "cpu"
-    q4 = q.reshape(N, 1, G, D).float()  # (N, 1, G, D); a view for contiguous fp32 q
-    if q.dtype == torch.float32 and V >= DENSE_FRACTION * T_cap:
+    masked_pass = q.dtype == torch.float32 and V >= DENSE_FRACTION * T_cap
+    # CPU, clean index (no padding, no overlaps: `torch_fast`): no positions, no mask
+    rows = clean_rows(index) if cpu and USE_CLEAN_CPU and not masked_pass else None
+    q4 = None if rows is not None else q.reshape(N, 1, G, D).float()  # (N, 1, G, D); a view for fp32 q
+    if rows is not None:
+        o, lse, done = _clean_decode(q, k_cache, v_cache, index, rows, scale, out)
+        if done:
+            return o, lse
+    elif masked_pass:
         # the padded selection is about as large as the cache: one masked pass over the cache
         # reads less than gathering (copying) most of it first. (fp16/bf16 always gather: the
         # fused CPU kernel is slow in half precision, and the gathered copy is fp32 anyway.)
