@@ -51,6 +51,7 @@ class ShadowKVPolicy(Policy):
     outlier_chunks: int = 8
     local_window: int = 32
     score_reduction: str = "softmax_max"
+    rerank: int = 1
     backend: str = "auto"
 
     name = "shadowkv"
@@ -66,6 +67,7 @@ class ShadowKVPolicy(Policy):
         check_int("outlier_chunks", self.outlier_chunks, 0)
         check_int("local_window", self.local_window, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
+        check_int("rerank", self.rerank, 1)
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):
@@ -255,21 +257,58 @@ class ShadowKVLayer(CacheLayer):
         scores = landmark_scores(q0, self.landmarks, scale=scaling, reduction=p.score_reduction,
                                  mask=self.selectable.any(1))  # (B, H, C) GQA group reduced
         scores = scores.masked_fill(~self.selectable, float("-inf"))
-        top, ids = torch.topk(scores, k_sel, dim=-1)  # (B, H, k)
-        ok = torch.isfinite(top) & (torch.arange(k_sel, device=dev) < allow[..., None])
-        # ascending chunk order, empty slots last: contiguous host reads, stable slots across steps
-        ids = torch.where(ok, ids, C).sort(dim=-1).values
-        ids = torch.where(ids < C, ids, -1).to(torch.int32)
-        keys = shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
-                                chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
+        inv_freq = self._rope_inv_freq(dev)
+        n_cand = min(k_sel * p.rerank, self.max_selectable)
+        if n_cand > k_sel:
+            ids, keys = self._rerank(q0, scores, n_cand, k_sel, allow, scaling, inv_freq)
+        else:
+            ids, keys = _top_chunks(scores, k_sel, allow), None
+        if keys is None:
+            keys = shadowkv_rebuild(self.factor, self.basis, ids, inv_freq, self.rope_start,
+                                    chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
         values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
         self.sel_idx, self.sel_values = ids, values
-        cnt = ok.sum(-1).to(torch.int32)  # (B, H)
+        cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
         slots = torch.arange(k_sel, device=dev, dtype=torch.int32)
         index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
                             torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
         return sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
                              backend=self._decode_backend, validate_index=False)
+
+    def _rerank(self, q0, scores, n_cand, k_sel, allow, scaling, inv_freq):
+        """Landmarks shortlist ``n_cand`` chunks; their rebuilt keys' exact scores pick the top ``allow``.
+
+        A landmark is a chunk's mean key, so a chunk holding one key the query matches strongly
+        (a needle among filler) can score below chunks of uniformly mediocre keys. The rebuilt
+        low-rank keys cost ``rank`` MACs per element, and only the kept chunks' values are fetched.
+        Returns the chosen ids ``(B, H, k_sel)`` (ascending, -1 last) and their keys ``(B, H, k_sel*cs, D)``.
+        """
+        p = self.policy
+        B, H, C, D = self.landmarks.shape
+        cs, dev = p.chunk_size, q0.device
+        cand = _top_chunks(scores, n_cand, torch.full_like(allow, n_cand))  # (B, H, M) ascending, -1 last
+        keys = shadowkv_rebuild(self.factor, self.basis, cand, inv_freq, self.rope_start,
+                                chunk_size=cs, backend=p.backend)  # (B, H, M*cs, D)
+        G = q0.shape[1] // H
+        logits = (q0.float().view(B, H, G, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
+        tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
+        logits = logits.masked_fill(~tok_ok, float("-inf"))
+        if p.score_reduction == "softmax_max":  # normalise per query head before the group max
+            logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
+        tok = logits.mean(2) if p.score_reduction == "mean" else logits.amax(2)  # (B, H, M*cs)
+        exact = tok.view(B, H, n_cand, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
+        exact = exact.masked_fill(cand < 0, float("-inf"))
+        top, slot = torch.topk(exact, k_sel, dim=-1)  # (B, H, k)
+        ok = torch.isfinite(top) & (torch.arange(k_sel, device=dev) < allow[..., None])
+        ids = torch.gather(cand, 2, slot)
+        # ascending chunk order, empty slots last (as `_top_chunks`); keys follow their chunk
+        order = torch.where(ok, ids, C).sort(dim=-1)
+        ids = torch.where(order.values < C, order.values, -1).to(torch.int32)
+        slot = torch.gather(slot, 2, order.indices)  # (B, H, k) candidate slot of each chosen chunk
+        tok_idx = (slot[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, k*cs)
+        chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k_sel * cs, D))
+        chosen = chosen * (ids >= 0).repeat_interleave(cs, dim=-1)[..., None].to(chosen.dtype)  # empty slots: zeros
+        return ids, chosen
 
     @property
     def _decode_backend(self) -> str:
@@ -288,6 +327,14 @@ class ShadowKVLayer(CacheLayer):
     def host_tensors(self):
         return {"v_host": self.v_host}
 
+    def batch_select(self, indices: torch.Tensor) -> None:
+        super().batch_select(indices)
+        # the per-head budget tables live on the host (read each step without a device sync)
+        host_idx = indices.cpu()
+        if self._exact_cnt_cpu is not None:
+            self._exact_cnt_cpu = self._exact_cnt_cpu.index_select(0, host_idx)
+            self._sel_cnt_cpu = self._sel_cnt_cpu.index_select(0, host_idx)
+
     def transfer_stats(self) -> dict:
         """Host -> device traffic of this layer: steps, chunks, bytes per step, reuse rate."""
         return self.counters.as_dict()
@@ -300,6 +347,18 @@ class ShadowKVLayer(CacheLayer):
             return 0
         b, h, _, d = self.exact_k.shape
         return 2 * b * h * self.seen * d
+
+
+def _top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tensor:
+    """Top ``allow[b, h]`` (<= ``k``) finite-scored chunks, int32 ``(B, H, k)``: ascending ids, -1 last.
+
+    Ascending order gives contiguous host reads and keeps a chunk's slot stable across steps.
+    """
+    C = scores.shape[-1]
+    top, ids = torch.topk(scores, k, dim=-1)  # (B, H, k)
+    ok = torch.isfinite(top) & (torch.arange(k, device=scores.device) < allow[..., None])
+    ids = torch.where(ok, ids, C).sort(dim=-1).values
+    return torch.where(ids < C, ids, -1).to(torch.int32)
 
 
 def _low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):

@@ -33,7 +33,8 @@ def generate(model, pol, ids, new=6):
 
 @pytest.mark.parametrize("kw, match", [(dict(chunk_size=12), "chunk_size=12 is not supported"),
                                        (dict(rank=0), "rank=0 is out of range"),
-                                       (dict(backend="cuda"), "backend='cuda' is not supported")])
+                                       (dict(backend="cuda"), "backend='cuda' is not supported"),
+                                       (dict(rerank=0), "rerank=0 is out of range")])
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
@@ -150,3 +151,58 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path():
         assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
         assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
     assert torch.equal(outs["torch"], outs["triton"])
+
+
+def test_batch_select_reorders_the_host_side_budget_tables(model):
+    """Beam reorder / batch pruning must move the per-head budget tables kept on the host too."""
+    ids = random_ids(PROMPT, batch=2, seed=7)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # row 0 left-padded: its partial first chunk is exact, so its counts differ
+    pol = policy()
+    with torch.no_grad(), kvpress.apply(model, pol):
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        for layer in cache.layers:
+            assert not torch.equal(layer.exact_cnt[0], layer.exact_cnt[1])
+        cache.reorder_cache(torch.tensor([1, 1]))
+        for layer in cache.layers:
+            assert torch.equal(layer._exact_cnt_cpu, layer.exact_cnt.cpu())
+            assert torch.equal(layer._sel_cnt_cpu, layer.selectable.sum(-1).cpu())
+
+
+def _chosen_chunks(layer, q0, k_sel, scaling):
+    allow = torch.full(layer.selectable.shape[:2], k_sel)
+    layer.sel_idx = layer.sel_values = None
+    layer._attend_selected(q0, k_sel, allow, scaling)
+    return layer.sel_idx
+
+
+@pytest.mark.parametrize("reduction", ["max", "softmax_max"])
+def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduction):
+    """A chunk whose mean key points away from the query but holds one matching key (a needle in
+    filler) is missed by landmark scores alone; re-ranking the shortlist by rebuilt keys finds it,
+    and with every chunk shortlisted the choice equals the top chunks by exact key scores."""
+    from kvpress.kernels import exact_scores, shadowkv_rebuild
+
+    ids = random_ids(PROMPT, seed=11)
+    _, dense = dense_prefill(model, ids)
+    picks = {}
+    for rerank in (1, 32):
+        pol = policy(rank=32, score_reduction=reduction, rerank=rerank)  # full rank: rebuilt keys are exact
+        layer = cache_from_dense(model, pol, dense).layers[1]
+        B, H, C, D = layer.landmarks.shape
+        target = int(layer.selectable[0, 0].nonzero()[0])  # the first selectable chunk of KV head 0
+        needle = dense.layers[1].keys[0, 0, target * 8 + 3]  # (D,) chunk starts at 0: PROMPT % 8 == 0
+        q0 = (needle * 4.0).expand(1, 4, D).contiguous()  # every query head of the batch looks for it
+        layer.landmarks[0, 0, target] = -needle * 10  # the landmark points away: landmark top-k misses it
+        picks[rerank] = chosen = _chosen_chunks(layer, q0, 3, 0.25)
+        if rerank == 32:
+            chunks = torch.where(layer.selectable, torch.arange(C, dtype=torch.int32), -1).contiguous()
+            keys = shadowkv_rebuild(layer.factor, layer.basis, chunks, layer._rope_inv_freq("cpu"),
+                                    layer.rope_start, chunk_size=8)  # (B, H, C*8, D)
+            exact = exact_scores(q0, keys, block_size=8, scale=0.25, reduction="max")
+            exact = exact.masked_fill(~layer.selectable, float("-inf"))
+            expect = exact.topk(3, dim=-1).indices.sort(-1).values.to(torch.int32)
+            assert torch.equal(chosen, expect)
+    assert target not in picks[1][0, 0].tolist()
+    assert target in picks[32][0, 0].tolist()
+
