@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels import ALLOWED_BLOCK_SIZES, quest_scores
+from kvpress.kernels import ALLOWED_BLOCK_SIZES, REDUCTIONS, quest_scores
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import PageStats, SelectiveLayer, check_budget, page_index, select_pages
 from kvpress.registry import Policy, check_choice, check_int, register_policy
@@ -35,6 +35,7 @@ class QuestPolicy(Policy):
     page_size: int = 16
     dense_layers: int = 2
     sink_tokens: int = 0
+    score_reduction: str = "softmax_max"
 
     name = "quest"
     description = "query-aware page selection by per-page key min/max bounds (Quest)"
@@ -46,6 +47,7 @@ class QuestPolicy(Policy):
         check_choice("page_size", self.page_size, ALLOWED_BLOCK_SIZES)
         check_int("dense_layers", self.dense_layers, 0)
         check_int("sink_tokens", self.sink_tokens, 0)
+        check_choice("score_reduction", self.score_reduction, REDUCTIONS)
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens={self.sink_tokens} must be a multiple of page_size={self.page_size} "
                              "(so selected pages never straddle the sinks and the budget is exact)")
@@ -99,7 +101,7 @@ class QuestLayer(SelectiveLayer):
         touching = ((j + 1) * size > p.sink_tokens) & (j * size < tail_start)
         candidates = torch.where((lengths <= self.budget)[:, None], touching, inside)  # (B, P)
         scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
-                              scale=scaling, mask=candidates)  # (B, H_kv, P)
+                              scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, P)
         covered = lengths <= self.budget  # (B,)
         if bool(covered.any()):
             k = max(p.selected_pages, -(-self.budget // size))

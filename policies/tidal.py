@@ -11,13 +11,14 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
-from kvpress.kernels import SparseIndex, exact_scores
+from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import SelectiveLayer, check_budget, select_pages
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, register_policy
 
-ARTIFACT_VERSION = 1
+ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
 CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
+DEFAULT_SELECTION_LAYER = 2  # the paper's choice, used for a model without a measurement
 
 
 def artifact_name(model_id: str) -> str:
@@ -30,8 +31,11 @@ def artifact_name(model_id: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _measured_reselection(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, selection_layer: int):
-    """Re-selection layer measured by ``kvpress calibrate tidal`` for this model, or None."""
+def measured_layers(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int] | None:
+    """``(selection, reselection)`` measured by ``kvpress calibrate tidal`` for this model, or None.
+
+    ``reselection`` is -1 when the measurement found no re-selection layer worth its cost.
+    """
     path = shipped_artifact(artifact_name(model_id))
     if not path.is_file():
         return None
@@ -39,10 +43,10 @@ def _measured_reselection(model_id: str, num_layers: int, num_kv_heads: int, hea
     if (meta.get("num_layers"), meta.get("num_kv_heads"), meta.get("head_dim")) != (
             str(num_layers), str(num_kv_heads), str(head_dim)):
         return None  # same name, another model shape
-    layers = tensors["layers"].tolist()  # [selection_layer, reselection_layer] it was measured for
-    if layers[0] != selection_layer or not selection_layer < layers[1] < num_layers:
+    selection, reselection = (int(x) for x in tensors["layers"].tolist())
+    if not (0 <= selection < num_layers - 1 and (reselection == -1 or selection < reselection < num_layers)):
         return None
-    return int(layers[1])
+    return selection, reselection
 
 
 @register_policy
@@ -51,17 +55,22 @@ class TidalPolicy(Policy):
     """TidalDecode: position-persistent sparse attention.
 
     Yang et al., "TidalDecode: Fast and Accurate LLM Decoding with Position Persistent Sparse
-    Attention", arXiv 2410.05076. Layers before ``selection_layer`` attend densely. At each
+    Attention", arXiv 2410.05076. Layers before the selection layer attend densely. At each
     decode step the selection layer runs full attention and takes the top tokens per KV head
-    (exact ``q . k`` scores, GQA group reduced by softmax-then-max); the following layers attend
-    only those tokens through ``kvpress.kernels.sparse_decode``, except the re-selection layer,
-    which runs full attention again and refreshes the selection for the layers after it.
+    (exact ``q . k`` scores, GQA group reduced by ``score_reduction``, default softmax-then-max);
+    the following layers attend only those tokens through ``kvpress.kernels.sparse_decode``,
+    except the re-selection layer, which runs full attention again and refreshes the selection
+    for the layers after it.
 
-    ``reselection_layer=-1`` disables re-selection; ``None`` (the default) takes the layer that ``kvpress calibrate tidal`` measured for the
-    model (``python -m kvpress.evals.tidal_layers``: the layer whose fresh selection best
-    recovers the later layers' attention mass on calibration text), shipped under
-    ``policies/artifacts/``; a model without a measurement falls back to the middle layer (the
-    paper's finding) with a warning.
+    Which layers select is measured, not hard-coded: ``selection_layer=None`` and
+    ``reselection_layer=None`` (the defaults) take the pair that ``kvpress calibrate tidal``
+    (``python -m kvpress.evals.tidal_layers``) measured for the model and shipped under
+    ``policies/artifacts/`` -- the pair whose selections best keep the sparse layers' attention
+    mass on calibration text, scored by the geometric mean over heads so that a retrieval head
+    losing its few tokens counts (SmolLM2-135M: layers 3 and 15). A model without a measurement
+    uses the paper's layer 2 and its middle layer, with a warning. ``reselection_layer=-1``
+    disables re-selection; an explicit ``selection_layer`` uses the measured re-selection layer
+    only if it was measured for that selection layer.
 
     Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
     tokens, ``recent_tokens`` most recent (the current token at least) and the top
@@ -70,10 +79,11 @@ class TidalPolicy(Policy):
     """
 
     budget: int = 256
-    selection_layer: int = 2
+    selection_layer: int | None = None
     reselection_layer: int | None = None
     sink_tokens: int = 0
     recent_tokens: int = 1
+    score_reduction: str = "softmax_max"
 
     name = "tidal"
     description = "full-attention layers pick top tokens reused by the others (TidalDecode)"
@@ -82,38 +92,48 @@ class TidalPolicy(Policy):
     keeps_full_cache = True
 
     def validate(self):
-        check_int("selection_layer", self.selection_layer, 0)
+        if self.selection_layer is not None:
+            check_int("selection_layer", self.selection_layer, 0)
         if self.reselection_layer not in (None, -1):
-            check_int("reselection_layer", self.reselection_layer, self.selection_layer + 1)
+            check_int("reselection_layer", self.reselection_layer,
+                      1 if self.selection_layer is None else self.selection_layer + 1)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 1)
+        check_choice("score_reduction", self.score_reduction, REDUCTIONS)
         check_budget(self.budget, self.sink_tokens + self.recent_tokens,
                      f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
 
     def check_model(self, adapter):
-        check_int("selection_layer", self.selection_layer, 0, adapter.num_layers - 1)
-        if self.reselection_layer not in (None, -1):
-            check_int("reselection_layer", self.reselection_layer, self.selection_layer + 1, adapter.num_layers - 1)
+        if self.selection_layer is not None:
+            check_int("selection_layer", self.selection_layer, 0, adapter.num_layers - 1)
+        selection, reselection = self.layers_for(adapter, warn=False)
+        if reselection is not None:
+            check_int("reselection_layer", reselection, selection + 1, adapter.num_layers - 1)
 
-    def layers_for(self, adapter) -> tuple[int, int | None]:
+    def layers_for(self, adapter, warn: bool = True) -> tuple[int, int | None]:
         """``(selection_layer, reselection_layer)`` for ``adapter``'s model (None: no re-selection)."""
+        measured = measured_layers(adapter.model_id, adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
+        selection = self.selection_layer
+        if selection is None:
+            selection = measured[0] if measured is not None else DEFAULT_SELECTION_LAYER
+            selection = min(selection, adapter.num_layers - 2)  # a tiny model still gets a sparse layer
         if self.reselection_layer is not None:
-            return self.selection_layer, None if self.reselection_layer == -1 else self.reselection_layer
-        measured = _measured_reselection(adapter.model_id, adapter.num_layers, adapter.num_kv_heads,
-                                         adapter.head_dim, self.selection_layer)
-        if measured is not None:
-            return self.selection_layer, measured
+            return selection, None if self.reselection_layer == -1 else self.reselection_layer
+        if measured is not None and measured[0] == selection:
+            return selection, None if measured[1] == -1 else measured[1]
         middle = adapter.num_layers // 2
-        if middle <= self.selection_layer:
-            return self.selection_layer, None
-        warnings.warn(f"tidal: no measured re-selection layer for {adapter.model_id!r}; using the middle layer "
-                      f"{middle} (measure one with `{CALIBRATE_COMMAND}`)", stacklevel=3)
-        return self.selection_layer, middle
+        if middle <= selection:
+            return selection, None
+        if warn:
+            warnings.warn(f"tidal: no measured layers for {adapter.model_id!r} with selection layer {selection}; "
+                          f"re-selecting at the middle layer {middle} (measure with `{CALIBRATE_COMMAND}`)",
+                          stacklevel=3)
+        return selection, middle
 
     def make_layer(self, cache, layer_idx):
-        if layer_idx < self.selection_layer:
-            return DenseLayer(cache, layer_idx)
         selection, reselection = cache.shared.setdefault("tidal_layers", self.layers_for(cache.adapter))
+        if layer_idx < selection:
+            return DenseLayer(cache, layer_idx)
         return TidalLayer(cache, layer_idx, self, selects=layer_idx in (selection, reselection))
 
     @classmethod
@@ -148,7 +168,7 @@ class TidalLayer(SelectiveLayer):
         first = p.sink_tokens if self.row_start is None else self.row_start[:, None] + p.sink_tokens
         candidates = (pos >= first) & (pos < self.seen - p.recent_tokens)  # (B, T)
         candidates = candidates.expand(q.shape[0], -1)
-        scores = exact_scores(q, self.buffer.keys, scale=scaling, mask=candidates)  # (B, H_kv, T)
+        scores = exact_scores(q, self.buffer.keys, scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, T)
         ids, count = select_pages(scores, p.budget - p.sink_tokens - p.recent_tokens, candidates)
         lens = torch.full((q.shape[0],), self.seen, dtype=torch.int32, device=q.device)
         starts = None if self.row_start is None else self.row_start.to(torch.int32)

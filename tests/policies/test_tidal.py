@@ -8,8 +8,8 @@ import torch
 
 import kvpress
 from kvpress.cache import PolicyCache
-from kvpress.evals.tidal_layers import layer_recalls, pick_reselection
-from kvpress.policies.tidal import artifact_name
+from kvpress.evals.tidal_layers import layer_recalls, pair_score, pick_layers
+from kvpress.policies.tidal import artifact_name, measured_layers
 
 from conftest import tiny_model
 
@@ -82,31 +82,65 @@ def test_a_sparse_layer_without_a_fresh_selection_refuses(model):
         decode(cache, [3])
 
 
-def test_default_layers_come_from_the_measurement_or_the_middle(model):
+def test_default_layers_come_from_the_measurement_or_the_paper(model):
     adapter = kvpress.get_adapter(model)
     policy = kvpress.get_policy("tidal", selection_layer=0)
     with pytest.warns(UserWarning, match="middle layer 2"):
         assert policy.layers_for(adapter) == (0, 2)
     assert policy.replace(reselection_layer=-1).layers_for(adapter) == (0, None)
-    # the shipped SmolLM2 measurement is found by model name and shape, not by a fixed number
+    # unmeasured model: the paper's selection layer 2 (4 layers: the middle is 2, so no re-selection)
+    assert kvpress.get_policy("tidal").layers_for(adapter) == (2, None)
+    # the shipped SmolLM2 measurement (both layers) is found by model name and shape
     smol = dataclasses.replace(adapter, model_id="HuggingFaceTB/SmolLM2-135M-Instruct", num_layers=30,
                                num_kv_heads=3, head_dim=64)
+    measured = measured_layers(smol.model_id, 30, 3, 64)
+    assert measured is not None and 0 < measured[0] < measured[1] < 30
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        selection, reselection = kvpress.get_policy("tidal").layers_for(smol)
-    assert selection == 2 and 2 < reselection < 30
+        assert kvpress.get_policy("tidal").layers_for(smol) == measured
+        # a measured pair whose re-selection sits right after the selection layer leaves every later
+        # layer on a stale selection: the SmolLM2 needles failed even at budget 1024 with (2, 3)
+        assert measured[1] - measured[0] > 2
     assert artifact_name("/x/kvpress/smollm2-135m-instruct/tf-5.23.0-abc") == artifact_name(smol.model_id)
 
 
+def _records(num_layers, planted_from, T=48, M=4, H_kv=2, G=2, D=16, seed=0):
+    """Finder records: random heads, except that from layer ``planted_from`` on one head of each
+    group reads one far-away token per query (a retrieval head), which no earlier layer attends."""
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    for layer in range(num_layers):
+        k = torch.randn(1, H_kv, T, D, generator=g) * 0.3
+        q = torch.randn(1, H_kv * G, M, D, generator=g) * 0.3
+        if layer >= planted_from:
+            for h in range(H_kv):
+                for m in range(M):
+                    target = 3 + 5 * m + h
+                    k[0, h, target] = torch.randn(D, generator=g)
+                    q[0, h * G, m] = 8 * k[0, h, target]
+        records.append((q, k, 0.25))
+    return records
+
+
 def test_layer_finder_recall_is_one_when_the_budget_covers_everything():
-    g = torch.Generator().manual_seed(0)
-    records = [(torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), 0.25) for _ in range(4)]
-    full = layer_recalls(records, budget=12, selection_layer=1)
-    assert all(abs(r - 1) < 1e-5 for per in full.values() for r in per.values())
-    partial = layer_recalls(records, budget=2, selection_layer=1)
-    best, means = pick_reselection(partial, 4, 1)
-    assert best in (2, 3) and means[best] == max(means[r] for r in (2, 3))
-    assert all(0 <= r <= 1 + 1e-6 for per in partial.values() for r in per.values())
+    records = _records(4, planted_from=2)
+    full = layer_recalls(records, budget=48)
+    assert all(torch.allclose(r, torch.ones_like(r)) for per in full.values() for r in per.values())
+    partial = layer_recalls(records, budget=4)
+    assert all(((0 <= r) & (r <= 1 + 1e-6)).all() for per in partial.values() for r in per.values())
+
+
+def test_layer_finder_refreshes_where_retrieval_heads_start_and_prefers_an_early_selection_layer():
+    records = _records(6, planted_from=3)
+    recall = layer_recalls(records, budget=6)
+    # layer 3's own selection holds the planted tokens; layer 1's does not
+    assert float(recall[3][4][0].min()) > 0.9 and float(recall[1][4][0].max()) < 0.5
+    (sel, resel), scores = pick_layers(recall, 6, selection_layers=[1, 2], tolerance=0.0)
+    assert (sel, resel) == (2, 3)  # best score: layer 2 is exact, layer 3 refreshes for the retrieval heads
+    assert scores[(1, 3)] > scores[(1, 2)] and scores[(1, 3)] > scores[(1, -1)]  # (1, 2): refresh too early
+    margin = scores[(2, 3)] - scores[(1, 3)]
+    assert pick_layers(recall, 6, [1, 2], tolerance=margin + 1e-6)[0] == (1, 3)  # the earlier layer within tolerance
+    assert pair_score(recall, 6, 3, -1) > pair_score(recall, 6, 1, -1)
 
 
 def test_bad_input_is_a_clear_error(model):
@@ -118,6 +152,9 @@ def test_bad_input_is_a_clear_error(model):
         kvpress.get_policy("tidal", recent_tokens=0)
     with pytest.raises(ValueError, match="selection_layer"):
         with kvpress.apply(model, kvpress.get_policy("tidal", selection_layer=4, reselection_layer=-1)):
+            pass
+    with pytest.raises(ValueError, match="reselection_layer"):
+        with kvpress.apply(model, kvpress.get_policy("tidal", selection_layer=1, reselection_layer=4)):
             pass
 
 
