@@ -25,7 +25,10 @@ class SnapKVPolicy(Policy):
     Prefill is exact causal attention. Then the last ``window_size`` prompt queries (the
     observation window) score every earlier token by their summed attention, max-pooled over
     ``kernel_size`` neighbouring positions (keeps whole phrases, not isolated tokens) and
-    averaged over each KV head's query group. Every KV head keeps the window plus its own top
+    averaged over each KV head's query group. ``kernel_size`` defaults to 15, wider than the
+    paper's 7: tokenizers that split numbers into single digits (SmolLM2, Llama-3) spread a
+    7-digit value over 7+ tokens after the key phrase the window attends to, and a +-3 pool kept
+    only its first digits (SmolLM2 at 4k: needle answers cut to 4 digits even at budget 1024). Every KV head keeps the window plus its own top
     ``budget - window_size`` tokens; the other keys and values are dropped, so resident bytes
     shrink to ``budget`` tokens per head.
 
@@ -39,7 +42,7 @@ class SnapKVPolicy(Policy):
 
     budget: int = 256
     window_size: int = 32
-    kernel_size: int = 7
+    kernel_size: int = 15
 
     name = "snapkv"
     description = "prompt tokens picked by the observation window's attention, rest evicted (SnapKV)"

@@ -138,3 +138,34 @@ def test_smollm2_decode_follows_full_when_few_tokens_are_evicted():
     res = timed_generate(model, ids, kvpress.get_policy("snapkv", budget=480), max_new_tokens=4, eos_token_id=[])
     assert torch.equal(res.tokens, ref.tokens)
     assert res.stats.resident_bytes < 0.95 * ref.stats.resident_bytes
+
+
+def test_default_pool_keeps_a_digit_per_token_value_after_the_attended_key():
+    """Regression: with a +-3 pool SmolLM2 kept only the first digits of a 7-digit needle (one
+    token per digit) sitting after the key phrase the window attends to; the default pool spans it."""
+    width = kvpress.get_policy("snapkv").kernel_size
+    T, key = 64, 20
+    k = torch.randn(1, 2, T, 16) * 0.01
+    k[:, :, key] = 1.0  # the window's queries match only the key token
+    q = torch.ones(1, 4, 4, 16) * 4.0
+    scores = snap_scores(q, k, 0.25, None, 4, width)[0]  # (H_kv, T)
+    span = list(range(key + 1, key + 8))  # ':' then the digits that follow the key
+    peak = scores[:, key : key + 1]
+    assert (scores[:, span] == peak).all()  # every digit ranks with the key: kept together
+    assert (scores[:, key + 9 : T - 4] < peak).all()
+
+
+@pytest.mark.slow
+def test_smollm2_4k_needle_survives_budget_1024():
+    """The case that exposed the narrow pool: SmolLM2, 4k niah_single, needle at depth 0."""
+    from kvpress.evals.tasks import build_input_ids, get_task
+    from kvpress.generation import timed_generate
+
+    torch.set_num_threads(1)
+    model, tokenizer = kvpress.load_model("smollm2")
+    task = get_task("niah_single")
+    sample = task.generate(tokenizer, 4096, 4, 0)[0]
+    ids = torch.tensor([build_input_ids(tokenizer, sample)])
+    res = timed_generate(model, ids, kvpress.get_policy("snapkv", budget=1024), max_new_tokens=sample.max_new_tokens,
+                         eos_token_id=tokenizer.eos_token_id)
+    assert task.score(tokenizer.decode(res.tokens[0], skip_special_tokens=True), sample) == 1.0
