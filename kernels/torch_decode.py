@@ -39,7 +39,7 @@ import torch
 
 from .checks import check_decode_inputs
 from .index import SparseIndex
-from .torch_fast import clean_decode_bag, clean_row_ids, clean_rows
+from .torch_fast import clean_decode_bag, clean_decode_fused, clean_row_ids, clean_rows
 
 CPU_CHUNK_BYTES = 16 << 20  # gathered bytes per step of the CPU loop (bounds the workspace)
 DENSE_FRACTION = 0.75  # padded selection >= this share of the cache: one masked pass instead
@@ -366,6 +366,9 @@ def _cat_parts(parts: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 USE_CLEAN_CPU = True  # tests switch it off to cover the masked path with clean indices
+# clean fp32 selections of at most this many (KV head, token) rows: gather K and V + the fused op
+# (fewer torch calls) instead of embedding_bag (which reads V in place: less traffic when large)
+CLEAN_FUSED_ROWS = 1024
 
 
 def _clean_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
@@ -382,11 +385,15 @@ def _clean_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     V = index.sinks + index.dense_tail + index.max_blocks * index.block_size
     rows_k, *steps_k = _row_view(k_cache)
     rows_v, *steps_v = _row_view(v_cache)
-    if (q.dtype == torch.float32 and USE_BAG_CPU and rows_v.is_contiguous() and q.is_contiguous()
-            and N * V * D * 4 <= CPU_CHUNK_BYTES):
-        return *clean_decode_bag(q, rows_k, tuple(steps_k), rows_v, tuple(steps_v), index, rows, scale, out), True
+    if q.dtype == torch.float32 and q.is_contiguous() and N * V * D * 4 <= CPU_CHUNK_BYTES:
+        if _FUSED_CPU is not None and USE_FUSED_CPU and N * V <= CLEAN_FUSED_ROWS:
+            return *clean_decode_fused(_FUSED_CPU, q, rows_k, tuple(steps_k), rows_v, tuple(steps_v), index, rows,
+                                       scale, out), True
+        if USE_BAG_CPU and rows_v.is_contiguous():
+            return *clean_decode_bag(q, rows_k, tuple(steps_k), rows_v, tuple(steps_v), index, rows, scale,
+                                     out), True
     ids_k = clean_row_ids(index, rows, tuple(steps_k)).view(N, V)
-    ids_v = ids_k if steps_v == steps_k else clean_row_ids(index, rows, tuple(steps_v)).view(N, V)
+    ids_v = ids_k if steps_v == steps_k else clean_row_ids(index, rows, tuple(steps_v), 1, "v").view(N, V)
     q4 = q.reshape(N, 1, G, D).float()
     chunk = max(1, CPU_CHUNK_BYTES // (V * D * 8))  # gathered K + V bytes per step
     parts = []

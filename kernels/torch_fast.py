@@ -80,7 +80,7 @@ def _id_buffers(B: int, H: int, R: int, K: int, F: int, bs: int, steps: tuple[in
 
 
 def clean_row_ids(index: SparseIndex, rows: list[tuple[int, int]], steps: tuple[int, int, int],
-                  repeat: int = 1) -> torch.Tensor:
+                  repeat: int = 1, tag: str = "k") -> torch.Tensor:
     """Row ids (into a ``(rows, D)`` view of the cache) of every slot of a clean index.
 
     Parameters
@@ -91,6 +91,8 @@ def clean_row_ids(index: SparseIndex, rows: list[tuple[int, int]], steps: tuple[
         Token ``t`` of (row ``b``, KV head ``h``) is view row ``b * b_step + h * h_step + t * t_step``.
     repeat : int
         Copies of each (row, KV head)'s ids (the G query heads of a group for `embedding_bag`).
+    tag : str
+        Names the returned buffer: two live results need two tags (same shape and steps).
 
     Returns
     -------
@@ -101,7 +103,7 @@ def clean_row_ids(index: SparseIndex, rows: list[tuple[int, int]], steps: tuple[
     B, H, K = index.block_idx.shape
     S, Tl, bs = index.sinks, index.dense_tail, index.block_size
     F = S + Tl
-    flat, fixed_out, block_out, pair, blocks = _cached(("ids", B, H, repeat, K, F, bs, *steps),
+    flat, fixed_out, block_out, pair, blocks = _cached(("ids", tag, B, H, repeat, K, F, bs, *steps),
                                                        lambda: _id_buffers(B, H, repeat, K, F, bs, steps))
     if F:
         fixed = torch.tensor([[[[*range(s, s + S), *range(n - Tl, n)]]] for s, n in rows])  # (B, 1, 1, F)
@@ -147,13 +149,48 @@ def clean_decode_bag(q: torch.Tensor, rows_k: torch.Tensor, steps_k: tuple, rows
     return out, denom.log_().add_(m).view(B, H_q)
 
 
+def _grow_only(slot: str, numel: int) -> torch.Tensor:
+    """Per-thread fp32 workspace of at least ``numel`` elements (a fresh multi-MB CPU tensor per
+    call would page-fault on every step). Growing it drops the memo, whose views hold the old one."""
+    bufs = getattr(_LOCAL, "bufs", None)
+    if bufs is None:
+        bufs = _LOCAL.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < numel:
+        _LOCAL.memo = {}
+        buf = bufs[slot] = torch.empty(numel)
+    return buf
+
+
 def _bag_buffers(N: int, G: int, V: int, D: int):
-    """Views of one grow-only per-thread K workspace (a fresh multi-MB CPU tensor per call would
-    page-fault on every step), the zero score bias and the bag offsets."""
-    buf = getattr(_LOCAL, "k_buf", None)
-    if buf is None or buf.numel() < N * V * D:
-        _LOCAL.memo = {}  # drop the views of the old workspace (and their storage)
-        buf = _LOCAL.k_buf = torch.empty(N * V * D)
-    k_flat = buf[: N * V * D].view(N * V, D)
+    """K workspace views, the zero score bias and the bag offsets of `clean_decode_bag`."""
+    k_flat = _grow_only("k", N * V * D)[: N * V * D].view(N * V, D)
     return (k_flat, k_flat.view(N, V, D).transpose(1, 2), torch.zeros(N, 1, V),
             torch.arange(N * G) * V)
+
+
+def _fused_buffers(N: int, V: int, D: int):
+    """K and V workspace views of `clean_decode_fused`: flat ``(N * V, D)`` and ``(N, 1, V, D)``."""
+    k_flat = _grow_only("k", N * V * D)[: N * V * D].view(N * V, D)
+    v_flat = _grow_only("v", N * V * D)[: N * V * D].view(N * V, D)
+    return k_flat, v_flat, k_flat.view(N, 1, V, D), v_flat.view(N, 1, V, D)
+
+
+def clean_decode_fused(op, q: torch.Tensor, rows_k: torch.Tensor, steps_k: tuple, rows_v: torch.Tensor,
+                       steps_v: tuple, index: SparseIndex, rows: list[tuple[int, int]], scale: float,
+                       out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `clean_decode_bag`, but gathers V too and runs torch's fused CPU attention ``op``
+    (fewer torch calls; better for small selections, where the fixed cost dominates)."""
+    B, H, K = index.block_idx.shape
+    H_q, D = q.shape[1], q.shape[2]
+    G, N = H_q // H, B * H
+    V = index.sinks + index.dense_tail + K * index.block_size
+    ids_k = clean_row_ids(index, rows, steps_k)  # (N * V,)
+    ids_v = ids_k if steps_v == steps_k else clean_row_ids(index, rows, steps_v, 1, "v")
+    k_flat, v_flat, k4, v4 = _cached(("fused", N, V, D), lambda: _fused_buffers(N, V, D))
+    torch.index_select(rows_k, 0, ids_k, out=k_flat)
+    torch.index_select(rows_v, 0, ids_v, out=v_flat)
+    o, lse = op(q.view(N, 1, G, D), k4, v4, scale=scale)  # (N, 1, G, D), (N, 1, G)
+    if out is None:
+        return o.view(B, H_q, D), lse.view(B, H_q)
+    return out.copy_(o.view(B, H_q, D)), lse.view(B, H_q)

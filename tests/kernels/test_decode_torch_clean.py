@@ -30,9 +30,12 @@ def clean_case(B=2, H_kv=2, G=3, D=64, T=300, lens=(300, 261), starts=(0, 7), bs
     return q, k, v, index
 
 
-@pytest.fixture(params=list(PATHS))
+CLEAN_PATHS = {**PATHS, "bag-large": dict(CLEAN_FUSED_ROWS=0)}  # the embedding_bag path for any size
+
+
+@pytest.fixture(params=list(CLEAN_PATHS))
 def path(request, monkeypatch):
-    for name, value in PATHS[request.param].items():
+    for name, value in CLEAN_PATHS[request.param].items():
         monkeypatch.setattr(td, name, value)
     return request.param
 
