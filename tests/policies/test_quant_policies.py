@@ -66,7 +66,7 @@ def test_lossy_beyond_window_high_sqnr_and_ordering(llama):
     kivi4, _ = _layer_run(llama, kvpress.get_policy("kivi", bits=4, **common))
     kivi2, layer = _layer_run(llama, kvpress.get_policy("kivi", bits=2, **common))
     gear2, _ = _layer_run(llama, kvpress.get_policy("gear", bits=2, flush_size=8, rank=2, outlier_ratio=0.02, **common))
-    zip_, _ = _layer_run(llama, kvpress.get_policy("zipcache", flush_size=8, **common))
+    zip_, _ = _layer_run(llama, kvpress.get_policy("zipcache", flush_size=8, value_group_size=16, **common))
     assert layer.n_quant > 150  # most tokens are really quantized
     assert kivi4 > 20.0, kivi4
     assert 5.0 < kivi2 < kivi4
@@ -162,14 +162,15 @@ def test_bad_input(llama):
         with pytest.raises(ValueError, match="no token budget"):
             kvpress.get_policy(name).with_budget(256)
         with pytest.raises(ValueError, match="head_dim=16 is not divisible by group_size=32"):
-            with kvpress.apply(llama, kvpress.get_policy(name, group_size=32)):
+            field = "value_group_size" if name == "zipcache" else "group_size"  # zipcache's key groups are tokens
+            with kvpress.apply(llama, kvpress.get_policy(name, **{field: 32})):
                 pass
     assert llama.config._attn_implementation == "sdpa"
 
 
 def test_zipcache_salient_tokens_go_to_high_precision(llama):
-    policy = kvpress.get_policy("zipcache", group_size=8, residual_length=8, flush_size=8, salient_ratio=0.1,
-                                probe_recent=8, probe_random=8)
+    policy = kvpress.get_policy("zipcache", group_size=8, value_group_size=8, residual_length=8, flush_size=8,
+                                salient_ratio=0.1, probe_recent=8, probe_random=8)
     layer = kvpress.make_cache(llama, policy).layers[0]
     gen = torch.Generator().manual_seed(5)
     T = 128
@@ -183,9 +184,9 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
     sal = layer.saliency(k[:, :, :64], 0)  # (B, H, n)
     assert set(sal[0, 0].topk(2).indices.tolist()) == {10, 50}
     n_hi = layer.hi.n
-    assert n_hi == round(0.1 * layer.n_quant) and layer.lo.n == layer.n_quant - n_hi
-    hi = dequantize_per_token(layer.hi.t["kc"][:, :, :n_hi], layer.hi.t["ks"][:, :, :n_hi],
-                              layer.hi.t["kz"][:, :, :n_hi], 4, 8) * layer.kn.float()[:, :, None]
+    assert n_hi == int(0.1 * layer.n_quant / 8 + 0.5) * 8 and layer.lo.n == layer.n_quant - n_hi  # whole key groups
+    hi = dequantize_per_channel(layer.hi.t["kc"][:, :, :n_hi], layer.hi.t["ks"][:, :, : n_hi // 8],
+                                layer.hi.t["kz"][:, :, : n_hi // 8], 4, 8)
     for t in hot:  # each hot key is stored at 4 bits: some high-precision entry reproduces it closely
         err = (hi - k[:, :, t : t + 1]).norm(dim=-1).min(-1).values / k[:, :, t].norm(dim=-1)
         assert (err < 0.1).all(), err
