@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.attention import dense_causal_attention
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
@@ -157,23 +156,47 @@ class TidalLayer(SelectiveLayer):
                 raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
                                    "layer must run first in the same forward")
             return self.sparse_attend(q, index, scaling)
-        self.cache.shared["tidal_index"] = (self.seen, self._select(q[:, :, 0], scaling))
-        return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
-                                      q_start=self.seen - 1, row_start=self.row_start)
+        out, index = self._attend_and_select(q[:, :, 0], scaling)
+        self.cache.shared["tidal_index"] = (self.seen, index)
+        return out[:, :, None]
 
-    def _select(self, q, scaling) -> SparseIndex:
-        """Top tokens per KV head for q [B, H_q, D] over ``[sink_end, tail_start)`` of each row."""
+    def _candidates(self, batch: int, device) -> torch.Tensor:
+        """bool (B, T): selectable tokens ``[row_start + sinks, seen - recent)`` of each row."""
         p = self.policy
-        pos = torch.arange(self.seen, device=q.device)[None, :]  # (1, T)
+        pos = torch.arange(self.seen, device=device)[None, :]  # (1, T)
         first = p.sink_tokens if self.row_start is None else self.row_start[:, None] + p.sink_tokens
-        candidates = (pos >= first) & (pos < self.seen - p.recent_tokens)  # (B, T)
-        candidates = candidates.expand(q.shape[0], -1)
-        scores = exact_scores(q, self.buffer.keys, scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, T)
+        return ((pos >= first) & (pos < self.seen - p.recent_tokens)).expand(batch, -1)
+
+    def _attend_and_select(self, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, SparseIndex]:
+        """Full attention of q [B, H_q, D] -> [B, H_q, D], and the top tokens per KV head.
+
+        With the default ``softmax_max`` reduction the selection scores are this attention's own
+        probabilities (renormalised over the candidates, max over the GQA group), so ``q . k`` is
+        computed once per step instead of twice (attention, then `exact_scores`): the selection
+        layer costs about one dense layer. Other reductions score through `exact_scores`.
+        """
+        p = self.policy
+        B, H_q, D = q.shape
+        keys, values = self.buffer.keys, self.buffer.values  # (B, H_kv, T, D)
+        H_kv, T = keys.shape[1], keys.shape[2]
+        G = H_q // H_kv
+        candidates = self._candidates(B, q.device)  # (B, T)
+        logits = (q.reshape(B, H_kv, G, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling  # (B, H_kv, G, T)
+        if self.row_start is not None:
+            logits = logits.masked_fill((torch.arange(T, device=q.device) < self.row_start[:, None])[:, None, None], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (B, H_kv, G, T)
+        out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
+        if p.score_reduction == "softmax_max":
+            cand = candidates[:, None, None, :]
+            mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, T)
+        else:
+            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
         ids, count = select_pages(scores, p.budget - p.sink_tokens - p.recent_tokens, candidates)
-        lens = torch.full((q.shape[0],), self.seen, dtype=torch.int32, device=q.device)
+        lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
         starts = None if self.row_start is None else self.row_start.to(torch.int32)
-        return SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts,
-                           p.sink_tokens, p.recent_tokens)
+        index = SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts, p.sink_tokens, p.recent_tokens)
+        return out, index
 
 
 def _configure(parser) -> None:

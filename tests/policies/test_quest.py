@@ -125,3 +125,49 @@ def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
     res = timed_generate(model, ids, kvpress.get_policy("quest", budget=480), max_new_tokens=4, eos_token_id=[])
     assert torch.equal(res.tokens, ref.tokens)
     assert res.stats.resident_bytes > ref.stats.resident_bytes  # the whole cache plus page bounds
+
+
+def _plant(keys, q, row, head, token, strength=6.0):
+    """Make the key at ``token`` of KV head ``head`` point along query head ``2 * head``."""
+    keys[row, head, token] = strength * q[row, 2 * head] / q[row, 2 * head].norm()
+
+
+@pytest.mark.parametrize("row_start, token", [(None, 2), (None, 37), ([0, 5], 6), ([0, 5], 93)])
+def test_a_page_holding_one_heads_strongest_key_is_selected(model, row_start, token):
+    """Regression: a needle right after the first token (depth 0) or mid-context, read by ONE query
+    head of the GQA group, left-padded or not, must be attended by its KV head."""
+    layer = quest_layer(model, row_start=row_start, budget=32)  # 2 selected pages of 8 + a tail of 16
+    B = 1 if row_start is None else 2
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(B, 2, 130, 16, generator=g) * 0.3, torch.randn(B, 2, 130, 16, generator=g)
+    q = torch.randn(B, 4, 16, generator=g)
+    for b in range(B):
+        for h in range(2):
+            _plant(keys, q, b, h, token + (0 if row_start is None else row_start[b]))
+    layer.ingest_prefill(keys, values)
+    index = layer.select(q, 0.25, layer.lengths())
+    mask = index.token_mask(layer.buffer.k.shape[2])  # (B, H_kv, T_cap)
+    for b in range(B):
+        t = token + (0 if row_start is None else row_start[b])
+        assert mask[b, :, t].all(), f"row {b}: planted token {t} not attended"
+    assert index.num_attended().tolist() == [[32, 32]] * B
+
+
+def test_page_bounds_stay_upper_bounds_of_every_score_while_decoding(model):
+    """Regression for page bookkeeping after prefill: at every decode step the Quest bound of each
+    page is >= the exact q . k of each of its tokens, and the page holding the argmax is selected."""
+    layer = quest_layer(model, budget=40)
+    g = torch.Generator().manual_seed(2)
+    layer.ingest_prefill(torch.randn(1, 2, 75, 16, generator=g), torch.randn(1, 2, 75, 16, generator=g))
+    for step in range(20):  # crosses page boundaries (75 -> 95)
+        q = torch.randn(1, 4, 1, 16, generator=g)
+        layer.attend(q, torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g), 0.25)
+        T = layer.seen
+        num_pages = -(-T // 8)
+        mn, mx = layer.pages.bounds(num_pages)
+        keys = layer.buffer.keys[0]  # (H_kv, T, D)
+        for h in range(4):
+            s = keys[h // 2] @ q[0, h, 0] * 0.25  # (T,)
+            bound = (torch.maximum(q[0, h, 0] * mn[0, h // 2], q[0, h, 0] * mx[0, h // 2])).sum(-1) * 0.25
+            per_page = torch.nn.functional.pad(s, (0, num_pages * 8 - T), value=float("-inf")).view(num_pages, 8)
+            assert (per_page.amax(-1) <= bound + 1e-5).all(), f"step {step}: bound below a real score"

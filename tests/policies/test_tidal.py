@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvpress
+from kvpress.attention import dense_causal_attention
 from kvpress.cache import PolicyCache
 from kvpress.evals.tidal_layers import layer_recalls, pair_score, pick_layers
 from kvpress.policies.tidal import artifact_name, measured_layers
@@ -66,9 +67,12 @@ def test_selected_tokens_are_the_top_exact_scores(model):
     prefill(cache, 50)
     layer = cache.layers[1]
     q = torch.randn(1, 4, 1, 16)
-    layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
+    out = layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
     index = cache.shared["tidal_index"][1]
     keys = layer.buffer.keys[0]  # (H_kv, 51, D)
+    # the selection layer itself attends every token (its q . k also feeds the selection)
+    dense = dense_causal_attention(q, layer.buffer.keys, layer.buffer.values, 0.25, q_start=50)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
     for h in range(2):
         probs = torch.softmax(q[0, 2 * h : 2 * h + 2, 0] @ keys[h, :50].T * 0.25, -1).amax(0)  # group softmax-max
         want = set(torch.topk(probs, 8).indices.tolist())
