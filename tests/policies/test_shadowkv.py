@@ -206,3 +206,10 @@ def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduc
     assert target not in picks[1][0, 0].tolist()
     assert target in picks[32][0, 0].tolist()
 
+
+
+def test_default_rank_is_a_quarter_of_the_key_dimension(model):
+    """rank=None keeps num_kv_heads * head_dim / 4 components (8 of the tiny model's 32)."""
+    _, dense = dense_prefill(model, random_ids(PROMPT, seed=13))
+    layer = cache_from_dense(model, policy(rank=None), dense).layers[0]
+    assert layer.factor.shape[-1] == 8 and layer.basis.shape[1] == 8
