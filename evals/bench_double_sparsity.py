@@ -1,6 +1,6 @@
 """Double Sparsity on SmolLM2 (CPU): decode speed against ``full``, and task scores per budget.
 
-    # speed: 8k prompt, budget 256 (timed_generate each, then interleaved single steps)
+    # speed: 8k prompt, budget 256: interleaved single steps of full, ds and window (the bound)
     python -m kvpress.evals.bench_double_sparsity speed --length 8000 --budget 256 --new-tokens 10 --threads 1
     # quality: one shared dense prefill per sample, greedy decode under each policy
     python -m kvpress.evals.bench_double_sparsity quality --length 4096 --samples 3 \\
@@ -8,14 +8,19 @@
 
 Policy specs: ``full`` or ``ds:BUDGET[:R[:BITS]]`` (R = label_channels, BITS = label_bits).
 The interleaved speed rows alternate one decode step of each policy over caches built from the
-same dense prefill, so load changes on a shared machine hit both alike; ``cpu`` columns are
-process CPU time (with one thread: the work done, independent of how busy the machine is).
+same dense prefill, so load changes on a shared machine hit all alike; ``cpu`` columns are
+thread CPU time (with one thread: the work done, independent of how busy the machine is).
+``attention cpu`` is the time inside the cache layers' ``attend`` (selection + attention), the
+rest is the model around it; ``window`` at a small budget (``--window-budget``) has nearly free
+attention, so ``full / window`` bounds what any attention policy can gain end to end.
+``--timed`` also runs `kvpress.generation.timed_generate` for full and ds (two more prefills).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -34,48 +39,90 @@ def make_policy(spec: str):
     return kvpress.get_policy("double_sparsity", **{k: int(v) for k, v in zip(keys, parts)})
 
 
+def _timed_attend(cache, sink: list) -> None:
+    """Wrap every layer's ``attend`` so its thread CPU time adds to ``sink[-1]`` (attention-only cost)."""
+    for layer in cache.layers:
+        def attend(*args, _inner=layer.attend, **kw):
+            t0 = time.thread_time()
+            try:
+                return _inner(*args, **kw)
+            finally:
+                sink[-1] += time.thread_time() - t0
+        layer.attend = attend
+
+
 def speed(model, tokenizer, args) -> dict:
+    """Interleaved decode steps of ``full``, ``double_sparsity`` and ``window`` (the bound) at one length.
+
+    Every policy decodes from a cache built from one shared dense prefill; the steps alternate
+    (full, ds, window, full, ...) so load changes on a shared machine hit all alike. Per step:
+    end-to-end wall and thread CPU time of the forward, and the CPU time spent inside the cache
+    layers' ``attend`` (selection + attention: the part a policy changes). ``window`` at a small
+    budget makes attention nearly free, so ``full / window`` bounds any attention policy's
+    end-to-end speedup on this model.
+    """
     import kvpress
     from kvpress.evals.tasks import get_task
     from kvpress.generation import timed_generate
     from kvpress.prefill import cache_from_dense, dense_prefill
 
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])
-    policies = {"full": make_policy("full"), "double_sparsity": make_policy(f"ds:{args.budget}")}
-    out: dict = {"length": args.length, "budget": args.budget}
-    tokens = {}
-    for name, pol in policies.items():
-        r = timed_generate(model, ids, pol, max_new_tokens=args.new_tokens, eos_token_id=[])
-        tokens[name] = r.tokens
-        out[f"{name}_timed_ms"] = r.decode_ms_per_token
-        out[f"{name}_prefill_s"] = r.prefill_s
-        out[f"{name}_resident_mib"] = r.stats.resident_bytes / 2**20
-    out["greedy_tokens_equal"] = int((tokens["full"] == tokens["double_sparsity"]).sum())
+    policies = {"full": make_policy("full"), "double_sparsity": make_policy(f"ds:{args.budget}"),
+                "window": kvpress.get_policy("window").with_budget(args.window_budget)}
+    out: dict = {"length": args.length, "budget": args.budget, "window_budget": args.window_budget,
+                 "threads": torch.get_num_threads()}
+    if args.timed:
+        for name in ("full", "double_sparsity"):
+            r = timed_generate(model, ids, policies[name], max_new_tokens=args.new_tokens, eos_token_id=[])
+            out[f"{name}_timed_ms"] = r.decode_ms_per_token
     logits, dense = dense_prefill(model, ids)
-    caches = {n: cache_from_dense(model, p, dense) for n, p in policies.items()}
-    nxt = {n: logits.argmax(-1, keepdim=True) for n in policies}
+    caches, nxt = {}, {}
+    for name, pol in policies.items():
+        if pol.full_prefill:
+            caches[name], nxt[name] = cache_from_dense(model, pol, dense), logits.argmax(-1, keepdim=True)
+        else:  # window runs its own prefill
+            with torch.no_grad(), kvpress.apply(model, pol):
+                pre = model(ids, use_cache=True)
+            caches[name], nxt[name] = pre.past_key_values, pre.logits[:, -1].argmax(-1, keepdim=True)
+    attn = {n: [] for n in policies}
+    for name in policies:
+        _timed_attend(caches[name], attn[name])
+    tokens = {n: [] for n in policies}
     wall = {n: [] for n in policies}
     cpu = {n: [] for n in policies}
     with torch.no_grad():
         for _ in range(args.new_tokens):
             for name, pol in policies.items():
                 with kvpress.apply(model, pol):
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    attn[name].append(0.0)
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     logits_step = model(nxt[name], past_key_values=caches[name], use_cache=True).logits
                     nxt[name] = logits_step[:, -1].argmax(-1, keepdim=True)
                     wall[name].append(time.perf_counter() - t0)
-                    cpu[name].append(time.process_time() - c0)
+                    cpu[name].append(time.thread_time() - c0)
+                    tokens[name].append(int(nxt[name]))
     for name in policies:  # the first step warms up buffers: leave it out
-        out[f"{name}_interleaved_ms"] = 1e3 * statistics.median(wall[name][1:])
-        out[f"{name}_interleaved_cpu_ms"] = 1e3 * statistics.median(cpu[name][1:])
-    print(f"{'':16s} {'timed ms/tok':>12s} {'interl. ms':>10s} {'interl. cpu':>11s} {'resident MiB':>12s}")
+        out[f"{name}_wall_ms"] = 1e3 * statistics.median(wall[name][1:])
+        out[f"{name}_cpu_ms"] = 1e3 * statistics.median(cpu[name][1:])
+        out[f"{name}_attention_ms"] = 1e3 * statistics.median(attn[name][1:])
+    out["greedy_tokens_equal"] = sum(a == b for a, b in zip(tokens["full"], tokens["double_sparsity"]))
+    print(f"# SmolLM2, {args.length} tokens, {args.new_tokens} interleaved decode steps (first dropped), "
+          f"threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; medians, ms per token")
+    print(f"{'':16s} {'e2e wall':>9s} {'e2e cpu':>9s} {'attention cpu':>13s} {'rest cpu':>9s}")
     for name in policies:
-        print(f"{name:16s} {out[f'{name}_timed_ms']:12.1f} {out[f'{name}_interleaved_ms']:10.1f} "
-              f"{out[f'{name}_interleaved_cpu_ms']:11.1f} {out[f'{name}_resident_mib']:12.1f}")
-    for col in ("timed_ms", "interleaved_ms", "interleaved_cpu_ms"):
-        out[f"speedup_{col}"] = out[f"full_{col}"] / out[f"double_sparsity_{col}"]
-    print("speedup (full / double_sparsity): " + ", ".join(
-        f"{c} {out[f'speedup_{c}']:.2f}x" for c in ("timed_ms", "interleaved_ms", "interleaved_cpu_ms")))
+        rest = out[f"{name}_cpu_ms"] - out[f"{name}_attention_ms"]
+        print(f"{name:16s} {out[f'{name}_wall_ms']:9.1f} {out[f'{name}_cpu_ms']:9.1f} "
+              f"{out[f'{name}_attention_ms']:13.2f} {rest:9.1f}")
+    f, d, w = (out[f"{n}_cpu_ms"] for n in ("full", "double_sparsity", "window"))
+    out["speedup_e2e_cpu"] = f / d
+    out["speedup_e2e_wall"] = out["full_wall_ms"] / out["double_sparsity_wall_ms"]
+    out["speedup_attention"] = out["full_attention_ms"] / out["double_sparsity_attention_ms"]
+    out["bound_e2e_cpu"] = f / w
+    print(f"double_sparsity vs full: end-to-end {out['speedup_e2e_cpu']:.2f}x (cpu), "
+          f"{out['speedup_e2e_wall']:.2f}x (wall); attention-only {out['speedup_attention']:.2f}x")
+    print(f"bound (full / window:{args.window_budget}, attention ~free): {out['bound_e2e_cpu']:.2f}x end-to-end")
+    if args.timed:
+        print("timed_generate ms/token: " + ", ".join(f"{n} {out[f'{n}_timed_ms']:.1f}" for n in ("full", "double_sparsity")))
     print(f"greedy tokens equal to full: {out['greedy_tokens_equal']}/{args.new_tokens}")
     return out
 
@@ -128,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", default="full,ds:256,ds:128,ds:512")
     parser.add_argument("--tasks", default="niah_single,niah_multikey,vt")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--window-budget", type=int, default=64, help="speed: budget of the window bound")
+    parser.add_argument("--timed", action="store_true", help="speed: also timed_generate full and ds (2 more prefills)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

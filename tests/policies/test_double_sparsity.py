@@ -151,8 +151,10 @@ def test_label_bytes_are_counted(model, artifact):
     dense = kvpress.cache_stats(full).resident_bytes
     # KV buffers (capacity 128) + r=2 fp32 labels per key; 4-bit: 1 code byte + 2+2 bytes scale/zero
     per_layer_tokens = 2 * 128  # batch 1 x 2 KV heads x capacity
-    assert stats[16] - dense == 2 * (per_layer_tokens * 2 * 4 + 2 * 2 * 8)  # labels + channels (int64)
-    assert stats[4] - dense == 2 * (per_layer_tokens * (1 + 2 + 2) + 2 * 2 * 8)
+    # + the decode hot path's constants: query channel index (B, H_q, r) int64, count (B, H_kv) int32, fp32 zero
+    hot = 1 * 4 * 2 * 8 + 1 * 2 * 4 + 4
+    assert stats[16] - dense == 2 * (per_layer_tokens * 2 * 4 + 2 * 2 * 8 + hot)  # labels + channels (int64)
+    assert stats[4] - dense == 2 * (per_layer_tokens * (1 + 2 + 2) + 2 * 2 * 8 + 1 * 2 * 4)  # + the count
 
 
 @pytest.mark.parametrize("batch_pad", [False, True])
@@ -288,3 +290,17 @@ def test_smollm2_cli_calibration_agrees_with_shipped_artifact(tmp_path, capsys):
     overlap = [len(set(mine[l, h, :16].tolist()) & set(shipped[l, h, :16].tolist())) / 16
                for l in range(adapter.num_layers) for h in range(adapter.num_kv_heads)]
     assert sum(overlap) / len(overlap) > 0.7
+
+
+@pytest.mark.parametrize("reduction", ["softmax_max", "max", "mean"])
+def test_hot_path_scores_equal_label_scores(model, artifact, reduction):
+    """The decode hot path's fused candidate scoring equals `kvpress.kernels.label_scores`."""
+    from kvpress.kernels import label_scores
+
+    cache, _ = prefill_then_decode(model, policy(artifact, group_reduction=reduction), random_ids(40, seed=13), steps=1)
+    layer = cache.layers[1]
+    q = torch.randn(1, 4, 16)
+    lo, hi = 2, layer.seen - 4
+    got = layer._candidate_scores(q, 0.25, lo, hi)
+    want = label_scores(q, layer.label_view()[:, :, lo:hi], layer.channels, scale=0.25, reduction=reduction)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
