@@ -65,7 +65,7 @@ def test_lossy_beyond_window_high_sqnr_and_ordering(llama):
     common = dict(group_size=8, residual_length=16)
     kivi4, _ = _layer_run(llama, kvpress.get_policy("kivi", bits=4, **common))
     kivi2, layer = _layer_run(llama, kvpress.get_policy("kivi", bits=2, **common))
-    gear2, _ = _layer_run(llama, kvpress.get_policy("gear", bits=2, flush_size=8, rank=2, outlier_ratio=0.02, **common))
+    gear2, _ = _layer_run(llama, kvpress.get_policy("gear", bits=2, flush_size=8, rank=2, outliers_per_group=1, **common))
     zip_, _ = _layer_run(llama, kvpress.get_policy("zipcache", flush_size=8, value_group_size=16, **common))
     assert layer.n_quant > 150  # most tokens are really quantized
     assert kivi4 > 20.0, kivi4
@@ -75,27 +75,30 @@ def test_lossy_beyond_window_high_sqnr_and_ordering(llama):
 
 
 def test_gear_reproduces_outliers_exactly_and_beats_plain_quantization(llama):
+    from kvpress.policies.gear import outlier_positions
+
     policy = kvpress.get_policy("gear", bits=2, group_size=8, residual_length=0, flush_size=64, rank=2,
-                                outlier_ratio=0.02)
+                                outliers_per_group=1)
     layer = kvpress.make_cache(llama, policy).layers[0]
     gen = torch.Generator().manual_seed(3)
     k = torch.randn(1, 2, 128, 16, generator=gen)
     k[..., 5] *= 10
+    k[0, 0, 17, 2] = 40.0  # a spike: must be one of its group's outliers, reproduced exactly
     layer.lazy_initialization(k, k)
     layer.ingest_prefill(k, k.clone())
     n, D = layer.n_quant, 16
     deq = dequantize_per_channel(layer.kc[:, :, :n], layer.ks[:, :, : n // 8], layer.kz[:, :, : n // 8], 2, 8)
-    plain = deq.clone()
+    plain = dequantize_per_channel(*kvpress.kernels.quantize_per_channel(k, 2, 8), 2, 8)  # kivi on the same data
     for c, s in enumerate(layer.chunk_starts):
         e = n if c + 1 == len(layer.chunk_starts) else layer.chunk_starts[c + 1]
         deq[:, :, s:e] += layer.kl[:, :, s:e].float() @ layer.kr[:, :, c].float().mT
-    idx = layer.ki[:, :, : layer.n_out].long()
-    rec = deq.flatten(2).scatter_add(-1, idx, layer.kx[:, :, : layer.n_out].float()).view_as(deq)
-    exact = k.flatten(2).gather(-1, idx)
-    torch.testing.assert_close(rec.flatten(2).gather(-1, idx), exact, atol=2e-3, rtol=1e-3)
+    tok, chan = outlier_positions(layer.ko[:, :, : n // 8].long(), 8, True)
+    flat = tok * D + chan
+    rec = deq.flatten(2).scatter_add(-1, flat, layer.kx[:, :, : n // 8].float().flatten(2)).view_as(deq)
+    assert (flat[0, 0] == 17 * D + 2).any()
+    torch.testing.assert_close(rec.flatten(2).gather(-1, flat), k.flatten(2).gather(-1, flat), atol=2e-2, rtol=1e-3)
     assert sqnr_db(k, rec) > sqnr_db(k, plain) + 3
-    vdeq = dequantize_per_token(layer.vc[:, :, :n], layer.vs[:, :, :n], layer.vz[:, :, :n], 2, 8)
-    assert vdeq.shape == k.shape
+    assert layer.ko.dtype == torch.uint8 and layer.vo.shape[-1] == 16 // 8 * 1
 
 
 def _bits(policy, tokens=8192, dtype=torch.float16):
@@ -156,8 +159,8 @@ def test_bad_input(llama):
         kvpress.get_policy("zipcache", bits_low=4, bits_high=2)
     with pytest.raises(ValueError, match="flush_size"):
         kvpress.get_policy("gear", group_size=64, flush_size=96)
-    with pytest.raises(ValueError, match="outlier_ratio"):
-        kvpress.get_policy("gear", outlier_ratio=0.9)
+    with pytest.raises(ValueError, match="outliers_per_group"):
+        kvpress.get_policy("gear", group_size=8, outliers_per_group=5)
     for name in NAMES:
         with pytest.raises(ValueError, match="no token budget"):
             kvpress.get_policy(name).with_budget(256)
