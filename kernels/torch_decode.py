@@ -23,6 +23,10 @@ device sync:
    per slot, so one ``index_select`` copies the selected rows of every (row, KV head)
    whatever the cache strides are (``KVBuffer`` views with spare capacity, HF caches,
    transposed layouts).
+0. CPU, *clean* index (no padding slot, every selected block strictly between the sinks and
+   the tail of every row: what top-k selections without left padding produce): no positions,
+   no mask, ~17 torch calls (`kvpress.kernels.torch_fast`; `_clean_decode`). Steps 1-3 are
+   the general path.
 3. Attention. CPU fp32: ``baddbmm`` scores (scale and mask folded in), an unnormalised
    softmax, and ``embedding_bag`` for ``P @ V``, which reads the selected V rows straight from
    the cache instead of copying them (`_attend_bag`). CPU fp16/bf16 or caches whose rows
