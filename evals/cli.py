@@ -109,6 +109,23 @@ def configure_lm_eval(p) -> None:
     p.set_defaults(func=cmd_lm_eval, accepts_extra=True)
 
 
+def cmd_report(args) -> int:
+    from .report import format_report, load
+
+    records = load(args.dirs)
+    if not records:
+        raise ValueError(f"no kvpress eval results (results.jsonl) in {args.dirs}")
+    print(format_report(records, args.min_full))
+    return 0
+
+
+def configure_report(p) -> None:
+    p.add_argument("dirs", nargs="+", help="output folders of kvpress eval (cells seen twice count once)")
+    p.add_argument("--min-full", type=float, default=0.5, help="tasks count where full scores at least this (default 0.5)")
+    p.set_defaults(func=cmd_report)
+
+
 SUBCOMMANDS["eval"] = ("grid of policies x budgets x lengths x tasks (resumable; tables and plots)", configure_eval)
 SUBCOMMANDS["bench"] = ("decode ms/token, prefill time and KV bytes per policy across lengths", configure_bench)
+SUBCOMMANDS["report"] = ("markdown tables of eval results: score relative to full per policy and budget", configure_report)
 SUBCOMMANDS["lm-eval"] = ("lm-eval's own CLI with the `kvpress` model type and the kvpress tasks", configure_lm_eval)
