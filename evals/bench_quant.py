@@ -19,6 +19,15 @@ CPU (torch backend, fp32 dense baseline, batch 1)::
 
     python -m kvpress.evals.bench_quant bits --length 8192
 
+``sqnr``: per policy, effective bits (fp16 SmolLM2 cache after a ``--length`` prefill), SQNR of
+the keys and values the packed store reproduces against the exact ones (all layers pooled,
+packed tokens only: read back through the layer's own scoring / value paths with identity
+queries and probabilities, so every correction a policy applies is included; nan for a layer
+whose packed tokens are not in sequence order, i.e. zipcache) and long-text
+perplexity (fp32, chunks of 512)::
+
+    python -m kvpress.evals.bench_quant sqnr --length 4096 --policies kivi-2,kivi-2-g16,zipcache,gear-2
+
 ``quality``: SmolLM2 long-text perplexity (``kvpress.generation.chunked_nll``, chunks of 512,
 so every chunk attends to the quantized earlier ones) and eval-suite task scores::
 
@@ -46,7 +55,9 @@ POLICIES = {  # label -> (registry name, overrides)
     "kivi-2": ("kivi", {"bits": 2}),
     "kivi-2-g16": ("kivi", {"bits": 2, "group_size": 16}),
     "zipcache": ("zipcache", {}),
-    "gear-2": ("gear", {"bits": 2}),
+    "zipcache-r1/16": ("zipcache", {"salient_ratio": 0.0625}),  # below kivi-2's bits
+    "gear-2": ("gear", {"bits": 2}),  # the bits of kivi-2-g16
+    "gear-2-lean": ("gear", {"bits": 2, "outliers_per_group": 1, "rank": 0}),  # below kivi-2's bits
 }
 
 
@@ -149,6 +160,61 @@ def bits_mode(args) -> list[dict]:
     return rows
 
 
+def _reproduced_kv(layer, chunk: int = 512):
+    """Keys and values (B, H, N, D) fp32 a quantized layer reproduces for its N packed tokens:
+    scores of identity queries are the keys, outputs of one-hot probabilities the values."""
+    B, H, _, D = layer.k_win.shape
+    N = layer.n_quant
+    eye = torch.eye(D).expand(B, H, D, D)
+    k = layer._quant_scores(eye, 1.0).transpose(-1, -2)  # (B, H, N, D)
+    v = torch.cat([layer._quant_output(torch.eye(N)[i : i + chunk].expand(B, H, -1, N).contiguous())
+                   for i in range(0, N, chunk)], 2)
+    return k, v
+
+
+def sqnr_mode(args) -> list[dict]:
+    import kvpress
+    from kvpress.evals.tasks import get_task
+    from kvpress.generation import chunked_nll
+
+    def sqnr(ref, err):
+        return 10 * math.log10(ref / err)
+
+    rows = []
+    model16, tok = kvpress.load_model("smollm2", dtype="float16")
+    model, _ = kvpress.load_model("smollm2", dtype="float32")
+    ids = torch.tensor([get_task("ppl").token_ids(tok, args.length)])
+    with torch.no_grad(), kvpress.apply(model, kvpress.get_policy("full")):
+        exact = model(ids, use_cache=True).past_key_values
+        exact = [(layer.keys.float(), layer.values.float()) for layer in exact.layers]
+    for label in args.policies:
+        policy = _policy(label)
+        with torch.no_grad(), kvpress.apply(model16, policy):
+            bits = kvpress.cache_stats(model16(ids, use_cache=True, logits_to_keep=1).past_key_values).bits_per_element
+        row = {"policy": label, "bits_per_element": bits}
+        if label != "full" and all(getattr(layer, "packed_in_sequence_order", False) for layer in
+                                   kvpress.make_cache(model, policy).layers):
+            with torch.no_grad(), kvpress.apply(model, policy):
+                cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+                acc = [0.0, 0.0, 0.0, 0.0]
+                for layer, (k, v) in zip(cache.layers, exact):
+                    kh, vh = _reproduced_kv(layer)
+                    n = kh.shape[2]
+                    acc[0] += k[:, :, :n].pow(2).sum().item()
+                    acc[1] += (k[:, :, :n] - kh).pow(2).sum().item()
+                    acc[2] += v[:, :, :n].pow(2).sum().item()
+                    acc[3] += (v[:, :, :n] - vh).pow(2).sum().item()
+            row.update(k_sqnr_db=sqnr(acc[0], acc[1]), v_sqnr_db=sqnr(acc[2], acc[3]))
+        else:  # full: exact; a store in another order (zipcache's precision stores) cannot be paired back
+            exact_row = label == "full"
+            row.update(k_sqnr_db=float("inf") if exact_row else float("nan"),
+                       v_sqnr_db=float("inf") if exact_row else float("nan"))
+        row["ppl"] = math.exp(chunked_nll(model, ids, policy, chunk_size=512).mean().item())
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def quality_mode(args) -> list[dict]:
     import kvpress
     from kvpress.evals.tasks import build_input_ids, get_task
@@ -180,7 +246,7 @@ def quality_mode(args) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["kernel", "bits", "quality"])
+    p.add_argument("mode", choices=["kernel", "bits", "sqnr", "quality"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--contexts", type=_k, default=None, help="kernel: comma list, k = 1024 (default cuda 8k,32k,128k; cpu 8k,32k)")
     p.add_argument("--batches", type=_k, default=[1])
@@ -203,10 +269,10 @@ def main(argv=None) -> list[dict]:
     args.policies = args.policies.split(",")
     args.tasks = [t for t in args.tasks.split(",") if t]
     if args.dtype is None:
-        args.dtype = "float16" if args.mode == "bits" else "float32"
+        args.dtype = "float16" if args.mode == "bits" else "float32"  # sqnr: fp16 for bits, fp32 for the rest
     if args.contexts is None:
         args.contexts = _k("8k,32k,128k") if args.device == "cuda" else _k("8k,32k")
-    rows = {"kernel": kernel_mode, "bits": bits_mode, "quality": quality_mode}[args.mode](args)
+    rows = {"kernel": kernel_mode, "bits": bits_mode, "sqnr": sqnr_mode, "quality": quality_mode}[args.mode](args)
     print(_table(rows))
     _write(rows, args.out, args.mode)
     return rows

@@ -42,6 +42,8 @@ class QuantWindowLayer(CacheLayer):
     holds sequence indices ``n_quant .. seen - 1``.
     """
 
+    packed_in_sequence_order = True  # column i of _quant_scores is token i (benchmarks read K/V back)
+
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
         super().__init__(cache, layer_idx)
         self.residual_length = residual_length

@@ -131,6 +131,8 @@ class ZipCacheLayer(QuantWindowLayer):
     log-sum-exp ``probe_lse`` fp32 (B, H_q, P), sequence indices ``probe_pos`` (P,) and
     ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token)."""
 
+    packed_in_sequence_order = False  # high-precision store first, then the low-precision one
+
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
         self.p = policy
