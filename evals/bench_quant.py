@@ -209,7 +209,8 @@ def sqnr_mode(args) -> list[dict]:
             exact_row = label == "full"
             row.update(k_sqnr_db=float("inf") if exact_row else float("nan"),
                        v_sqnr_db=float("inf") if exact_row else float("nan"))
-        row["ppl"] = math.exp(chunked_nll(model, ids, policy, chunk_size=512).mean().item())
+        if not args.no_ppl:
+            row["ppl"] = math.exp(chunked_nll(model, ids, policy, chunk_size=512).mean().item())
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -262,6 +263,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", default=None, help="SmolLM2 weights dtype (default: float16 for bits, float32 for quality)")
     p.add_argument("--tasks", default="niah_single,vt")
     p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--no-ppl", action="store_true", help="sqnr: skip the perplexity column")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.threads:
