@@ -106,8 +106,16 @@ def clean_row_ids(index: SparseIndex, rows: list[tuple[int, int]], steps: tuple[
     flat, fixed_out, block_out, pair, blocks = _cached(("ids", tag, B, H, repeat, K, F, bs, *steps),
                                                        lambda: _id_buffers(B, H, repeat, K, F, bs, steps))
     if F:
-        fixed = torch.tensor([[[[*range(s, s + S), *range(n - Tl, n)]]] for s, n in rows])  # (B, 1, 1, F)
-        torch.add(pair, fixed, alpha=steps[2], out=fixed_out)
+        s0, n0 = rows[0]
+        if all(row == rows[0] for row in rows):
+            # one shared range (no padding): sinks at s0.., tail ending at n0 -> one add, no tensor from Python
+            base, is_tail = _cached(("fixed", tag, B, H, repeat, S, Tl, s0, *steps), lambda: (
+                (pair + torch.cat([torch.arange(s0, s0 + S), torch.arange(-Tl, 0)]) * steps[2]).contiguous(),
+                torch.cat([torch.zeros(S, dtype=torch.long), torch.ones(Tl, dtype=torch.long)])))
+            torch.add(base, is_tail, alpha=n0 * steps[2], out=fixed_out)  # tail: (n0 - Tl + j) * t_step
+        else:
+            fixed = torch.tensor([[[[*range(s, s + S), *range(n - Tl, n)]]] for s, n in rows])  # (B, 1, 1, F)
+            torch.add(pair, fixed, alpha=steps[2], out=fixed_out)
     if K:
         # block j, token i sits (j * bs + i) * t_step past its (b, h) base: one broadcast add
         torch.add(blocks, index.block_idx.reshape(B, H, 1, K, 1), alpha=bs * steps[2], out=block_out)
