@@ -63,6 +63,10 @@ class SparseIndex:
         Always-attended first tokens, counted from ``seq_start``.
     dense_tail : int
         Always-attended most recent tokens, ending at ``seq_len``.
+    id_range : (int, int) or None
+        Optional trusted hint from the builder: inclusive bounds that *every* ``block_idx``
+        entry (padding slots included) lies in. With it the CPU torch backend decides whether
+        the index needs a mask without reading the ids (a hot-loop saving); `validate` checks it.
 
     Notes
     -----
@@ -78,12 +82,17 @@ class SparseIndex:
     seq_starts: torch.Tensor | None = None
     sinks: int = 0
     dense_tail: int = 0
+    id_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in ALLOWED_BLOCK_SIZES or isinstance(self.block_size, bool):
             raise ValueError(f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {self.block_size!r}")
         _check_int("sinks", self.sinks)
         _check_int("dense_tail", self.dense_tail)
+        r = self.id_range
+        if r is not None and not (isinstance(r, tuple) and len(r) == 2 and r[0] <= r[1]
+                                  and all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise ValueError(f"id_range must be None or a tuple of ints (lo, hi) with lo <= hi, got {r!r}")
         named = {"block_idx": (self.block_idx, 3), "block_cnt": (self.block_cnt, 2),
                  "seq_lens": (self.seq_lens, 1)}
         if self.seq_starts is not None:
@@ -128,7 +137,7 @@ class SparseIndex:
         """Copy of this index with every tensor on ``device``."""
         starts = None if self.seq_starts is None else self.seq_starts.to(device)
         return SparseIndex(self.block_size, self.block_idx.to(device), self.block_cnt.to(device),
-                           self.seq_lens.to(device), starts, self.sinks, self.dense_tail)
+                           self.seq_lens.to(device), starts, self.sinks, self.dense_tail, self.id_range)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -233,7 +242,7 @@ class SparseIndex:
             On a shape mismatch with the given sizes, counts outside ``[0, K_max]``, valid ids
             outside ``[0, ceil(capacity / block_size))`` (or negative without ``capacity``),
             padding slots not -1, repeated ids in a row, ``seq_starts`` outside
-            ``[0, seq_len]`` or ``seq_lens`` outside ``[0, capacity]``.
+            ``[0, seq_len]``, ``seq_lens`` outside ``[0, capacity]`` or ids outside ``id_range``.
         """
         B, H_kv, K_max = self.block_idx.shape
         if batch_size is not None and B != batch_size:
@@ -253,6 +262,10 @@ class SparseIndex:
             st = self.seq_starts.long()
             if st.min() < 0 or (st > lens).any():
                 raise ValueError("seq_starts must lie in [0, seq_len] for every row")
+        if K_max and self.id_range is not None:
+            lo, hi = self.id_range
+            if bool((self.block_idx < lo).any()) or bool((self.block_idx > hi).any()):
+                raise ValueError(f"block_idx entries (padding included) must lie in id_range={self.id_range}")
         if K_max:
             ids = self.block_idx.long()
             slot_valid = torch.arange(K_max, device=ids.device) < cnt[..., None]  # (B, H_kv, K_max)

@@ -14,8 +14,9 @@ was larger than reading the selected rows. This path makes ~17: the row ids are 
 workspace, scores one ``baddbmm``, an unnormalised softmax, ``P @ V`` one ``embedding_bag``
 straight from the V cache, and the normalisation writes ``out``.
 
-Whether an index is clean is decided with one ``aminmax`` over the block ids and the per-row
-lengths as Python ints (no device sync on CPU); otherwise `clean_rows` returns None and the
+Whether an index is clean is decided from the block ids' range (the builder's ``id_range``
+hint, else one ``tolist`` / ``aminmax``) and the per-row lengths as Python ints (no device sync
+on CPU); otherwise `clean_rows` returns None and the
 caller runs the general path.
 """
 from __future__ import annotations
@@ -44,7 +45,9 @@ def clean_rows(index: SparseIndex) -> list[tuple[int, int]] | None:
     if not rows or any(n - Tl < s + S for s, n in rows):
         return None
     if index.max_blocks:
-        if index.block_idx.numel() <= 4096:  # one tolist (cheaper than aminmax + two item calls)
+        if index.id_range is not None:  # the builder's bounds: no need to read the ids
+            lo, hi = index.id_range
+        elif index.block_idx.numel() <= 4096:  # one tolist (cheaper than aminmax + two item calls)
             ids = index.block_idx.reshape(-1).tolist()
             lo, hi = min(ids), max(ids)
         else:

@@ -274,7 +274,8 @@ class DoubleSparsityLayer(DenseLayer):
             ids = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=q0.device))
             cnt = self._const("cnt", lambda: torch.full(ids.shape[:2], keep, dtype=torch.int32, device=q0.device))
             seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=q0.device)
-            return SparseIndex(1, ids, cnt, seq_lens, None, p.sink_tokens, p.window_size)
+            # id_range: every id lies in [lo, hi) by construction, so the kernel need not read them
+            return SparseIndex(1, ids, cnt, seq_lens, None, p.sink_tokens, p.window_size, id_range=(lo, hi - 1))
         # Padded rows: the same candidates per row ([start + sinks, seq - window)), masked.
         start = torch.zeros(batch, dtype=torch.long, device=q0.device) if row_start is None else row_start
         pos = torch.arange(seq, device=q0.device)[None, :]  # (1, T)

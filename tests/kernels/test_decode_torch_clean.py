@@ -98,3 +98,28 @@ def test_workspace_grows_and_memo_stays_bounded(monkeypatch):
         assert got.data_ptr() == out.data_ptr()
         _check(q, k, v, index)
         assert len(tf._LOCAL.memo) <= 3
+
+
+def test_id_range_hint_is_checked_and_used():
+    q, k, v, index = clean_case(bs=8, K=3)
+    ids = index.block_idx
+    lo, hi = int(ids.min()), int(ids.max())
+    hinted = SparseIndex(8, ids, index.block_cnt, index.seq_lens, index.seq_starts, index.sinks, index.dense_tail,
+                         id_range=(lo, hi))
+    hinted.validate(capacity=k.shape[2])
+    assert tf.clean_rows(hinted) == tf.clean_rows(index)
+    torch.testing.assert_close(sparse_decode(q, k, v, hinted, backend="torch")[0],
+                               sparse_decode(q, k, v, index, backend="torch")[0], atol=0, rtol=0)
+    assert hinted.to("cpu").id_range == (lo, hi)
+    wrong = SparseIndex(8, ids, index.block_cnt, index.seq_lens, index.seq_starts, index.sinks, index.dense_tail,
+                        id_range=(lo + 1, hi))
+    with pytest.raises(ValueError, match="id_range"):
+        wrong.validate()
+    # a hint that puts the ids over the sinks or the tail: the masked path
+    wide = SparseIndex(8, ids, index.block_cnt, index.seq_lens, index.seq_starts, index.sinks, index.dense_tail,
+                       id_range=(0, hi))
+    assert tf.clean_rows(wide) is None
+    _check(q, k, v, wide)
+    for bad in ((1,), (3, 2), (0.5, 2), [0, 2]):
+        with pytest.raises(ValueError, match="id_range"):
+            SparseIndex(8, ids, index.block_cnt, index.seq_lens, id_range=bad)
