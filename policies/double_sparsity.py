@@ -186,6 +186,13 @@ class DoubleSparsityLayer(DenseLayer):
         if self.channels is None:
             self.channels = self.channels_cpu.to(k.device)
         idx = self.channels[None, :, None, :].expand(k.shape[0], k.shape[1], k.shape[2], -1)
+        store, n = self.labels, k.shape[2]
+        if (self.policy.label_bits == 16 and store is not None and store.shape[3] >= self.buffer.k.shape[2]
+                and store.dtype == k.dtype and store.shape[:2] == k.shape[:2]):
+            # decode: gather straight into the label cache (no temporary, no copy)
+            torch.gather(k, -1, idx, out=store.narrow(3, self.label_len, n).transpose(-1, -2))
+            self.label_len += n
+            return
         new = k.gather(-1, idx)  # (B, H_kv, T, r)
         if self.policy.label_bits == 16:
             # stored (B, H_kv, r, T_cap): the scores' matmul then streams rows of tokens (~1/3 faster on CPU)
