@@ -56,8 +56,7 @@ POLICIES = {  # label -> (registry name, overrides)
     "kivi-2-g16": ("kivi", {"bits": 2, "group_size": 16}),
     "zipcache": ("zipcache", {}),
     "zipcache-r1/16": ("zipcache", {"salient_ratio": 0.0625}),  # below kivi-2's bits
-    "gear-2": ("gear", {"bits": 2}),  # the bits of kivi-2-g16
-    "gear-2-lean": ("gear", {"bits": 2, "outliers_per_group": 1, "rank": 0}),  # below kivi-2's bits
+    "gear-2": ("gear", {"bits": 2}),
 }
 
 
