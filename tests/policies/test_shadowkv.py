@@ -12,6 +12,7 @@ from kvpress.prefill import cache_from_dense, dense_prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import random_ids, tiny_model  # noqa: E402
+from smollm2_needle import needle_run  # noqa: E402
 
 PROMPT = 160
 
@@ -219,15 +220,6 @@ def test_default_rank_is_a_quarter_of_the_key_dimension(model):
 def test_smollm2_4k_needle_at_depth_0_is_found_at_a_3_percent_budget():
     """The case that exposed landmark-only selection: SmolLM2, 4k niah_single, needle at depth 0,
     budget 232 (3% of 4k + the always-on chunks); landmarks alone ranked the needle chunk too low."""
-    from kvpress.evals.tasks import build_input_ids, get_task
-    from kvpress.generation import timed_generate
-
-    torch.set_num_threads(1)
-    model, tokenizer = kvpress.load_model("smollm2")
-    task = get_task("niah_single")
-    sample = task.generate(tokenizer, 4096, 4, 0)[0]
-    ids = torch.tensor([build_input_ids(tokenizer, sample)])
-    res = timed_generate(model, ids, kvpress.get_policy("shadowkv", budget=232), max_new_tokens=sample.max_new_tokens,
-                         eos_token_id=tokenizer.eos_token_id)
-    assert task.score(tokenizer.decode(res.tokens[0], skip_special_tokens=True), sample) == 1.0
-    assert res.stats.resident_bytes < 0.3 * res.stats.dense_bytes
+    score, stats = needle_run(kvpress.get_policy("shadowkv", budget=232))
+    assert score == 1.0
+    assert stats.resident_bytes < 0.3 * stats.dense_bytes

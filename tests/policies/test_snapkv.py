@@ -9,6 +9,7 @@ from kvpress.policies.snapkv import snap_scores
 from kvpress.stats import tensor_bytes
 
 from conftest import random_ids, tiny_model
+from smollm2_needle import needle_run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -158,14 +159,5 @@ def test_default_pool_keeps_a_digit_per_token_value_after_the_attended_key():
 @pytest.mark.slow
 def test_smollm2_4k_needle_survives_budget_1024():
     """The case that exposed the narrow pool: SmolLM2, 4k niah_single, needle at depth 0."""
-    from kvpress.evals.tasks import build_input_ids, get_task
-    from kvpress.generation import timed_generate
-
-    torch.set_num_threads(1)
-    model, tokenizer = kvpress.load_model("smollm2")
-    task = get_task("niah_single")
-    sample = task.generate(tokenizer, 4096, 4, 0)[0]
-    ids = torch.tensor([build_input_ids(tokenizer, sample)])
-    res = timed_generate(model, ids, kvpress.get_policy("snapkv", budget=1024), max_new_tokens=sample.max_new_tokens,
-                         eos_token_id=tokenizer.eos_token_id)
-    assert task.score(tokenizer.decode(res.tokens[0], skip_special_tokens=True), sample) == 1.0
+    score, stats = needle_run(kvpress.get_policy("snapkv", budget=1024))
+    assert score == 1.0
