@@ -10,6 +10,7 @@ from kvpress.kernels import page_min_max
 from kvpress.policies._sparse import PageStats
 
 from conftest import random_ids, tiny_model
+from smollm2_needle import beside_full
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +117,7 @@ def test_bad_input_is_a_clear_error(model):
 
 @pytest.mark.smollm2
 def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
-    from kvpress.evals.tasks import get_task
-    from kvpress.generation import timed_generate
-
-    model, tokenizer = kvpress.load_model("smollm2")
-    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
-    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
-    res = timed_generate(model, ids, kvpress.get_policy("quest", budget=480), max_new_tokens=4, eos_token_id=[])
+    ref, res = beside_full(kvpress.get_policy("quest", budget=480))
     assert torch.equal(res.tokens, ref.tokens)
     assert res.stats.resident_bytes > ref.stats.resident_bytes  # the whole cache plus page bounds
 

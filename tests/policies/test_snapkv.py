@@ -9,7 +9,7 @@ from kvpress.policies.snapkv import snap_scores
 from kvpress.stats import tensor_bytes
 
 from conftest import random_ids, tiny_model
-from smollm2_needle import needle_run  # noqa: E402
+from smollm2_needle import beside_full, needle_run
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +130,7 @@ def test_bad_input_is_a_clear_error():
 
 @pytest.mark.smollm2
 def test_smollm2_decode_follows_full_when_few_tokens_are_evicted():
-    from kvpress.evals.tasks import get_task
-    from kvpress.generation import timed_generate
-
-    model, tokenizer = kvpress.load_model("smollm2")
-    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
-    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
-    res = timed_generate(model, ids, kvpress.get_policy("snapkv", budget=480), max_new_tokens=4, eos_token_id=[])
+    ref, res = beside_full(kvpress.get_policy("snapkv", budget=480))
     assert torch.equal(res.tokens, ref.tokens)
     assert res.stats.resident_bytes < 0.95 * ref.stats.resident_bytes
 

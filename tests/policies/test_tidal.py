@@ -13,6 +13,7 @@ from kvpress.evals.tidal_layers import layer_recalls, pair_score, pick_layers
 from kvpress.policies.tidal import artifact_name, measured_layers
 
 from conftest import tiny_model
+from smollm2_needle import beside_full
 
 
 @pytest.fixture(scope="module")
@@ -164,12 +165,6 @@ def test_bad_input_is_a_clear_error(model):
 
 @pytest.mark.smollm2
 def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
-    from kvpress.evals.tasks import get_task
-    from kvpress.generation import timed_generate
-
-    model, tokenizer = kvpress.load_model("smollm2")
-    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, 512)])
-    ref = timed_generate(model, ids, kvpress.get_policy("full"), max_new_tokens=4, eos_token_id=[])
-    res = timed_generate(model, ids, kvpress.get_policy("tidal", budget=500), max_new_tokens=4, eos_token_id=[])
+    ref, res = beside_full(kvpress.get_policy("tidal", budget=500))
     assert torch.equal(res.tokens, ref.tokens)  # 12+ of 512 tokens dropped per step in 26 layers
     assert res.stats.resident_bytes == ref.stats.resident_bytes  # tidal keeps the whole cache
