@@ -149,4 +149,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m kvpress.cli` (what `accelerate launch -m` runs) executes this file as __main__,
+    # a second copy of the module: subcommands register on the importable `kvpress.cli`, so
+    # run that one's main.
+    from kvpress.cli import main as _main
+
+    sys.exit(_main())

@@ -42,3 +42,15 @@ def test_generate_and_demo_on_smollm2(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith(("full ", "window "))]
     assert [line.split()[0] for line in lines] == ["full", "window"]  # the reference first
     assert lines[0].split()[1] == "yes"  # full finds the needle at 600 tokens
+
+
+@pytest.mark.parametrize("module", ["kvpress", "kvpress.cli"])
+def test_python_dash_m_knows_the_eval_subcommands(module):
+    # `accelerate launch -m kvpress.cli lm-eval ...` (multi-GPU lm-eval) runs the module as
+    # __main__; its subcommands must be the same as the console script's.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", module, "eval", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--policies" in done.stdout and "--budgets" in done.stdout

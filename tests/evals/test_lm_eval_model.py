@@ -131,3 +131,29 @@ def test_kvpress_lm_eval_cli_runs_our_task(tiny_dir, tmp_path, monkeypatch):
     results = json.loads(result_file.read_text())
     assert "kvpress_niah_single" in results["results"]
     assert results["config"]["model_args"]["policy"] == "window"
+
+
+@pytest.mark.slow  # two processes each load lm-eval and the model (~2 min on 2 cores)
+def test_two_process_data_parallel(tiny_dir, tmp_path):
+    # torchrun starts two ranks; ACCELERATE_USE_CPU=1 makes Accelerator() join them over gloo,
+    # so lm-eval must give each rank half of the requests and gather every sample's score.
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    env = dict(os.environ, ACCELERATE_USE_CPU="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    metadata = json.dumps({"tokenizer": tiny_dir, "max_seq_lengths": [512], "num_samples": 4})
+    done = subprocess.run([
+        "torchrun", "--nproc_per_node", "2", "-m", "kvpress.cli", "lm-eval", "--model", "kvpress",
+        "--model_args", f"pretrained={tiny_dir},policy=window,budget=32", "--tasks", "kvpress_niah_single",
+        "--metadata", metadata, "--gen_kwargs", "max_gen_toks=4", "--limit", "4", "--output_path", str(tmp_path),
+        "--log_samples",
+    ], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert "on rank 0" in log and "on rank 1" in log
+    (samples_file,) = tmp_path.rglob("samples_kvpress_niah_single_*.jsonl")
+    docs = [json.loads(line)["doc_id"] for line in samples_file.read_text().splitlines()]
+    assert sorted(docs) == [0, 1, 2, 3]  # gathered from both ranks, each once
