@@ -28,6 +28,14 @@ perplexity (fp32, chunks of 512)::
 
     python -m kvpress.evals.bench_quant sqnr --length 4096 --policies kivi-2,kivi-2-g16,zipcache,gear-2
 
+``attn``: a fast screen (~30 s a policy) that ranked configs as the 4k perplexity did: real
+SmolLM2 queries / keys / values of every layer on the perplexity text (captured once through
+``full``), each policy layer fed the first ``--length - 512`` tokens as a prompt, then the last
+512 queries attend as one chunk; attention-output SQNR against exact attention, averaged over
+layers (``mean_db``) and the worst layer (``min_db``)::
+
+    python -m kvpress.evals.bench_quant attn --policies kivi-2,kivi-2-g16,gear-2,gear-2-no-sink
+
 ``quality``: SmolLM2 long-text perplexity (``kvpress.generation.chunked_nll``, chunks of 512,
 so every chunk attends to the quantized earlier ones) and eval-suite task scores::
 
@@ -54,9 +62,13 @@ POLICIES = {  # label -> (registry name, overrides)
     "kivi-4": ("kivi", {"bits": 4}),
     "kivi-2": ("kivi", {"bits": 2}),
     "kivi-2-g16": ("kivi", {"bits": 2, "group_size": 16}),
+    "kivi-2-g64": ("kivi", {"bits": 2, "group_size": 64}),
     "zipcache": ("zipcache", {}),
     "zipcache-r1/16": ("zipcache", {"salient_ratio": 0.0625}),  # below kivi-2's bits
     "gear-2": ("gear", {"bits": 2}),
+    "gear-2-no-sink": ("gear", {"bits": 2, "sink_tokens": 0}),  # ablations of the default
+    "gear-2-sink-only": ("gear", {"bits": 2, "outliers_per_group": 0, "rank": 0}),
+    "gear-2-rank0": ("gear", {"bits": 2, "rank": 0}),
 }
 
 
@@ -215,6 +227,61 @@ def sqnr_mode(args) -> list[dict]:
     return rows
 
 
+def _capture_qkv(model, ids) -> dict[int, tuple]:
+    """Post-RoPE (q, k, v, scaling) of every layer for ``ids``, read off a ``full`` cache's
+    ``attend`` calls (the layer class is wrapped only for this one forward)."""
+    import kvpress
+
+    policy = kvpress.get_policy("full")
+    cls = type(kvpress.make_cache(model, policy).layers[0])
+    seen, orig = {}, cls.attend
+
+    def attend(self, q, k, v, scaling):
+        seen[self.layer_idx] = (q, k, v, scaling)
+        return orig(self, q, k, v, scaling)
+
+    cls.attend = attend
+    try:
+        with torch.no_grad(), kvpress.apply(model, policy):
+            model(ids, use_cache=True, logits_to_keep=1)
+    finally:
+        cls.attend = orig
+    return seen
+
+
+def attn_mode(args) -> list[dict]:
+    import kvpress
+    from kvpress.attention import dense_causal_attention
+    from kvpress.evals.tasks import get_task
+
+    model, tok = kvpress.load_model("smollm2", dtype="float32")
+    ids = torch.tensor([get_task("ppl").token_ids(tok, args.length)])
+    qkv = _capture_qkv(model, ids)
+    q0 = args.length - 512  # the last chunk's queries, as in the chunked perplexity
+    refs = {i: dense_causal_attention(q[:, :, q0:], k, v, sc, q_start=q0) for i, (q, k, v, sc) in qkv.items()}
+    rows = []
+    for label in args.policies:
+        policy = _policy(label)
+        cache = kvpress.make_cache(model, policy)
+        dbs = []
+        with torch.no_grad():
+            for i, (q, k, v, sc) in qkv.items():
+                layer = cache.layers[i]
+                layer.update(k[:, :, :q0], v[:, :, :q0])
+                if type(policy).full_prefill:
+                    layer.ingest_prefill(*layer.take_pending())
+                else:  # a policy that needs the prompt's queries (zipcache's probes)
+                    layer.attend(q[:, :, :q0], *layer.take_pending(), sc)
+                layer.update(k[:, :, q0:], v[:, :, q0:])
+                out = layer.attend(q[:, :, q0:], *layer.take_pending(), sc)
+                err = (out.float() - refs[i]).pow(2).sum().item()
+                dbs.append(10 * math.log10(refs[i].pow(2).sum().item() / max(err, 1e-30)))
+        worst = min(range(len(dbs)), key=dbs.__getitem__)
+        rows.append({"policy": label, "mean_db": sum(dbs) / len(dbs), "min_db": dbs[worst], "worst_layer": worst})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def quality_mode(args) -> list[dict]:
     import kvpress
     from kvpress.evals.tasks import build_input_ids, get_task
@@ -246,7 +313,7 @@ def quality_mode(args) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", choices=["kernel", "bits", "sqnr", "quality"])
+    p.add_argument("mode", choices=["kernel", "bits", "sqnr", "attn", "quality"])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--contexts", type=_k, default=None, help="kernel: comma list, k = 1024 (default cuda 8k,32k,128k; cpu 8k,32k)")
     p.add_argument("--batches", type=_k, default=[1])
@@ -273,7 +340,8 @@ def main(argv=None) -> list[dict]:
         args.dtype = "float16" if args.mode == "bits" else "float32"  # sqnr: fp16 for bits, fp32 for the rest
     if args.contexts is None:
         args.contexts = _k("8k,32k,128k") if args.device == "cuda" else _k("8k,32k")
-    rows = {"kernel": kernel_mode, "bits": bits_mode, "sqnr": sqnr_mode, "quality": quality_mode}[args.mode](args)
+    modes = {"kernel": kernel_mode, "bits": bits_mode, "sqnr": sqnr_mode, "attn": attn_mode, "quality": quality_mode}
+    rows = modes[args.mode](args)
     print(_table(rows))
     _write(rows, args.out, args.mode)
     return rows

@@ -19,7 +19,8 @@ OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time
 @dataclass(frozen=True)
 class GearPolicy(Policy):
     """GEAR: KIVI-style ``bits``-bit codes, plus a rank-``rank`` approximation of the quantization
-    error per KV head (power iteration), plus a sparse set of outlier entries kept exactly.
+    error per KV head (power iteration), plus a sparse set of entries kept exactly: outliers and
+    the attention-sink tokens.
 
     Kang et al., "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless Generative
     Inference of LLM", arXiv 2403.05527. For every flushed chunk (the prompt, then every
@@ -29,16 +30,25 @@ class GearPolicy(Policy):
     median, so they do not stretch the group's range), the rest is quantized as in KIVI, the
     residual ``X - dequant`` is approximated as ``L @ R.T`` (``L`` (n, rank), ``R`` (D, rank),
     fp16) by ``power_iterations`` steps of subspace iteration, and each outlier stores
-    ``X - dequant - L R^T`` at its position (uint8 offset inside its group), so it is reproduced
-    exactly up to fp16 rounding. A fixed count per group (rather than a global top-k with
-    int32 flat indices) spends the sparse budget where group ranges are stretched, at 24 bits an
-    outlier. Measured on SmolLM2 (4k long-text perplexity, full 29.12): the defaults (4.41
-    effective bits at 8k) reach 30.54, vs 31.54 for kivi 2-bit (3.31 bits) but 30.43 for kivi
-    2-bit with group 16 (4.28 bits): at equal bits, halving kivi's group is still as good. Group
-    64 keys lose (3 outliers a group, 4.28 bits: 31.10; 1 outlier, no low rank, 3.25 bits:
-    33.56). Attention applies all three parts without materialising keys or values: packed
-    codes through ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, the outliers by
-    scatter-add. No token budget (``with_budget`` raises).
+    ``X - dequant - L R^T`` at its position (uint8 offset inside its group, fp16 value: 24 bits).
+
+    Beyond the paper, the sparse exact part also holds the first ``sink_tokens`` real tokens of
+    each row whole (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, Hooper et al.,
+    arXiv 2401.18079, keeps the first token in fp16 for the same reason): their keys are replaced
+    by the group median before quantizing and their rows stored as fp16 corrections (``sk`` /
+    ``sv``, ~0.01 bit an element at 8k). This, not the paper's parts, is what was missing: on
+    SmolLM2 the first token takes 30-90% of the attention of many heads, so a 2-bit error on its
+    key shifts every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34
+    dB with the sink exact; ``bench_quant attn``). 4k long-text perplexity (full 29.12), bits at
+    8k: kivi-2 group 64 / 32 / 16: 34.32 (2.88) / 31.54 (3.31) / 30.43 (4.28); gear default
+    29.76 (4.41), without sinks 30.54 (4.41); sinks alone on kivi-2's codes (``rank=0,
+    outliers_per_group=0``) 30.36 (3.38); group 64, 1 outlier, rank 1 30.78 (3.54). So the
+    paper's parts still pay about what halving kivi's group pays per bit (outliers + rank: 1.0
+    bit for -0.60; group 32 -> 16: 0.97 bit for -1.11 without sinks); rank 1 is the weakest
+    (per-channel key errors are nearly white across channels, so one direction captures little:
+    +0.4 dB attention SQNR for 0.28 bit). Attention applies every part without materialising keys
+    or values: packed codes through ``kvpress.kernels.quant``, the low-rank part as ``(q R)
+    L^T``, outliers and sinks by scatter-add. No token budget (``with_budget`` raises).
     """
 
     bits: int = 2
@@ -48,6 +58,7 @@ class GearPolicy(Policy):
     rank: int = 1
     outliers_per_group: int = 1
     power_iterations: int = 3
+    sink_tokens: int = 4
 
     name = "gear"
     description = "low-bit KV quantization + low-rank error + sparse outliers (GEAR)"
@@ -64,6 +75,7 @@ class GearPolicy(Policy):
         check_int("rank", self.rank, 0, 64)
         check_int("power_iterations", self.power_iterations, 1, 20)
         check_int("outliers_per_group", self.outliers_per_group, 0, self.group_size // 2)
+        check_int("sink_tokens", self.sink_tokens, 0, 64)
 
     def check_model(self, adapter):
         check_quant_config(self.bits, self.group_size, adapter.head_dim)
@@ -75,7 +87,7 @@ class GearPolicy(Policy):
 
     @classmethod
     def example(cls, adapter):
-        return cls(bits=4, group_size=8, residual_length=16, flush_size=8, rank=2, outliers_per_group=1)
+        return cls(bits=4, group_size=8, residual_length=16, flush_size=8, rank=2, outliers_per_group=1, sink_tokens=2)
 
 
 def low_rank(e: torch.Tensor, rank: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,17 +159,36 @@ class GearLayer(QuantWindowLayer):
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.kl = self.vl = self.kr = self.vr = None
         self.ko = self.kx = self.vo = self.vx = None
+        self.sk = self.sv = None  # sink corrections (B, H, sink_tokens, D) fp16
         self.chunk_starts: list[int] = []
         self._chunk_ids = None
 
     # ------------------------------------------------------------------ compression
+    def _sink_positions(self, device) -> torch.Tensor:
+        """(B, S) sequence index of each row's first ``sink_tokens`` real tokens."""
+        pos = torch.arange(self.p.sink_tokens, device=device)[None]
+        rs = self.row_start
+        return pos if rs is None else pos + rs[:, None]
+
     def _compress(self, x, start, per_channel: bool):
-        """-> codes, scale, zero, left, right, outlier offsets (uint8), outlier corrections (fp16)."""
+        """-> codes, scale, zero, left, right, outlier offsets (uint8), outlier corrections (fp16),
+        sink corrections (fp16 (B, H, S, D), or None when no sink token is in this chunk)."""
         p = self.p
         x = self.zero_padding(x, start).float()
-        rest, offset = x, None
+        rest, offset, sink = x, None, None
+        if p.sink_tokens:
+            pos = self._sink_positions(x.device) - start  # (B, S) index inside this chunk
+            inside = (pos >= 0) & (pos < x.shape[2])
+            if bool(inside.any()):
+                sink = (pos.clamp(0, x.shape[2] - 1), inside)
+                if per_channel:  # a sink key must not stretch its channel groups: fill with the group median
+                    is_sink = torch.zeros(x.shape[0], x.shape[2], dtype=torch.bool, device=x.device)
+                    is_sink.scatter_(1, sink[0], inside)
+                    med = group_view(x, p.group_size, True).median(3, keepdim=True).values
+                    med = med.expand(-1, -1, -1, p.group_size, -1).reshape(x.shape)
+                    rest = torch.where(is_sink[:, None, :, None], med, x)
         if p.outliers_per_group:
-            rest, offset = split_outliers(x, p.group_size, per_channel, p.outliers_per_group)
+            rest, offset = split_outliers(rest, p.group_size, per_channel, p.outliers_per_group)
         if per_channel:
             codes, scale, zero = quantize_per_channel(rest, p.bits, p.group_size)
             approx = dequantize_per_channel(codes, scale, zero, p.bits, p.group_size)
@@ -173,15 +204,28 @@ class GearLayer(QuantWindowLayer):
             dim = 3 if per_channel else 4
             corr = (group_view(x, p.group_size, per_channel) - group_view(approx, p.group_size, per_channel))
             corr = corr.gather(dim, offset).half()
+            # what attention reproduces: the outlier entries corrected (by their fp16-rounded values)
+            approx = group_view(approx, p.group_size, per_channel).scatter_add(dim, offset, corr.float())
+            approx = approx.reshape(x.shape)
             offset = offset.to(torch.uint8)
             if not per_channel:  # (B, H, n, D/G, m) -> token-major (B, H, n, D/G * m)
                 offset, corr = offset.flatten(3), corr.flatten(3)
-        return codes, scale, zero, left, right, offset, corr
+        if sink is not None:  # exact sink rows: store what the codes, factors and outliers miss
+            idx, inside = sink
+            gidx = idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])  # (B, H, S, D)
+            sink = ((x - approx).gather(2, gidx) * inside[:, None, :, None]).half(), inside
+        return codes, scale, zero, left, right, offset, corr, sink
 
     def _flush(self, k, v, start):
         g = self.p.group_size
-        kc, ks, kz, kl, kr, ko, kx = self._compress(k, start, per_channel=True)
-        vc, vs, vz, vl, vr, vo, vx = self._compress(v, start, per_channel=False)
+        kc, ks, kz, kl, kr, ko, kx, k_sink = self._compress(k, start, per_channel=True)
+        vc, vs, vz, vl, vr, vo, vx, v_sink = self._compress(v, start, per_channel=False)
+        if k_sink is not None:  # a row's sinks may straddle two chunks: keep the part in this one
+            if self.sk is None:
+                self.sk, self.sv = torch.zeros_like(k_sink[0]), torch.zeros_like(v_sink[0])
+            here = k_sink[1][:, None, :, None]
+            self.sk = torch.where(here, k_sink[0], self.sk)
+            self.sv = torch.where(here, v_sink[0], self.sv)
         grow_g = max(1, 256 // g)
         self.kc, self.vc = append_tokens(self.kc, start, kc), append_tokens(self.vc, start, vc)
         self.vs, self.vz = append_tokens(self.vs, start, vs), append_tokens(self.vz, start, vz)
@@ -224,6 +268,9 @@ class GearLayer(QuantWindowLayer):
                 corr = self.kx[:, :, g0:g1].float().flatten(2)  # (B, H, O)
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
+        if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
+            col = self._sink_positions(q.device).clamp(max=n - 1)[:, None, None].expand(-1, q.shape[1], q.shape[2], -1)
+            s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
 
     def _quant_output(self, prob):
@@ -243,9 +290,12 @@ class GearLayer(QuantWindowLayer):
                 corr = self.vx[:, :, t0:t1].float().flatten(2)
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
+        if self.sv is not None:
+            col = self._sink_positions(prob.device).clamp(max=n - 1)[:, None, None].expand(-1, prob.shape[1], prob.shape[2], -1)
+            out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out
 
     def _quant_tensors(self):
         return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz,
                 "kl": self.kl, "vl": self.vl, "kr": self.kr, "vr": self.vr,
-                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx}
+                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx, "sk": self.sk, "sv": self.sv}

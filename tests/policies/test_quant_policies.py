@@ -95,6 +95,9 @@ def test_gear_reproduces_outliers_exactly_and_beats_plain_quantization(llama):
     tok, chan = outlier_positions(layer.ko[:, :, : n // 8].long(), 8, True)
     flat = tok * D + chan
     rec = deq.flatten(2).scatter_add(-1, flat, layer.kx[:, :, : n // 8].float().flatten(2)).view_as(deq)
+    S = policy.sink_tokens
+    rec[:, :, :S] += layer.sk.float()  # the sink rows: exact
+    torch.testing.assert_close(rec[:, :, :S], k[:, :, :S], atol=2e-2, rtol=1e-3)
     assert (flat[0, 0] == 17 * D + 2).any()
     torch.testing.assert_close(rec.flatten(2).gather(-1, flat), k.flatten(2).gather(-1, flat), atol=2e-2, rtol=1e-3)
     assert sqnr_db(k, rec) > sqnr_db(k, plain) + 3
