@@ -219,15 +219,28 @@ def test_large_budget_equals_full_and_small_budget_differs(artifact, model, bits
 
 # ----------------------------------------------------------------------------- calibration
 def test_channel_importance_matches_brute_force():
+    """mean_{g,t} q_c^2 * var_s k_c: the variance of the channel's score term across keys."""
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(4, 7, 8, generator=gen), torch.randn(2, 7, 8, generator=gen)
     got = calib.channel_importance(q, k)
     want = torch.zeros(2, 8)
-    for h in range(4):
-        for t in range(7):
-            for s in range(t + 1):
-                want[h // 2] += (q[h, t] * k[h // 2, s]).abs()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for kv in range(2):
+        for c in range(8):
+            q_sq = sum(float(q[h, t, c]) ** 2 for h in (2 * kv, 2 * kv + 1) for t in range(7)) / 14
+            mean = sum(float(k[kv, s, c]) for s in range(7)) / 7
+            want[kv, c] = q_sq * sum((float(k[kv, s, c]) - mean) ** 2 for s in range(7)) / 6
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_channel_importance_ignores_a_constant_key_channel():
+    """A channel whose key is the same for every token adds the same score to all keys: rank last."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 16, 4, generator=gen), torch.randn(1, 16, 4, generator=gen)
+    k[..., 2] = 50.0  # huge but constant: the magnitude statistic would rank it first
+    got = calib.channel_importance(q, k)
+    assert float(got[0, 2]) == 0.0 and calib.rank_channels(got)[0, -1] == 2
+    with pytest.raises(ValueError, match="T >= 2"):
+        calib.channel_importance(q[:, :1], k[:, :1])
 
 
 def test_calibration_ranks_the_channels_that_carry_qk():
