@@ -69,6 +69,7 @@ POLICIES = {  # label -> (registry name, overrides)
     "gear-2-no-sink": ("gear", {"bits": 2, "sink_tokens": 0}),  # ablations of the default
     "gear-2-sink-only": ("gear", {"bits": 2, "outliers_per_group": 0, "rank": 0}),
     "gear-2-rank0": ("gear", {"bits": 2, "rank": 0}),
+    "gear-2-g16-sink-only": ("gear", {"bits": 2, "group_size": 16, "outliers_per_group": 0, "rank": 0}),  # kivi-2-g16 + sinks
 }
 
 

@@ -39,16 +39,28 @@ class GearPolicy(Policy):
     ``sv``, ~0.01 bit an element at 8k). This, not the paper's parts, is what was missing: on
     SmolLM2 the first token takes 30-90% of the attention of many heads, so a 2-bit error on its
     key shifts every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34
-    dB with the sink exact; ``bench_quant attn``). 4k long-text perplexity (full 29.12), bits at
-    8k: kivi-2 group 64 / 32 / 16: 34.32 (2.88) / 31.54 (3.31) / 30.43 (4.28); gear default
-    29.76 (4.41), without sinks 30.54 (4.41); sinks alone on kivi-2's codes (``rank=0,
-    outliers_per_group=0``) 30.36 (3.38); group 64, 1 outlier, rank 1 30.78 (3.54). So the
-    paper's parts still pay about what halving kivi's group pays per bit (outliers + rank: 1.0
-    bit for -0.60; group 32 -> 16: 0.97 bit for -1.11 without sinks); rank 1 is the weakest
-    (per-channel key errors are nearly white across channels, so one direction captures little:
-    +0.4 dB attention SQNR for 0.28 bit). Attention applies every part without materialising keys
-    or values: packed codes through ``kvpress.kernels.quant``, the low-rank part as ``(q R)
-    L^T``, outliers and sinks by scatter-add. No token budget (``with_budget`` raises).
+    dB with the sink exact; ``bench_quant attn``). SmolLM2 long-text perplexity (full 29.12 at
+    4k, 30.28 at 8k) and bits per element at 8k::
+
+        kivi-2 group 64 / 32 / 16            2.88 / 3.31 / 4.28 bits   4k 34.32 / 31.54 / 30.43
+        gear default (g32, 1 outlier, rank 1, 4 sinks)     4.41 bits   4k 29.76   8k 31.34
+        the same without sinks (sink_tokens=0)             4.41 bits   4k 30.54   8k 32.22
+        sinks alone on kivi-2's codes (rank=0, outliers_per_group=0)  3.38 bits   4k 30.36
+        group 64, 1 outlier, rank 1, 4 sinks               3.54 bits   4k 30.78
+        sinks on kivi-2 g16's codes (group 16, no outliers, no rank)  4.38 bits   4k 29.83
+        (kivi-2 g16 at 8k: 32.23; kivi-2 34.16)
+
+    So the paper's parts pay about what halving kivi's group pays per bit (outliers + rank on
+    top of the sinks: +1.03 bit for -0.60; group 32 -> 16 on top of the sinks: +1.0 bit for
+    -0.53, so gear's edge over a kivi given the same sinks is 0.07 at equal bits); rank 1 is
+    the weakest part (per-channel key errors are nearly white across channels, so one direction
+    captures little: +0.4 dB attention SQNR for 0.28 bit). The sinks do not help exact recall:
+    needles at 4k over 8 samples, niah_single 4/8 and niah_multikey 3/8 (full 8/8 and 5/8,
+    kivi-2 2/8 and 1/8; gear's first 4 samples score as without sinks), the misses mostly digits
+    garbled in the copy (``758`` for ``7508010``). Attention applies every part without
+    materialising keys or values: packed codes through ``kvpress.kernels.quant``, the low-rank
+    part as ``(q R) L^T``, outliers and sinks by scatter-add. No token budget (``with_budget``
+    raises).
     """
 
     bits: int = 2
@@ -150,7 +162,8 @@ class GearLayer(QuantWindowLayer):
     (B, H, chunks, D, rank): right factors of each flushed chunk (chunk bounds in
     ``chunk_starts``). Key outliers, per token group: ``ko`` uint8 offset inside the group and
     ``kx`` fp16 correction, (B, H, cap/G, m, D). Value outliers, per token: ``vo`` / ``vx``
-    (B, H, cap, D/G * m).
+    (B, H, cap, D/G * m). Sinks: ``sk`` / ``sv`` fp16 (B, H, sink_tokens, D), what the parts
+    above miss on each row's first tokens (zero until those tokens are flushed).
     """
 
     def __init__(self, cache, layer_idx, policy: GearPolicy):
@@ -269,7 +282,8 @@ class GearLayer(QuantWindowLayer):
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
-            col = self._sink_positions(q.device).clamp(max=n - 1)[:, None, None].expand(-1, q.shape[1], q.shape[2], -1)
+            col = self._sink_positions(q.device).clamp(max=n - 1)[:, None, None]
+            col = col.expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
             s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
 
@@ -291,7 +305,8 @@ class GearLayer(QuantWindowLayer):
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sv is not None:
-            col = self._sink_positions(prob.device).clamp(max=n - 1)[:, None, None].expand(-1, prob.shape[1], prob.shape[2], -1)
+            col = self._sink_positions(prob.device).clamp(max=n - 1)[:, None, None]
+            col = col.expand(-1, prob.shape[1], prob.shape[2], -1)  # (B, H, M, S)
             out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out
 

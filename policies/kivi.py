@@ -27,6 +27,13 @@ class KiviPolicy(Policy):
     are packed ``8 / bits`` per byte with fp16 scales and zero points; decode attention reads
     the codes directly (``kvpress.kernels.quant.quant_decode``; Triton on CUDA). No token
     budget: every token stays, at ``bits`` bits (``with_budget`` raises).
+
+    Measured on SmolLM2 at 4k (bits at 8k): 4-bit (5.31 bits) long-text perplexity 29.128 vs
+    full's 29.124; needles over 8 samples: niah_single 8/8 (full 8/8), niah_multikey 4/8 (full
+    5/8). Its predictions equal full's on 7 of the 8 multikey samples, wrong ones included; on
+    sample 2 it answers a distractor key's value (424174 for 4836716; 4241742 is another key's),
+    so the loss is real but one sample. 2-bit by group size 64 / 32 / 16: 2.88 / 3.31 / 4.28
+    bits, perplexity 34.32 / 31.54 / 30.43.
     """
 
     bits: int = 2
