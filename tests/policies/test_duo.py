@@ -183,3 +183,20 @@ def test_passkey_samples_hold_the_answer():
     prompt = tokenizer.decode(ids[0, :start])
     keys = answer.split(":", 1)[1].strip(" .").split("; ")
     assert len(keys) == 3 and all(len(k.split()) == 2 and k in prompt for k in keys)
+
+
+def test_distill_loss_dim_normalisation_ignores_each_dims_scale():
+    from kvpress.policies._duo_calibrate import distill_loss
+
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.randn(20, 8, generator=g)
+    noise = 0.1 * torch.randn(8, 8, generator=g)
+    noise[:, 0] = 0.0  # the error sits in the ordinary dims
+    student = teacher[12:] + noise
+    span = slice(12, 20)
+    big = torch.ones(8)
+    big[0] = 1000.0  # one massive dim, as in SmolLM2's final hidden states
+    plain, scaled = distill_loss(student, teacher, span, True), distill_loss(student * big, teacher * big, span, True)
+    assert torch.allclose(plain, scaled, rtol=1e-5)
+    # Without normalisation the massive dim swamps the error of the others.
+    assert distill_loss(student * big, teacher * big, span, False) < 0.01 * distill_loss(student, teacher, span, False)
