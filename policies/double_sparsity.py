@@ -64,8 +64,8 @@ class DoubleSparsityPolicy(Policy):
         128     variance            softmax_max      1.00         0.75           0.47
         128     variance (default)  max              0.88         0.75           0.50
 
-    ("before" and the ``max`` rows: the same samples and greedy decode from the same dense
-    prefill, outside ``kvpress eval``; "before" at commit f0c51d3.) At budget 256 the default
+    ("before": the same samples and greedy decode from the same dense prefill outside
+    ``kvpress eval``, at commit f0c51d3; the other rows are that command.) At budget 256 the default
     keeps 100% / 120% / 90% of full: the issue's >= 90% holds at 4k, on niah_multivalue exactly
     at the threshold (one answer digit either way moves it). Teacher-forced on full's answers
     (24 samples, budget 256) the reductions tie: token agreement 0.947 (softmax_max, magnitude
