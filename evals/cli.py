@@ -28,6 +28,15 @@ def _options(items) -> dict:
     return out
 
 
+def _policies(text: str | None) -> tuple:
+    specs = _csv(text)
+    for spec in specs:
+        if "=" in spec and ":" not in spec:  # "duo:a=1,b=2": the comma split one entry in two
+            raise ValueError(f"policy entry {spec!r} is a field without a policy: fields of one entry are "
+                             "separated by ':' (duo:sink_tokens=8:window_size=64), entries by ','")
+    return specs
+
+
 def _tasks(text: str) -> tuple:
     # Task specs may carry their own commas ("vt:haystack=prose,num_hops=2"); split on ';' then.
     if ";" in text:
@@ -39,7 +48,7 @@ def cmd_eval(args) -> int:
     from .runner import EvalGrid, run_eval
 
     grid = EvalGrid(  # every name and field is checked here, before the model loads
-        model=args.model, policies=_csv(args.policies), budgets=_csv(args.budgets, int), bits=_csv(args.bits, int),
+        model=args.model, policies=_policies(args.policies), budgets=_csv(args.budgets, int), bits=_csv(args.bits, int),
         tasks=_tasks(args.tasks), lengths=_csv(args.lengths, int), samples=args.samples, seed=args.seed,
         options=_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
@@ -50,7 +59,7 @@ def cmd_eval(args) -> int:
 
 def configure_eval(p) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a local folder, a hub id, or random-llama3-8b[-Nl]")
-    p.add_argument("--policies", default=None, help="comma-separated registered names, each optionally with fields: duo:random_heads_seed=0 (default: all)")
+    p.add_argument("--policies", default=None, help="comma-separated registered names, each optionally with ':'-separated fields: duo:sink_tokens=8:window_size=64 (default: all)")
     p.add_argument("--budgets", default=None, help="comma-separated token budgets, e.g. 128,256,512,1024")
     p.add_argument("--bits", default=None, help="comma-separated bit widths for policies with a `bits` field")
     p.add_argument("--tasks", default="niah_single,niah_multikey,vt",
@@ -75,7 +84,7 @@ def cmd_bench(args) -> int:
     from .bench import run_bench
 
     return run_bench(
-        model=args.model, policies=_csv(args.policies), budget=args.budget, lengths=_csv(args.lengths, int),
+        model=args.model, policies=_policies(args.policies), budget=args.budget, lengths=_csv(args.lengths, int),
         new_tokens=args.new_tokens, options=_options(args.option), out=args.out, dtype=args.dtype,
         device=args.device, repeats=args.repeats,
     )

@@ -62,6 +62,7 @@ def test_cli_rejects_bad_input_before_loading(monkeypatch, capsys):
     monkeypatch.setattr("kvpress.evals.runner.load_eval_model", boom)
     for argv, message in [
         (["eval", "--policies", "full,nope"], "unknown policy"),
+        (["eval", "--policies", "duo:sink_tokens=8,window_size=64"], "separated by ':'"),
         (["eval", "--tasks", "niah_single,nope"], "unknown task"),
         (["eval", "--model", "no-such-model"], "unknown model"),
         (["eval", "--policies", "window", "-o", "window.size=3"], "has no field"),
