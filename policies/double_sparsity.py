@@ -67,7 +67,9 @@ class DoubleSparsityPolicy(Policy):
     ("before": the same samples and greedy decode from the same dense prefill outside
     ``kvpress eval``, at commit f0c51d3; the other rows are that command.) At budget 256 the default
     keeps 100% / 120% / 90% of full: the issue's >= 90% holds at 4k, on niah_multivalue exactly
-    at the threshold (one answer digit either way moves it). Teacher-forced on full's answers
+    at the threshold (one answer digit either way moves it). At 8192 tokens (``--policies
+    full,double_sparsity --budgets 256 --tasks niah_single,niah_multikey --samples 2``) budget 256
+    answers exactly the samples full answers (1 of 2 per task; full misses depth 0). Teacher-forced on full's answers
     (24 samples, budget 256) the reductions tie: token agreement 0.947 (softmax_max, magnitude
     channels) / 0.944 (max) / 0.934 (mean), mean log-prob -0.435 / -0.429 / -0.487; the variance
     ranking moves softmax_max to 0.965 / -0.340, and exact scores (all 64 channels, outside the
