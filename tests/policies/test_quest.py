@@ -9,7 +9,7 @@ from kvpress.cache import PolicyCache
 from kvpress.kernels import page_min_max
 from kvpress.policies._sparse import PageStats
 
-from conftest import random_ids, tiny_model
+from conftest import tiny_model
 from smollm2_needle import beside_full
 
 
