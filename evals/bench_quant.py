@@ -260,6 +260,7 @@ def attn_mode(args) -> list[dict]:
     qkv = _capture_qkv(model, ids)
     q0 = args.length - 512  # the last chunk's queries, as in the chunked perplexity
     refs = {i: dense_causal_attention(q[:, :, q0:], k, v, sc, q_start=q0) for i, (q, k, v, sc) in qkv.items()}
+    energy = {i: ref.pow(2).sum().item() for i, ref in refs.items()}  # per layer, shared by every policy
     rows = []
     for label in args.policies:
         policy = _policy(label)
@@ -276,7 +277,7 @@ def attn_mode(args) -> list[dict]:
                 layer.update(k[:, :, q0:], v[:, :, q0:])
                 out = layer.attend(q[:, :, q0:], *layer.take_pending(), sc)
                 err = (out.float() - refs[i]).pow(2).sum().item()
-                dbs.append(10 * math.log10(refs[i].pow(2).sum().item() / max(err, 1e-30)))
+                dbs.append(10 * math.log10(energy[i] / max(err, 1e-30)))
         worst = min(range(len(dbs)), key=dbs.__getitem__)
         rows.append({"policy": label, "mean_db": sum(dbs) / len(dbs), "min_db": dbs[worst], "worst_layer": worst})
         print(rows[-1], flush=True)

@@ -325,7 +325,7 @@ def run_from_args(args) -> int:
     settings = CalibrationSettings(
         lengths=lengths, steps=args.steps, num_passkeys=args.num_passkeys, passkey_words=args.passkey_words,
         sink_tokens=args.sink_tokens, window_size=args.window_size, lr=args.lr, reg=args.reg, seed=args.seed,
-        normalize_dims=getattr(args, "normalize_dims", False),
+        normalize_dims=args.normalize_dims,
     )
     if args.threads:
         torch.set_num_threads(args.threads)
