@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 
 ATTN_NAME = "kvpress_duo_calibration"
+LOSSES = ("hidden", "logits")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class CalibrationSettings:
     # (SmolLM2's final hidden states keep ~60% of their energy in 5 of 576 dims). Off for the
     # shipped artifact; on, it changed only 2 of the 45 retrieval heads (module docstring).
     normalize_dims: bool = False
+    # What the answer tokens must keep: "hidden" = final hidden states (the paper's loss),
+    # "logits" = the next-token distribution, KL(full || gated) (what greedy copying needs).
+    loss: str = "hidden"
+    # Needle depths are drawn uniformly from this range (0 = right after the prompt header).
+    depths: tuple = (0.05, 0.95)
 
     def __post_init__(self):
         for name in ("steps", "num_passkeys", "passkey_words", "window_size"):
@@ -100,10 +106,14 @@ class CalibrationSettings:
             raise ValueError(f"sink_tokens={self.sink_tokens} is out of range; allowed: >= 0")
         if not self.lengths or min(self.lengths) < 256:
             raise ValueError(f"lengths={self.lengths} must be non-empty, each >= 256 tokens")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss={self.loss!r} is not supported; allowed: {', '.join(LOSSES)}")
+        if len(self.depths) != 2 or not 0.0 <= self.depths[0] <= self.depths[1] <= 1.0:
+            raise ValueError(f"depths={self.depths} must be (low, high) with 0 <= low <= high <= 1")
 
 
 # ---------------------------------------------------------------------------- data
-def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int):
+def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int, depths=(0.05, 0.95)):
     """One multi-passkey prompt of about ``length`` tokens with its teacher-forced answer.
 
     Returns
@@ -119,7 +129,7 @@ def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int
     words = rng.sample(word_list(), num_passkeys * passkey_words)
     keys = [" ".join(words[i * passkey_words : (i + 1) * passkey_words]) for i in range(num_passkeys)]
     needles = [f"The pass key number {i + 1} is: {key}. Remember it." for i, key in enumerate(keys)]
-    depths = sorted(rng.uniform(0.05, 0.95) for _ in keys)
+    depths = sorted(rng.uniform(*depths) for _ in keys)
     base = get_haystack("prose")
     hay = base.rotated(rng.randrange(len(base.starts)), min_words=2 * length)
     question = f"\n\nWhat are the {num_passkeys} pass keys, in order?"
@@ -192,6 +202,22 @@ def distill_loss(student: torch.Tensor, teacher_all: torch.Tensor, span: slice, 
     return (student - teacher).pow(2).sum(-1).mean() / teacher.pow(2).sum(-1).mean()
 
 
+def _answer_log_probs(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities fp32 (N, vocab) from final hidden states (N, hidden)."""
+    head = model.get_output_embeddings()
+    return torch.log_softmax(head(hidden.to(head.weight.dtype)).float(), dim=-1)
+
+
+def logit_kl(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
+    """Mean over answer positions of KL(full || gated) between next-token distributions (nats).
+
+    Unlike the hidden-state error, which is dominated by a few high-energy dims, this weighs
+    exactly what decoding reads: how much probability the gated model moves off the full
+    model's answer tokens (a needle's first sub-word above all).
+    """
+    return (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1).mean()
+
+
 # ---------------------------------------------------------------------------- training loop
 @contextlib.contextmanager
 def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: int):
@@ -233,7 +259,7 @@ def passkey_samples(tokenizer, settings: "CalibrationSettings"):
     step = 0
     while True:
         length = settings.lengths[step % len(settings.lengths)]
-        yield passkey_sample(tokenizer, length, rng, settings.num_passkeys, settings.passkey_words)
+        yield passkey_sample(tokenizer, length, rng, settings.num_passkeys, settings.passkey_words, settings.depths)
         step += 1
 
 
@@ -270,9 +296,14 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
         ids = ids.to(model.device)
         with torch.no_grad():
             teacher_all = _final_hidden(model, ids)[0].float()  # (T, hidden)
+            if settings.loss == "logits":
+                teacher_logp = _answer_log_probs(model, teacher_all[span])  # (N, vocab)
         with gated_attention(model, logits, settings.sink_tokens, settings.window_size):
             student = _final_hidden(model, ids)[0, span].float()
-            distill = distill_loss(student, teacher_all, span, settings.normalize_dims)
+            if settings.loss == "logits":
+                distill = logit_kl(teacher_logp, _answer_log_probs(model, student))
+            else:
+                distill = distill_loss(student, teacher_all, span, settings.normalize_dims)
             gates = torch.sigmoid(logits)
             loss = distill + settings.reg * gates.mean()
             (grad,) = torch.autograd.grad(loss, logits)
@@ -309,6 +340,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--normalize-dims", action="store_true",
         help="scale each hidden dim by the teacher's RMS before the squared error (default: plain error)",
     )
+    parser.add_argument(
+        "--loss", choices=LOSSES, default=d.loss,
+        help="hidden: final hidden states of the answer tokens (the paper); logits: KL of their next-token distributions",
+    )
+    parser.add_argument(
+        "--depths", default=",".join(map(str, d.depths)),
+        help="needle depth range LOW,HIGH in [0, 1] (0 = right after the prompt header)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
@@ -322,10 +361,14 @@ def run_from_args(args) -> int:
         lengths = tuple(int(x) for x in str(args.lengths).split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--lengths expects comma-separated integers, got {args.lengths!r}") from None
+    try:
+        depths = tuple(float(x) for x in str(args.depths).split(","))
+    except ValueError:
+        raise ValueError(f"--depths expects LOW,HIGH, got {args.depths!r}") from None
     settings = CalibrationSettings(
         lengths=lengths, steps=args.steps, num_passkeys=args.num_passkeys, passkey_words=args.passkey_words,
         sink_tokens=args.sink_tokens, window_size=args.window_size, lr=args.lr, reg=args.reg, seed=args.seed,
-        normalize_dims=args.normalize_dims,
+        normalize_dims=args.normalize_dims, loss=args.loss, depths=depths,
     )
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -200,3 +200,20 @@ def test_distill_loss_dim_normalisation_ignores_each_dims_scale():
     assert torch.allclose(plain, scaled, rtol=1e-5)
     # Without normalisation the massive dim swamps the error of the others.
     assert distill_loss(student * big, teacher * big, span, False) < 0.01 * distill_loss(student, teacher, span, False)
+
+
+def test_logit_loss_calibration_and_settings_validation(llama):
+    from kvpress.policies._duo_calibrate import logit_kl
+
+    g = torch.Generator().manual_seed(4)
+    logp = torch.log_softmax(torch.randn(5, 11, generator=g), -1)
+    other = torch.log_softmax(torch.randn(5, 11, generator=g), -1)
+    assert float(logit_kl(logp, logp)) == pytest.approx(0.0, abs=1e-7) and float(logit_kl(logp, other)) > 0
+    ids = random_ids(48, seed=9)
+    settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=6, loss="logits")
+    gates, info = calibrate(llama, settings=settings, samples=[(ids, 40)] * 2, log=lambda *_: None)
+    assert gates.shape == (2, 2) and all(h["distill"] > 0 for h in info["history"])
+    with pytest.raises(ValueError, match="allowed: hidden, logits"):
+        CalibrationSettings(loss="ce")
+    with pytest.raises(ValueError, match="0 <= low <= high <= 1"):
+        CalibrationSettings(depths=(0.5, 0.2))
