@@ -210,9 +210,12 @@ def test_logit_loss_calibration_and_settings_validation(llama):
     other = torch.log_softmax(torch.randn(5, 11, generator=g), -1)
     assert float(logit_kl(logp, logp)) == pytest.approx(0.0, abs=1e-7) and float(logit_kl(logp, other)) > 0
     ids = random_ids(48, seed=9)
-    settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=6, loss="logits")
-    gates, info = calibrate(llama, settings=settings, samples=[(ids, 40)] * 2, log=lambda *_: None)
-    assert gates.shape == (2, 2) and all(h["distill"] > 0 for h in info["history"])
+    assert CalibrationSettings().loss == "logits"  # the shipped artifact's loss
+    for loss in ("logits", "hidden"):
+        settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=6, loss=loss)
+        gates, info = calibrate(llama, settings=settings, samples=[(ids, 40)] * 2, log=lambda *_: None)
+        assert gates.shape == (2, 2) and all(h["distill"] > 0 for h in info["history"])
+        assert info["settings"]["loss"] == loss
     with pytest.raises(ValueError, match="allowed: hidden, logits"):
         CalibrationSettings(loss="ce")
     with pytest.raises(ValueError, match="0 <= low <= high <= 1"):
