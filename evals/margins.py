@@ -6,7 +6,8 @@ A policy that perturbs attention a little (4-bit keys, streaming heads, a sparse
 changes a greedy answer first where the model's own top-1 and top-2 next tokens are close. For
 each sample this decodes greedily (the unmodified model, or ``--policy``) and reports, over the
 steps that produce the answer, the smallest ``log p(top-1) - log p(top-2)`` (nats) and the
-runner-up token there. Reading an eval with it separates a policy that loses retrieval from one
+runner-up token there, and the same minimum over the answer's own tokens only (``content``:
+format steps such as a leading space are left out). Reading an eval with it separates a policy that loses retrieval from one
 that flips samples the model itself nearly got wrong.
 
 Measured on SmolLM2 at 4k (BENCHMARKS "Session 4"): the needle samples ``kivi:bits=4`` and
@@ -38,6 +39,7 @@ class SampleMargin:
     step: int  # the step where it occurs (0 = first generated token)
     token: str  # the token chosen there
     runner_up: str  # the token that came second there
+    content_margin: float  # the same minimum over the steps whose token is part of an answer (digits, words)
 
 
 def answer_steps(pieces: list[str], answers: list[str]) -> int:
@@ -61,15 +63,20 @@ def sample_margin(model, tokenizer, task, sample, index: int, max_new_tokens: in
     gen = out.sequences[0, ids.shape[1]:]
     pieces = [tokenizer.decode(t) for t in gen]
     prediction = tokenizer.decode(gen, skip_special_tokens=True)
-    best = None
+    best, content = None, float("nan")
     for step in range(answer_steps(pieces, sample.answers)):
         logp = out.scores[step][0].float().log_softmax(-1)  # (vocab,)
         top = logp.topk(2)
         margin = float(top.values[0] - top.values[1])
         if best is None or margin < best[0]:
             best = (margin, step, pieces[step], tokenizer.decode(top.indices[1]))
+        # Format steps (a space, a colon) can flip without changing the answer -- or derail it
+        # (a quote instead of a space); the content steps are the answer's own tokens.
+        piece = pieces[step].strip()
+        if piece and any(piece in a for a in sample.answers) and not margin >= content:
+            content = margin
     margin, step, token, runner_up = best if best is not None else (float("nan"), -1, "", "")
-    return SampleMargin(index, prediction, task.score(prediction, sample), margin, step, token, runner_up)
+    return SampleMargin(index, prediction, task.score(prediction, sample), margin, step, token, runner_up, content)
 
 
 def parse_samples(text: str) -> list[int]:
@@ -108,11 +115,11 @@ def main(argv=None) -> int:
     if args.policy:
         name, fields = parse_policy_spec(args.policy)
         patch = kvpress.apply(model, kvpress.get_policy(name, **fields))
-    print(f"{'sample':>6}  {'score':>5}  {'margin':>6}  {'step':>4}  {'chosen':>8}  {'runner-up':>9}  prediction")
+    print(f"{'sample':>6}  {'score':>5}  {'margin':>6}  {'step':>4}  {'chosen':>8}  {'runner-up':>9}  {'content':>7}  prediction")
     with patch:
         for i in indices:
             m = sample_margin(model, tokenizer, task, data[i], i)
-            print(f"{m.index:>6}  {m.score:>5.2f}  {m.min_margin:>6.2f}  {m.step:>4}  {m.token!r:>8}  {m.runner_up!r:>9}  {m.prediction.strip()!r}", flush=True)
+            print(f"{m.index:>6}  {m.score:>5.2f}  {m.min_margin:>6.2f}  {m.step:>4}  {m.token!r:>8}  {m.runner_up!r:>9}  {m.content_margin:>7.2f}  {m.prediction.strip()!r}", flush=True)
     return 0
 
 

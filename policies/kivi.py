@@ -32,8 +32,9 @@ class KiviPolicy(Policy):
     full's 29.124; needles: niah_single 8/8 (full 8/8), niah_multikey 5/16 (full 7/16). Its
     predictions equal full's on 14 of the 16 multikey samples, wrong ones included; on samples 2
     and 14 it answers a distractor key's value (424174 for 4836716, 4241742 being another key's;
-    1501841, the value of "goofy-pronunciation"), so 4-bit keys do move the attention between
-    near-identical keys: 71% of full on multikey, short of the 98% target. 2-bit by group size
+    1501841, the value of "goofy-pronunciation"), the runner-up digit where full itself decides
+    by 0.76 and 0.32 nats (``python -m kvpress.evals.margins``): 4-bit keys tip near-tied
+    choices between keys, 71% of full on multikey, short of the 98% target. 2-bit by group size
     64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
     """
 

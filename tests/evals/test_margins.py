@@ -33,6 +33,7 @@ def test_margin_is_the_smallest_top1_top2_gap_and_matches_the_scores():
     m = sample_margin(model, tokenizer, task, sample, 0)
     assert m.score == task.score(m.prediction, sample)
     assert m.min_margin >= 0 and not math.isnan(m.min_margin)
+    assert m.content_margin >= m.min_margin  # a minimum over a subset of the same steps
     # Recompute the margin at the reported step by teacher forcing the greedy tokens.
     from kvpress.evals.tasks.base import build_input_ids
 
