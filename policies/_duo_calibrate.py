@@ -123,7 +123,7 @@ class CalibrationSettings:
 
 
 # ---------------------------------------------------------------------------- data
-def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int, depths=(0.05, 0.95)):
+def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int, depths=(0.0, 1.0)):
     """One multi-passkey prompt of about ``length`` tokens with its teacher-forced answer.
 
     Returns

@@ -52,8 +52,12 @@ duo keeps 75% of full on niah_single at 4k and at 8k and 80% / 75% on multikey /
 of seeds 0-3: 0.41 / 0.34 / 0.33 against 0.75 / 0.50 / 0.47), but a lucky draw (seed 0, which
 shares 29 of its 45 retrieval heads with the gates' split, against 21-24 for seeds 1-3) does as
 well. More retrieval heads do not help monotonically: at sparsity 0.375 the split scores below
-the 50% one, and even with 75% of the heads kept whole (0.25) the depth-0.125 needle is lost. Every variant calibrated so far (``_duo_calibrate``: losses on hidden states or
-logits, 24-96 steps, 512-2048 tokens, L1 weight 0.05-1) picks 38-43 of the same 45 retrieval heads
+the 50% one, and even with 75% of the heads kept whole (0.25) the depth-0.125 needle is lost.
+More sinks do not help either: ``-o duo.sink_tokens=64 -o duo.window_size=256`` changed no
+sample's score for the ``--reg 1.0`` variant (18 cells; session 3: 128 + 256 recovered only the
+depth-0 needle).
+Every variant calibrated so far (``_duo_calibrate``: losses on hidden states or logits, 24-96
+steps, 512-2048 tokens, L1 weight 0.05-1) picks 38-43 of the same 45 retrieval heads
 and lands at 60-75% of full on its worst task: on this 135M model with 3 KV heads per layer,
 streaming half the heads costs needles that a 50% split chosen from passkey gradients does not
 recover. The misses: niah_single needles at depths 0.125 and 0.375 (8k: 0.375), answered with
