@@ -57,11 +57,10 @@ class GearPolicy(Policy):
     captures little: +0.4 dB attention SQNR for 0.28 bit). The sinks do not help exact recall:
     needles at 4k over 8 samples, niah_single 4/8 and niah_multikey 3/8 (full 8/8 and 5/8,
     kivi-2 2/8 and 1/8, kivi-2 g16 at 4.28 bits 4/8 and 1/8; gear's first 4 samples score as
-    without sinks), the misses mostly digits
-    garbled in the copy (``758`` for ``7508010``). Attention applies every part without
-    materialising keys or values: packed codes through ``kvpress.kernels.quant``, the low-rank
-    part as ``(q R) L^T``, outliers and sinks by scatter-add. No token budget (``with_budget``
-    raises).
+    without sinks), the misses mostly digits garbled in the copy (``758`` for ``7508010``).
+    Attention applies every part without materialising keys or values: packed codes through
+    ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, outliers and sinks by
+    scatter-add. No token budget (``with_budget`` raises).
     """
 
     bits: int = 2
