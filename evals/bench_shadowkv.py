@@ -5,8 +5,8 @@
     # device-resident vs host-tier bytes after an 8k prefill (target: resident <= 25% of full)
     python -m kvpress.evals.bench_shadowkv memory --length 8192
     # decode throughput at the largest batch that fits (GPU: a random-weight Llama-3-8B-shaped model)
-    python -m kvpress.evals.bench_shadowkv speed --model llama3-8b-random --length 32768 --new-tokens 32
-    python -m kvpress.evals.bench_shadowkv speed --model tiny-random --length 2048 --batches 1,2   # CPU
+    python -m kvpress.evals.bench_shadowkv speed --model random-llama3-8b-32l --length 32768 --new-tokens 32
+    python -m kvpress.evals.bench_shadowkv speed --model random-tiny --length 2048 --batches 1,2   # CPU
 
 Every mode checks correctness first (shadowkv with a budget covering the prompt must produce
 ``full``'s greedy tokens), prints one fixed-width table and can write JSON (``--json``). The
@@ -44,27 +44,11 @@ def shadowkv_policy(args, length: int):
 
 
 def load(name: str):
-    """(model, tokenizer or None) for ``smollm2``, ``tiny-random`` (CPU) or ``llama3-8b-random`` (GPU)."""
-    import kvpress
+    """``(model, tokenizer)`` for any name :mod:`kvpress.evals.models` accepts (``smollm2``,
+    ``random-llama3-8b-32l``, ``random-tiny`` ...), on CUDA when available."""
+    from kvpress.evals.models import default_device, load_eval_model
 
-    if name not in ("tiny-random", "llama3-8b-random"):
-        return kvpress.load_model(name)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if name == "tiny-random":
-        config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536)
-        device, dtype = "cpu", torch.float32
-    else:  # Llama-3-8B shapes, random weights
-        config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                             rope_theta=500000.0)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    return model, None
+    return load_eval_model(name, device=default_device())
 
 
 def check_identity(model, args) -> None:
@@ -137,10 +121,7 @@ def run_memory(args) -> dict:
     from kvpress.prefill import cache_from_dense
 
     model, tok = load(args.model)
-    if tok is not None:
-        ids = torch.tensor([get_task("ppl").token_ids(tok, args.length)[: args.length]])
-    else:
-        ids = torch.randint(3, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([get_task("ppl").token_ids(tok, args.length)])
     sp = shared_prefill(model, ids.to(model.device))
     pol = shadowkv_policy(args, ids.shape[1])
     cache = cache_from_dense(model, pol, sp.cache)
@@ -252,7 +233,7 @@ def run_speed(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("quality", "memory", "speed"))
-    parser.add_argument("--model", default="smollm2", help="smollm2, tiny-random, llama3-8b-random or a load_model name")
+    parser.add_argument("--model", default="smollm2", help="smollm2, random-llama3-8b[-Nl], random-tiny, ... (kvpress.evals.models)")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--tasks", default="niah_single,niah_multikey,vt")
     parser.add_argument("--samples", type=int, default=5)

@@ -12,6 +12,9 @@ a small real model cannot reach:
     The same with ``N`` layers (e.g. ``random-llama3-8b-32l`` for the full depth).
 ``random-smollm2``
     SmolLM2-135M's shape (30 layers, 9/3 heads, head_dim 64) with random weights, no download.
+``random-tiny``
+    4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64, 64k positions: smoke runs of the
+    benchmark scripts on a CPU in seconds.
 
 Random models come with a byte-level tokenizer (no chat template), enough for the tasks.
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _RANDOM_LLAMA3 = re.compile(r"^random-llama3-8b(?:-(\d+)l)?$")
 EOS_ID = 256  # the byte tokenizer's <|eos|>
-RANDOM_MODELS = ("random-llama3-8b", "random-llama3-8b-<N>l", "random-smollm2")
+RANDOM_MODELS = ("random-llama3-8b", "random-llama3-8b-<N>l", "random-smollm2", "random-tiny")
 
 
 def check_model_name(name: str) -> None:
@@ -41,7 +44,7 @@ def check_model_name(name: str) -> None:
     lowered = name.strip().lower()
     if lowered in MODEL_ALIASES or lowered == "smollm2-135m-instruct" or _random_layers(lowered) is not None:
         return
-    if lowered == "random-smollm2" or Path(name).expanduser().exists() or _HUB_ID.match(name):
+    if lowered in ("random-smollm2", "random-tiny") or Path(name).expanduser().exists() or _HUB_ID.match(name):
         return
     raise ValueError(
         f"unknown model {name!r}; allowed: {', '.join(sorted(MODEL_ALIASES))}, {', '.join(RANDOM_MODELS)}, "
@@ -72,7 +75,7 @@ def byte_tokenizer():
 
 
 def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
-    """Build ``random-llama3-8b[-Nl]`` or ``random-smollm2`` (see the module docstring)."""
+    """Build ``random-llama3-8b[-Nl]``, ``random-smollm2`` or ``random-tiny`` (see the module docstring)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -90,6 +93,12 @@ def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
             num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         )
+    elif lowered == "random-tiny":
+        config = LlamaConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=65536,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        )
     else:
         raise ValueError(f"unknown random model {name!r}; allowed: {', '.join(RANDOM_MODELS)}")
     config.pad_token_id, config.bos_token_id, config.eos_token_id = EOS_ID, None, EOS_ID
@@ -99,6 +108,7 @@ def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
         dtype = getattr(torch, dtype)
     with torch.device(device or "cpu"):
         model = LlamaForCausalLM(config).to(dtype).eval()
+    model.config._name_or_path = lowered  # the model id artifacts (calibrations) are checked against
     model.generation_config.pad_token_id = EOS_ID
     model.generation_config.eos_token_id = EOS_ID
     return model, byte_tokenizer()

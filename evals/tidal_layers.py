@@ -133,7 +133,8 @@ def pick_layers(recall, num_layers: int, selection_layers, tolerance: float = 0.
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="alias, local folder or hub id (default: smollm2)")
+    parser.add_argument("--model", default="smollm2", help="alias, local folder, hub id or random-* shape "
+                        "(kvpress.evals.models; default: smollm2)")
     parser.add_argument("--length", type=int, default=2048, help="calibration tokens (default 2048)")
     parser.add_argument("--queries", type=int, default=32, help="last prompt positions used as queries")
     parser.add_argument("--budget", type=int, default=256, help="tokens selected per KV head")
@@ -150,12 +151,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import kvpress
     from kvpress.calibration import save_artifact, shipped_artifact
+    from kvpress.evals.models import load_eval_model
     from kvpress.evals.tasks import get_task
     from kvpress.policies.tidal import ARTIFACT_VERSION, artifact_name
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = kvpress.load_model(args.model)
+    model, tokenizer = load_eval_model(args.model)
     adapter = kvpress.get_adapter(model)
     n = adapter.num_layers
     hi = args.max_selection_layer if args.max_selection_layer is not None else max(1, n // 5)

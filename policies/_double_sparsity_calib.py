@@ -194,7 +194,8 @@ def matches_model(path, adapter) -> bool:
 
 # ------------------------------------------------------------------------------ CLI
 def configure_cli(parser) -> None:
-    parser.add_argument("--model", default="smollm2", help="alias, local folder or hub id (default: smollm2)")
+    parser.add_argument("--model", default="smollm2", help="alias, local folder, hub id or random-* shape "
+                        "(kvpress.evals.models; default: smollm2)")
     parser.add_argument("--out", required=True, help="artifact path (.safetensors)")
     parser.add_argument("--tokens", type=int, default=4096,
                         help="calibration tokens from the offline 'ppl' prose (default 4096; ~1 min on CPU for SmolLM2)")
@@ -204,11 +205,11 @@ def configure_cli(parser) -> None:
 
 
 def run_cli(args) -> int:
-    import kvpress
+    from kvpress.evals.models import load_eval_model
     from kvpress.evals.tasks import get_task
 
     print(f"calibrate double_sparsity: loading {args.model}", flush=True)
-    model, tokenizer = kvpress.load_model(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = load_eval_model(args.model, device=args.device, dtype=args.dtype)
     ids = torch.tensor(get_task("ppl").token_ids(tokenizer, args.tokens))
     tensors = calibrate(model, ids, seq_len=args.seq_len, progress=lambda line: print(line, flush=True))
     adapter = get_adapter(model)
