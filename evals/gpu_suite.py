@@ -1,0 +1,223 @@
+"""Every GPU measurement the issues ask for, in stages that fit a short lease of a GPU machine.
+
+    pip install --no-deps --no-build-isolation -e .      # offline: uses the image's torch / triton / transformers
+    python -m kvpress.evals.gpu_suite --out $OUT --stages env,tests,kernels            # ~10 minutes at most
+    python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,shadowkv,bench  # the second call
+
+Stages (each a subprocess with its own time limit; ``--budget-s`` caps the whole call, and a stage
+that would start too late is skipped and says so):
+
+``env``       versions, the GPU, and the two ceilings measured on it (a device-to-device copy,
+              bytes read + written; a bf16 8192^3 matrix product) -- the yardsticks for the rest
+``tests``     ``pytest tests/kernels tests/policies -m gpu`` (Triton kernels against torch references)
+``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096
+``quant``     ``bench_quant kernel``: fused 4/2-bit dequantize-attention vs bf16 dense, 8k-128k
+``sparse``    Double Sparsity calibrated on the random Llama-3-8B shape, then ``bench_sparse_decode``
+              at 32k, budget 1024: decode attention-only and end-to-end ms/token of quest,
+              double_sparsity and tidal against full
+``shadowkv``  ``bench_shadowkv speed`` at 32k: largest batch that fits, tokens/s, fetch bytes and
+              reuse, against full
+``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
+              quantizers, the sparse policies and the eviction baselines against full
+
+Everything lands in ``--out``: ``suite.log`` (all output), ``summary.txt`` (each stage's status
+and the tail of its table, also printed last) and ``results.tar.gz`` (the stages' JSON / CSV).
+Three files, so the device tool's limits on returned files hold.
+
+``--smoke`` runs the same stages on the CPU with the tiny random model and small sizes; the test
+suite uses it to keep this script working on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench")
+# per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
+LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 300, "bench": 300}
+REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
+GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
+
+
+def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
+    """The subprocess command lines of one stage (``env`` runs in-process)."""
+    py = [sys.executable, "-m"]
+    dev = "cpu" if smoke else "cuda"
+    model = "random-tiny" if smoke else GPU_MODEL
+    length = "1024" if smoke else "32768"
+    if stage == "tests":
+        if not (REPO / "tests").is_dir():
+            return []
+        return [py + ["pytest", "-q", "-m", "gpu", "tests/kernels", "tests/policies", "-p", "no:cacheprovider"]]
+    if stage == "kernels":
+        sizes = ["--contexts", "1k", "--budgets", "256", "--warmup", "0", "--iters", "1"] if smoke else \
+            ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]
+        return [py + ["kvpress.evals.bench_kernels", "--device", dev, *sizes, "--out", str(work / "kernels")]]
+    if stage == "quant":
+        sizes = ["--contexts", "1k", "--warmup", "0", "--iters", "1"] if smoke else ["--contexts", "8k,32k,128k"]
+        return [py + ["kvpress.evals.bench_quant", "kernel", "--device", dev, *sizes, "--out", str(work / "quant")]]
+    if stage == "sparse":
+        artifact = work / "sparse" / f"ds-{model}.safetensors"
+        calib_tokens = ["--tokens", "1024", "--seq-len", "512"] if smoke else ["--tokens", "8192", "--seq-len", "4096"]
+        budget = "96" if smoke else "1024"
+        return [
+            py + ["kvpress", "calibrate", "double_sparsity", "--model", model, "--out", str(artifact),
+                  "--device", dev, *calib_tokens],
+            py + ["kvpress.evals.bench_sparse_decode", "--model", model, "--device", dev, "--length", length,
+                  "--budgets", budget, "--policies", "full,quest,double_sparsity,tidal", "--new-tokens",
+                  "4" if smoke else "32", "-o", f"double_sparsity.artifact={artifact}",
+                  "--json", str(work / "sparse" / "bench_sparse_decode.json")],
+        ]
+    if stage == "shadowkv":
+        sizes = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
+            ["--length", length, "--new-tokens", "16"]
+        return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
+                      "--json", str(work / "shadowkv" / "speed.json")]]
+    if stage == "bench":
+        return [py + ["kvpress", "bench", "--model", model, "--device", dev, "--lengths", length,
+                      "--policies", "full,kivi,zipcache,gear,quest,double_sparsity,streaming,snapkv",
+                      "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
+                      "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",
+                      "--out", str(work / "bench")]]
+    raise ValueError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
+
+
+def _env(work: Path, smoke: bool, log) -> dict:
+    """Versions, the device, and (on a GPU) the copy-bandwidth and bf16-matmul ceilings."""
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for name in ("triton", "transformers", "kvpress"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            info[name] = f"unavailable ({type(exc).__name__})"
+    if not smoke and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
+        x = torch.randn(2**28, device="cuda")  # 1 GiB of random fp32 (never time on zeros)
+        y = torch.empty_like(x)
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        copy_ms = _median_ms(lambda: y.copy_(x))
+        mm_ms = _median_ms(lambda: a @ b)
+        info["copy_GBps"] = 2 * x.numel() * 4 / copy_ms / 1e6
+        info["bf16_matmul_TFLOPs"] = 2 * 8192**3 / mm_ms / 1e9
+        del x, y, a, b
+        torch.cuda.empty_cache()
+    (work / "env.json").write_text(json.dumps(info, indent=1))
+    for k, v in info.items():
+        print(f"{k:<20} {v}", file=log, flush=True)
+    return info
+
+
+def _median_ms(fn, reps: int = 20) -> float:
+    """Median of ``reps`` CUDA-event timings after 3 warm-ups."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _run_stage(stage: str, work: Path, smoke: bool, limit: float, log) -> tuple[str, list[str]]:
+    """Run one stage; returns (status, last output lines)."""
+    if stage == "env":
+        try:
+            info = _env(work, smoke, log)
+        except Exception as exc:  # noqa: BLE001 - one stage failing must not stop the others
+            return f"failed ({type(exc).__name__}: {exc})", []
+        return "ok", [f"{k}: {v}" for k, v in info.items()]
+    (work / stage).mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + limit
+    commands = _commands(stage, work, smoke)
+    if not commands:
+        return "skipped (no tests/ beside the package: not an editable install)", lines
+    for cmd in commands:
+        left = deadline - time.monotonic()
+        if left < 5:
+            return f"timed out before: {' '.join(cmd[2:4])}", lines
+        print(f"$ {' '.join(cmd)}", file=log, flush=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=left, env=env, cwd=REPO if stage == "tests" else None)
+        except subprocess.TimeoutExpired as exc:
+            out = exc.stdout or ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            log.write(out)
+            return f"timed out after {limit:.0f} s", out.splitlines()[-15:]
+        log.write(proc.stdout)
+        log.flush()
+        lines = [ln for ln in proc.stdout.splitlines() if ln.strip()][-15:]
+        if stage == "tests" and proc.returncode == 5:
+            return "no GPU tests selected", lines
+        if proc.returncode != 0:
+            return f"failed (exit {proc.returncode})", lines
+    return "ok", lines
+
+
+def run(stages, out: Path, smoke: bool = False, budget_s: float = 540.0) -> list[tuple[str, str, float]]:
+    """Run ``stages`` in order; write suite.log, summary.txt and results.tar.gz into ``out``."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; allowed: {', '.join(STAGES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvpress-gpu-suite-"))
+    start = time.monotonic()
+    results, summary = [], []
+    with open(out / "suite.log", "w") as log:
+        for stage in stages:
+            left = budget_s - (time.monotonic() - start)
+            if left < 30:
+                results.append((stage, f"skipped ({left:.0f} s of --budget-s left)", 0.0))
+                continue
+            t0 = time.monotonic()
+            print(f"\n===== {stage} =====", file=log, flush=True)
+            status, tail = _run_stage(stage, work, smoke, min(LIMITS[stage], left - 10), log)
+            results.append((stage, status, time.monotonic() - t0))
+            summary += [f"===== {stage}: {status} ({results[-1][2]:.0f} s)", *tail, ""]
+    header = [f"kvpress gpu_suite {'(smoke, cpu)' if smoke else ''} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+              *(f"{s:<9} {st:<40} {sec:>6.0f} s" for s, st, sec in results), ""]
+    (out / "summary.txt").write_text("\n".join(header + summary) + "\n")
+    with tarfile.open(out / "results.tar.gz", "w:gz") as tar:
+        tar.add(work, arcname="results")
+    shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(header + summary))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for suite.log, summary.txt, results.tar.gz")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {', '.join(STAGES)}")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock cap of the whole call")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes (a check of the plumbing)")
+    args = parser.parse_args(argv)
+    stages = [s for s in args.stages.split(",") if s]
+    results = run(stages, Path(args.out), smoke=args.smoke, budget_s=args.budget_s)
+    return 0 if all(st == "ok" or st.startswith("no GPU") for _, st, _ in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
