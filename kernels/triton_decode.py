@@ -24,6 +24,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def require_cuda_or_interpreter(t: torch.Tensor, what: str) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (the tests)."""
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{what} needs CUDA tensors (got {t.device}); use backend='torch' on CPU, "
+                         "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -50,9 +57,7 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if D not in TRITON_HEAD_DIMS:
         raise ValueError(f"triton backend supports head_dim in {TRITON_HEAD_DIMS}, got {D}; "
                          "use backend='torch' (or 'auto', which falls back to it)")
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"triton backend needs CUDA tensors (got {q.device}); use backend='torch' "
-                         "on CPU, or set TRITON_INTERPRET=1 before importing triton to test the kernel")
+    require_cuda_or_interpreter(q, "the triton sparse_decode backend")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
     import triton  # noqa: F401  (lazy: only this backend needs it)

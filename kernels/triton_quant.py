@@ -11,17 +11,11 @@ import math
 import torch
 
 from .quant import _check_decode, check_quant_config
-from .triton_decode import MAX_SPLITS, _next_pow2, interpreting
+from .triton_decode import MAX_SPLITS, _next_pow2, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
 BLOCK_N = 64  # tokens per decode tile
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
-
-
-def _check_device(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not interpreting():
-        raise ValueError(f"triton quant kernels need CUDA tensors (got {t.device}); use backend='torch' on CPU, "
-                         "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
 
 
 def _splits(batch: int, heads: int, tokens: int, device: torch.device) -> int:
@@ -40,7 +34,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
     if H_q // H_kv > 8:
         raise ValueError(f"GQA group {H_q // H_kv} > 8 is not supported by the triton kernel")
-    _check_device(q)
+    require_cuda_or_interpreter(q, "the triton quant_decode kernel")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         if t.dtype != torch.float16 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be fp16 with a contiguous last dimension")
@@ -111,7 +105,7 @@ def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_cha
         raise ValueError(f"triton quantize supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use the torch version")
     if per_channel and T % group_size:
         raise ValueError(f"per-channel quantization needs a token count divisible by group_size={group_size}, got {T}")
-    _check_device(x)
+    require_cuda_or_interpreter(x, "the triton quantize kernel")
     import triton  # noqa: F401
 
     from . import triton_quant_kernel as kern

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .shadowkv_rebuild import TRITON_REBUILD_HEAD_DIMS, check_rebuild_inputs
-from .triton_decode import interpreting
+from .triton_decode import interpreting, require_cuda_or_interpreter
 
 BLOCK_R = 16  # rank columns per dot step
 
@@ -27,9 +27,7 @@ def triton_shadowkv_rebuild(factor: torch.Tensor, basis: torch.Tensor, chunk_idx
     if D not in TRITON_REBUILD_HEAD_DIMS:
         raise ValueError(f"triton shadowkv_rebuild supports head_dim in {TRITON_REBUILD_HEAD_DIMS}, got {D}; "
                          "use backend='torch'")
-    if factor.device.type != "cuda" and not interpreting():
-        raise ValueError(f"triton backend needs CUDA tensors (got {factor.device}); use backend='torch' on CPU, "
-                         "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
+    require_cuda_or_interpreter(factor, "the triton shadowkv_rebuild backend")
     import triton  # noqa: F401  (lazy: only this backend needs it)
 
     from . import triton_shadowkv_kernel as kern
