@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from interpret_probe import interpreter_unusable  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -83,6 +84,9 @@ def _kivi_layer_case():
 
 @pytest.fixture(scope="module")
 def results():
+    reason = interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvpress_kernel_cases import case, case_id
+from interpret_probe import interpreter_unusable  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -46,6 +47,9 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def results():
+    reason = interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(HERE / "interpret_worker.py")], input=json.dumps(CASES),
