@@ -78,7 +78,7 @@ def speed(model, tokenizer, args) -> dict:
     logits, dense = dense_prefill(model, ids)
     caches, nxt = {}, {}
     for name, pol in policies.items():
-        if pol.full_prefill:
+        if pol.prefills_densely():
             caches[name], nxt[name] = cache_from_dense(model, pol, dense), logits.argmax(-1, keepdim=True)
         else:  # window runs its own prefill
             with torch.no_grad(), kvpress.apply(model, pol):

@@ -270,7 +270,7 @@ def attn_mode(args) -> list[dict]:
             for i, (q, k, v, sc) in qkv.items():
                 layer = cache.layers[i]
                 layer.update(k[:, :, :q0], v[:, :, :q0])
-                if type(policy).full_prefill:
+                if policy.prefills_densely():
                     layer.ingest_prefill(*layer.take_pending())
                 else:  # a policy that needs the prompt's queries (zipcache's probes)
                     layer.attend(q[:, :, :q0], *layer.take_pending(), sc)

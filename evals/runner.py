@@ -13,7 +13,7 @@ model name) before the model loads.
 Budgets reach policies through ``policy.with_budget(b)``; a policy without a budget (it raises
 ValueError) runs once, and so does one whose ``with_budget`` returns an equal config (``full``).
 ``bits`` sweeps the ``bits`` field of policies that have one. Policies whose class sets
-``full_prefill`` share one dense prefill per prompt (:mod:`kvpress.evals.decode`).
+dense prefill (``Policy.prefills_densely``) share one dense prefill per prompt (:mod:`kvpress.evals.decode`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class EvalGrid:
     options : dict
         ``{"policy.field": "value"}`` overrides applied before budgets/bits.
     share_prefill : bool
-        Prefill each prompt once for all ``full_prefill`` policies.
+        Prefill each prompt once for all policies whose prefill is dense attention.
     chunk_size : int
         Chunk of the ``ppl`` task's prefill through the policy cache.
     max_new_tokens : int, optional
@@ -281,7 +281,7 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
                     samples_cache = {key: _samples_for(task, tokenizer, length, grid.samples, grid.seed)}
                 sample = samples_cache[key][index]
                 ids = torch.tensor([build_input_ids(tokenizer, sample)])
-                sharers = [v for v in pending if type(v.policy).full_prefill]
+                sharers = [v for v in pending if v.policy.prefills_densely()]
                 if grid.share_prefill and len(sharers) >= 2:
                     prefill = shared_prefill(model, ids)
             for variant in pending:
@@ -291,7 +291,7 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
                 if task.kind == "perplexity":
                     cell = _ppl_cell(model, tokenizer, variant, length, grid.chunk_size)
                 else:
-                    use = prefill if type(variant.policy).full_prefill else None
+                    use = prefill if variant.policy.prefills_densely() else None
                     out = generate_sample(model, variant.policy, ids, max_new_tokens=min(sample.max_new_tokens, grid.max_new_tokens or sample.max_new_tokens),
                                           eos_token_id=eos, prefill=use)
                     text = tokenizer.decode(out.tokens, skip_special_tokens=True)

@@ -81,13 +81,20 @@ class SinkWindowLayer(CacheLayer):
 
     With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
     before the window) rather than at their true distance; see :func:`streaming_attention`.
+
+    With ``dense_prefill=True`` a forward of several tokens attends densely instead: each of
+    its queries sees every kept slot and every earlier token of the same forward (a one-shot
+    prefill is then plain causal attention); only sinks + window are stored afterwards, and
+    one-token decode steps are streaming as above.
     """
 
-    def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False):
+    def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False,
+                 dense_prefill: bool = False):
         super().__init__(cache, layer_idx)
         self.sinks = sinks
         self.window = window
         self.rerotate = rerotate
+        self.dense_prefill = dense_prefill
         self.k = self.v = self.pos = None
 
     def _allocate(self, k_new, v_new) -> None:
@@ -115,15 +122,30 @@ class SinkWindowLayer(CacheLayer):
         row_start = self._row_start(batch, k_new.device)
         if n_new == 1 and self.seen > 0:
             out = self._decode(q, k_new, v_new, scaling, row_start)
+        elif self.dense_prefill and self.seen == 0:
+            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
+            self._write(k_new, v_new, row_start)
         else:
+            # dense_prefill after earlier forwards: a window covering everything makes every kept
+            # slot and every token of this forward visible (causally)
+            window = self.seen + n_new if self.dense_prefill else self.window
             out = streaming_attention(
                 q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
-                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
-                sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
+                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=window,
+                sink_query_fn=self.cache.adapter.rotate if self.rerotate and not self.dense_prefill else None,
             )
             self._write(k_new, v_new, row_start)
         self.seen += n_new
         return out
+
+    def ingest_prefill(self, k, v):
+        """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
+        if not self.dense_prefill:
+            raise NotImplementedError("a streaming-prefill SinkWindowLayer cannot take a dense prefill")
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
 
     def _write(self, k_new, v_new, row_start) -> None:
         """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,

@@ -22,8 +22,8 @@ def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.T
 
     Raises ValueError for policies whose prefill is not plain full attention.
     """
-    if not type(policy).full_prefill:
-        raise ValueError(f"policy {policy.name!r} runs its own prefill (full_prefill=False)")
+    if not policy.prefills_densely():
+        raise ValueError(f"policy {policy.name!r} runs its own prefill (its prefill is not plain dense attention)")
     cache = make_cache(model, policy)
     if attention_mask is not None:
         cache.begin_forward(attention_mask, attention_mask.shape[0], attention_mask.shape[1])

@@ -31,7 +31,9 @@ class Policy:
 
     ``full_prefill``
         Prefill attention is plain full causal attention, so a runner may prefill a context once
-        and hand a copy of the dense cache to each such policy (:meth:`CacheLayer.load_dense`).
+        and hand a copy of the dense cache to each such policy (:meth:`CacheLayer.ingest_prefill`).
+        This is the class default; :meth:`prefills_densely` answers for one configured policy
+        (``duo`` with ``prefill="dense"`` says yes although the class says no).
     ``keeps_full_cache``
         The whole KV cache stays resident (selection policies); eviction/quantization set False.
     ``needs_artifact``
@@ -48,6 +50,10 @@ class Policy:
     def __post_init__(self) -> None:
         _check_field_types(self)
         self.validate()
+
+    def prefills_densely(self) -> bool:
+        """Whether this configured policy's prefill is plain dense attention (see ``full_prefill``)."""
+        return type(self).full_prefill
 
     # ----------------------------------------------------------------- hooks for subclasses
     def validate(self) -> None:

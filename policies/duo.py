@@ -85,6 +85,7 @@ UPSTREAM_FILE = "full_attention_heads.tsv"
 # Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
 _GROW = 32
 _CHECK = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+PREFILL_MODES = ("streaming", "dense")
 
 
 @register_policy
@@ -113,6 +114,13 @@ class DuoPolicy(Policy):
         this seed (shows that calibration matters).
     gates : tuple of tuples or None
         In-memory gates [layers][KV heads] (tests, experiments); overrides ``artifact``.
+    prefill : {"streaming", "dense"}
+        How streaming heads attend during a prompt forward. ``"streaming"`` (the paper's, the
+        default): sinks + window at every position, so prefill cost is linear in the prompt for
+        those heads. ``"dense"``: every head attends to the whole prompt (prefill costs what
+        ``full``'s does, and a runner may share one dense prefill with this policy); streaming
+        heads then keep only sinks + window, so decode memory and decode attention are the
+        same as with ``"streaming"``.
     """
 
     artifact: str | None = None
@@ -122,17 +130,20 @@ class DuoPolicy(Policy):
     window_size: int = 240
     random_heads_seed: int | None = None
     gates: tuple | None = None
+    prefill: str = "streaming"
 
     name = "duo"
     description = "retrieval heads full KV, streaming heads sinks + window (DuoAttention)"
     paper = "arXiv 2410.10819"
-    full_prefill = False  # streaming heads prefill with the streaming pattern
+    full_prefill = False  # streaming heads prefill with the streaming pattern (unless prefill="dense")
     keeps_full_cache = False
     needs_artifact = True
 
     def validate(self):
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("window_size", self.window_size, 1)
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
         if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
@@ -187,11 +198,15 @@ class DuoPolicy(Policy):
     def check_model(self, adapter):
         self.load_gates(adapter)
 
+    def prefills_densely(self) -> bool:
+        return self.prefill == "dense"
+
     def make_layer(self, cache, layer_idx):
         key = "duo_retrieval_mask"
         if key not in cache.shared:  # one artifact read per generation, shared by all layers
             cache.shared[key] = self.retrieval_mask(cache.adapter)
-        return DuoLayer(cache, layer_idx, cache.shared[key][layer_idx], self.sink_tokens, self.window_size)
+        return DuoLayer(cache, layer_idx, cache.shared[key][layer_idx], self.sink_tokens, self.window_size,
+                        dense_prefill=self.prefill == "dense")
 
     def with_budget(self, budget: int) -> "DuoPolicy":
         """Budget of the streaming heads (``sink_tokens + window_size``); retrieval heads keep all."""
@@ -255,14 +270,16 @@ class DuoLayer(CacheLayer):
     Query head q reads KV head q // G (GQA), so each group follows its KV head.
     """
 
-    def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int):
+    def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
+                 dense_prefill: bool = False):
         super().__init__(cache, layer_idx)
         heads = torch.arange(retrieval.numel())
         self.retrieval_heads = heads[retrieval]
         self.streaming_heads = heads[~retrieval]
         self.group = cache.adapter.group_size
         self.dense = KVBuffer(grow=_GROW) if self.retrieval_heads.numel() else None
-        self.stream = SinkWindowLayer(cache, layer_idx, sinks, window) if self.streaming_heads.numel() else None
+        self.stream = (SinkWindowLayer(cache, layer_idx, sinks, window, dense_prefill=dense_prefill)
+                       if self.streaming_heads.numel() else None)
         self._index: dict | None = None
 
     def _indices(self, device) -> dict:
@@ -295,6 +312,21 @@ class DuoLayer(CacheLayer):
             out[:, idx["str_q"]] = self.stream.attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
         self.seen += k_new.shape[2]
         return out
+
+    def ingest_prefill(self, k, v):
+        """Take a prompt that attended densely (``prefill="dense"``): retrieval heads keep it all,
+        streaming heads their sinks + window."""
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        idx = self._indices(k.device)
+        if self.dense is not None:
+            self.dense.append(k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
+        if self.stream is not None:
+            k_s, v_s = k.index_select(1, idx["str"]), v.index_select(1, idx["str"])
+            if not self.stream.is_initialized:
+                self.stream.lazy_initialization(k_s, v_s)
+            self.stream.ingest_prefill(k_s, v_s)
+        self.seen += k.shape[2]
 
     def state_tensors(self):
         out = {}

@@ -39,7 +39,8 @@ def test_split_heads_sparsity_threshold_and_random():
 
 
 def test_bad_config_values_are_value_errors():
-    for kwargs in (dict(sparsity=1.5), dict(window_size=0), dict(sink_tokens=-1), dict(gates=((0.1,), (0.2, 0.3)))):
+    for kwargs in (dict(sparsity=1.5), dict(window_size=0), dict(sink_tokens=-1), dict(gates=((0.1,), (0.2, 0.3))),
+                   dict(prefill="chunked")):
         with pytest.raises(ValueError, match="allowed|rectangular"):
             DuoPolicy(**kwargs)
     with pytest.raises(ValueError, match="either gates or artifact"):
@@ -107,6 +108,65 @@ def test_mixed_prefill_matches_hard_gated_calibration_attention(model4):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     with torch.no_grad():  # and the split really differs from full attention
         assert (model4(ids).logits - got).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------ prefill="dense"
+def test_dense_prefill_is_full_attention_then_the_same_split_storage(model4):
+    """prefill="dense": the prompt's logits are full's exactly; what stays resident is the same
+    per-head split as with the paper's streaming prefill; decode streams (differs from full)."""
+    ids = random_ids(45, seed=5)
+    dense = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense")
+    stream = dense.replace(prefill="streaming")
+    assert dense.prefills_densely() and not stream.prefills_densely() and not type(dense).full_prefill
+    with torch.no_grad():
+        ref = model4(ids).logits
+        with kvpress.apply(model4, dense):
+            out = model4(ids, use_cache=True)
+    torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
+    cache_d, cache_s = run(model4, dense, ids).past_key_values, run(model4, stream, ids).past_key_values
+    assert kvpress.cache_stats(cache_d).resident_bytes == kvpress.cache_stats(cache_s).resident_bytes
+    for ld, ls in zip(cache_d.layers, cache_s.layers):
+        td, ts = ld.state_tensors(), ls.state_tensors()
+        assert {k: v.shape for k, v in td.items()} == {k: v.shape for k, v in ts.items()}
+        if "streaming_pos" in td:  # the same tokens kept: sinks + the last window positions
+            assert torch.equal(td["streaming_pos"], ts["streaming_pos"])
+    full = run(model4, kvpress.get_policy("full"), ids)
+    scores_d = run(model4, dense, ids).scores
+    torch.testing.assert_close(scores_d[0], full.scores[0], atol=1e-5, rtol=0)  # first token: prefill only
+    assert max((a - b).abs().max() for a, b in zip(scores_d[1:], full.scores[1:])) > 1e-3
+
+
+def test_dense_prefill_shares_a_dense_prefill_and_decodes_the_same(model4):
+    from kvpress.evals.decode import decode_from_cache, shared_prefill
+    from kvpress.prefill import cache_from_dense
+
+    ids = random_ids(33, seed=9)
+    dense = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense")
+    own = run(model4, dense, ids)
+    sp = shared_prefill(model4, ids)
+    cache = cache_from_dense(model4, dense, sp.cache)
+    tokens, _ = decode_from_cache(model4, dense, cache, sp.first_logits, sp.length, max_new_tokens=4, eos_token_id=[])
+    assert tokens == own.sequences[0, ids.shape[1]:].tolist()
+    with pytest.raises(ValueError, match="runs its own prefill"):
+        cache_from_dense(model4, dense.replace(prefill="streaming"), sp.cache)
+
+
+def test_dense_prefill_in_several_forwards_sees_every_kept_token(model4):
+    """A second multi-token forward attends densely to the kept sinks + window and to itself;
+    with a window covering the prompt nothing is evicted, so chunked == one-shot == full."""
+    ids = random_ids(30, seed=13)
+    wide = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=64, prefill="dense")
+    with torch.no_grad(), kvpress.apply(model4, wide):
+        first = model4(ids[:, :17], use_cache=True)
+        second = model4(ids[:, 17:], past_key_values=first.past_key_values, use_cache=True)
+        ref = model4(ids).logits
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), ref, atol=1e-5, rtol=0)
+    narrow = wide.replace(window_size=6)
+    with torch.no_grad(), kvpress.apply(model4, narrow):
+        first = model4(ids[:, :17], use_cache=True)
+        second = model4(ids[:, 17:], past_key_values=first.past_key_values, use_cache=True)
+    torch.testing.assert_close(first.logits, ref[:, :17], atol=1e-5, rtol=0)
+    assert (second.logits - ref[:, 17:]).abs().max() > 1e-3  # the middle of the first forward is gone
 
 
 # ------------------------------------------------------------------ artifacts
