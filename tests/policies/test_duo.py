@@ -151,6 +151,17 @@ def test_dense_prefill_shares_a_dense_prefill_and_decodes_the_same(model4):
         cache_from_dense(model4, dense.replace(prefill="streaming"), sp.cache)
 
 
+def test_dense_prefill_left_padded_batch_matches_single_rows(model4):
+    dense = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense")
+    long, short = random_ids(40, seed=4), random_ids(27, seed=5)
+    batch, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 13:], mask[1, 13:] = short[0], 1
+    both = run(model4, dense, batch, attention_mask=mask).sequences
+    assert torch.equal(both[0, 40:], run(model4, dense, long).sequences[0, 40:])
+    assert torch.equal(both[1, 40:], run(model4, dense, short).sequences[0, 27:])
+
+
 def test_dense_prefill_in_several_forwards_sees_every_kept_token(model4):
     """A second multi-token forward attends densely to the kept sinks + window and to itself;
     with a window covering the prompt nothing is evicted, so chunked == one-shot == full."""
