@@ -38,7 +38,7 @@ _SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 
 # Bump when the cache layout or the probe changes; it is part of the cache key.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the tokenizer's eos follows the model's generation config
 _PROBE_FILE = "kvpress_probe.json"
 _LOCK_SUFFIX = ".lock"
 
@@ -232,7 +232,23 @@ def _load_smollm2_from_gguf(gguf: Path | None = None) -> tuple[Any, Any]:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.eval()
+    _align_eos(tokenizer, model.generation_config.eos_token_id)
     return model, tokenizer
+
+
+def _align_eos(tokenizer: Any, eos: Any) -> None:
+    """Make the tokenizer's eos the model's (``generation_config.eos_token_id``), and pad = eos
+    where the tokenizer has no pad token.
+
+    transformers 5.17 reads this GGUF's tokenizer with eos = <|im_start|> (id 1) and no pad token,
+    while the model's generation config from the same GGUF says eos id 2, <|im_end|>; 5.23 reads
+    eos and pad as <|im_end|>. The model's eos wins, so a chat turn ends where the model ends it
+    and the cached tokenizer is the same in every version.
+    """
+    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
 
 
 @torch.no_grad()
@@ -301,6 +317,7 @@ def _build_smollm2_cache(gguf: Path, folder: Path) -> None:
             "torch_version": torch.__version__,
             "tokenizer_class": type(tokenizer).__name__,
             "tokenizer_source": tokenizer_source,
+            "eos_token_id": tokenizer.eos_token_id,
             "tokenizer": fingerprint,
             "reference_generation": {
                 "messages": _REFERENCE_PROMPT,
@@ -360,6 +377,7 @@ def _open_smollm2_cache(gguf: Path, folder: Path) -> tuple[Any | None, dict[str,
     try:
         if meta.get("tokenizer_source") == "gguf":
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            _align_eos(tokenizer, meta.get("eos_token_id"))
         else:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         actual = _tokenizer_fingerprint(tokenizer)
