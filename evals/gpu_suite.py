@@ -106,37 +106,20 @@ def _env(work: Path, smoke: bool, log) -> dict:
     if not smoke and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
-        x = torch.randn(2**28, device="cuda")  # 1 GiB of random fp32 (never time on zeros)
-        y = torch.empty_like(x)
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        copy_ms = _median_ms(lambda: y.copy_(x))
-        mm_ms = _median_ms(lambda: a @ b)
-        info["copy_GBps"] = 2 * x.numel() * 4 / copy_ms / 1e6
+        from kvpress.evals.bench_kernels import copy_bandwidth, timeit
+
+        cuda = torch.device("cuda")
+        info["copy_GBps"] = copy_bandwidth(cuda, 2**30, warmup=3, iters=20)  # bytes read + written
+        a = torch.randn(8192, 8192, device=cuda, dtype=torch.bfloat16)  # random, never zeros
+        b = torch.randn(8192, 8192, device=cuda, dtype=torch.bfloat16)
+        (mm_ms,) = timeit([lambda: a @ b], cuda, warmup=3, iters=20)
         info["bf16_matmul_TFLOPs"] = 2 * 8192**3 / mm_ms / 1e9
-        del x, y, a, b
+        del a, b
         torch.cuda.empty_cache()
     (work / "env.json").write_text(json.dumps(info, indent=1))
     for k, v in info.items():
         print(f"{k:<20} {v}", file=log, flush=True)
     return info
-
-
-def _median_ms(fn, reps: int = 20) -> float:
-    """Median of ``reps`` CUDA-event timings after 3 warm-ups."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _run_stage(stage: str, work: Path, smoke: bool, limit: float, log) -> tuple[str, list[str]]:
