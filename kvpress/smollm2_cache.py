@@ -232,11 +232,11 @@ def _load_smollm2_from_gguf(gguf: Path | None = None) -> tuple[Any, Any]:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.eval()
-    _align_eos(tokenizer, model.generation_config.eos_token_id)
+    _align_special_tokens(tokenizer, model.generation_config.eos_token_id)
     return model, tokenizer
 
 
-def _align_eos(tokenizer: Any, eos: Any) -> None:
+def _align_special_tokens(tokenizer: Any, eos: Any) -> None:
     """Make the tokenizer's eos the model's (``generation_config.eos_token_id``), and pad = eos
     where the tokenizer has no pad token.
 
@@ -377,7 +377,7 @@ def _open_smollm2_cache(gguf: Path, folder: Path) -> tuple[Any | None, dict[str,
     try:
         if meta.get("tokenizer_source") == "gguf":
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            _align_eos(tokenizer, meta.get("eos_token_id"))
+            _align_special_tokens(tokenizer, meta.get("eos_token_id"))
         else:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         actual = _tokenizer_fingerprint(tokenizer)
