@@ -123,7 +123,8 @@ class CalibrationSettings:
 
 
 # ---------------------------------------------------------------------------- data
-def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int, depths=(0.0, 1.0)):
+def passkey_sample(tokenizer, length: int, rng: random.Random, num_passkeys: int, passkey_words: int,
+                   depths=CalibrationSettings.depths):
     """One multi-passkey prompt of about ``length`` tokens with its teacher-forced answer.
 
     Returns
