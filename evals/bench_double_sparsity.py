@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -39,32 +38,21 @@ def make_policy(spec: str):
     return kvpress.get_policy("double_sparsity", **{k: int(v) for k, v in zip(keys, parts)})
 
 
-def _timed_attend(cache, sink: list) -> None:
-    """Wrap every layer's ``attend`` so its thread CPU time adds to ``sink[-1]`` (attention-only cost)."""
-    for layer in cache.layers:
-        def attend(*args, _inner=layer.attend, **kw):
-            t0 = time.thread_time()
-            try:
-                return _inner(*args, **kw)
-            finally:
-                sink[-1] += time.thread_time() - t0
-        layer.attend = attend
-
-
 def speed(model, tokenizer, args) -> dict:
     """Interleaved decode steps of ``full``, ``double_sparsity`` and ``window`` (the bound) at one length.
 
-    Every policy decodes from a cache built from one shared dense prefill; the steps alternate
-    (full, ds, window, full, ...) so load changes on a shared machine hit all alike. Per step:
-    end-to-end wall and thread CPU time of the forward, and the CPU time spent inside the cache
-    layers' ``attend`` (selection + attention: the part a policy changes). ``window`` at a small
-    budget makes attention nearly free, so ``full / window`` bounds any attention policy's
-    end-to-end speedup on this model.
+    Every policy decodes from a cache built from one shared dense prefill (``window`` runs its
+    own); the steps alternate (full, ds, window, full, ...) so load changes on a shared machine
+    hit all alike (:func:`kvpress.evals.bench.interleaved_decode`). Per step: end-to-end wall and
+    thread CPU time of the forward, and the CPU time spent inside the cache layers' ``attend``
+    (selection + attention: the part a policy changes). ``window`` at a small budget makes
+    attention nearly free, so ``full / window`` bounds any attention policy's end-to-end speedup
+    on this model.
     """
     import kvpress
+    from kvpress.evals.bench import interleaved_decode
     from kvpress.evals.tasks import get_task
     from kvpress.generation import timed_generate
-    from kvpress.prefill import cache_from_dense, dense_prefill
 
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])
     policies = {"full": make_policy("full"), "double_sparsity": make_policy(f"ds:{args.budget}"),
@@ -75,37 +63,11 @@ def speed(model, tokenizer, args) -> dict:
         for name in ("full", "double_sparsity"):
             r = timed_generate(model, ids, policies[name], max_new_tokens=args.new_tokens, eos_token_id=[])
             out[f"{name}_timed_ms"] = r.decode_ms_per_token
-    logits, dense = dense_prefill(model, ids)
-    caches, nxt = {}, {}
-    for name, pol in policies.items():
-        if pol.prefills_densely():
-            caches[name], nxt[name] = cache_from_dense(model, pol, dense), logits.argmax(-1, keepdim=True)
-        else:  # window runs its own prefill
-            with torch.no_grad(), kvpress.apply(model, pol):
-                pre = model(ids, use_cache=True)
-            caches[name], nxt[name] = pre.past_key_values, pre.logits[:, -1].argmax(-1, keepdim=True)
-    attn = {n: [] for n in policies}
-    for name in policies:
-        _timed_attend(caches[name], attn[name])
-    tokens = {n: [] for n in policies}
-    wall = {n: [] for n in policies}
-    cpu = {n: [] for n in policies}
-    with torch.no_grad():
-        for _ in range(args.new_tokens):
-            for name, pol in policies.items():
-                with kvpress.apply(model, pol):
-                    attn[name].append(0.0)
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    logits_step = model(nxt[name], past_key_values=caches[name], use_cache=True).logits
-                    nxt[name] = logits_step[:, -1].argmax(-1, keepdim=True)
-                    wall[name].append(time.perf_counter() - t0)
-                    cpu[name].append(time.thread_time() - c0)
-                    tokens[name].append(int(nxt[name]))
-    for name in policies:  # the first step warms up buffers: leave it out
-        out[f"{name}_wall_ms"] = 1e3 * statistics.median(wall[name][1:])
-        out[f"{name}_cpu_ms"] = 1e3 * statistics.median(cpu[name][1:])
-        out[f"{name}_attention_ms"] = 1e3 * statistics.median(attn[name][1:])
-    out["greedy_tokens_equal"] = sum(a == b for a, b in zip(tokens["full"], tokens["double_sparsity"]))
+    runs = interleaved_decode(model, ids, policies, args.new_tokens)
+    for name, run in runs.items():
+        out[f"{name}_wall_ms"], out[f"{name}_cpu_ms"] = run["wall_ms"], run["cpu_ms"]
+        out[f"{name}_attention_ms"] = run["attention_ms"]
+    out["greedy_tokens_equal"] = sum(a == b for a, b in zip(runs["full"]["tokens"][1:], runs["double_sparsity"]["tokens"][1:]))
     print(f"# SmolLM2, {args.length} tokens, {args.new_tokens} interleaved decode steps (first dropped), "
           f"threads={torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}; medians, ms per token")
     print(f"{'':16s} {'e2e wall':>9s} {'e2e cpu':>9s} {'attention cpu':>13s} {'rest cpu':>9s}")

@@ -86,7 +86,7 @@ def cmd_bench(args) -> int:
     return run_bench(
         model=args.model, policies=_policies(args.policies), budget=args.budget, lengths=_csv(args.lengths, int),
         new_tokens=args.new_tokens, options=_options(args.option), out=args.out, dtype=args.dtype,
-        device=args.device, repeats=args.repeats,
+        device=args.device, repeats=args.repeats, interleave=args.interleave,
     )
 
 
@@ -97,6 +97,9 @@ def configure_bench(p) -> None:
     p.add_argument("--lengths", default="2048,4096", help="comma-separated prompt lengths")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell (the fastest is reported)")
+    p.add_argument("--interleave", action="store_true",
+                   help="decode all policies in turn from one shared dense prefill; medians per step "
+                        "(robust to load on a shared machine)")
     p.add_argument("-o", "--option", action="append", metavar="POLICY.FIELD=VALUE")
     p.add_argument("--out", default=None, help="folder for bench.jsonl / bench.csv")
     p.add_argument("--dtype", default=None)

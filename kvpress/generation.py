@@ -52,6 +52,7 @@ def timed_generate(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | list[int] | None = None,
     keep_cache: bool = False,
+    on_prefill=None,
 ) -> GenerationResult:
     """Greedy decoding under ``policy`` with prefill and per-token decode timed separately.
 
@@ -66,6 +67,9 @@ def timed_generate(
         Decoding stops when every row has produced one (default: the model's generation config).
     keep_cache : bool
         Return the cache object in the result (it can be large).
+    on_prefill : callable, optional
+        Called with the cache once the prompt is in it, before the first timed decode step
+        (benchmarks use it to time the cache layers' ``attend`` during decode only).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -87,6 +91,8 @@ def timed_generate(
         _sync(device)
         prefill_s = time.perf_counter() - start
         cache = out.past_key_values
+        if on_prefill is not None:
+            on_prefill(cache)
         tokens = [next_token]
         done = torch.isin(next_token, eos)
         last_pos = position_ids[:, -1:]
