@@ -122,6 +122,14 @@ class PageStats:
         step costs O(D) per head, not O(cached tokens).
         """
         B, H, n, D = k.shape
+        if n == 1 and row_start is None:  # a decode step without padding: one page, in place
+            page = start // self.page_size
+            self._ensure(B, H, D, page + 1, k)
+            kf = k[:, :, 0].to(self.page_min.dtype)
+            mn, mx = self.page_min[:, :, page], self.page_max[:, :, page]  # (B, H, D) views
+            torch.minimum(mn, kf, out=mn)
+            torch.maximum(mx, kf, out=mx)
+            return
         rel = torch.arange(start, start + n, device=k.device).expand(B, n)  # (B, n)
         if row_start is not None:
             rel = rel - row_start[:, None]

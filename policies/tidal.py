@@ -172,7 +172,8 @@ class TidalLayer(SelectiveLayer):
         first = p.sink_tokens if self.row_start is None else self.row_start[:, None] + p.sink_tokens
         return ((pos >= first) & (pos < self.seen - p.recent_tokens)).expand(batch, -1)
 
-    def _attend_and_select(self, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, SparseIndex]:
+    def _attend_and_select(self, q: torch.Tensor, scaling: float, *, hot_path: bool = True
+                           ) -> tuple[torch.Tensor, SparseIndex]:
         """Full attention of q [B, H_q, D] -> [B, H_q, D], and the top tokens per KV head.
 
         With the default ``softmax_max`` reduction the selection scores are this attention's own
@@ -185,19 +186,32 @@ class TidalLayer(SelectiveLayer):
         keys, values = self.buffer.keys, self.buffer.values  # (B, H_kv, T, D)
         H_kv, T = keys.shape[1], keys.shape[2]
         G = H_q // H_kv
-        candidates = self._candidates(B, q.device)  # (B, T)
         logits = (q.reshape(B, H_kv, G, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling  # (B, H_kv, G, T)
         if self.row_start is not None:
             logits = logits.masked_fill((torch.arange(T, device=q.device) < self.row_start[:, None])[:, None, None], float("-inf"))
         probs = torch.softmax(logits, dim=-1)  # (B, H_kv, G, T)
         out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
+        keep = p.budget - p.sink_tokens - p.recent_tokens
+        lo, hi = p.sink_tokens, self.seen - p.recent_tokens
+        if hot_path and self.row_start is None and p.score_reduction == "softmax_max" and 0 < keep <= hi - lo:
+            # hot path (no padding): every row's candidates are [lo, hi), so no masks; same
+            # selection as below (tests compare), and a trusted id_range spares the kernel of
+            # every reusing layer a read of the ids
+            cand = probs[..., lo:hi]
+            scores = (cand / cand.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)).amax(dim=2)
+            top = torch.topk(scores, keep, dim=-1, sorted=False).indices.sort(dim=-1).values
+            ids = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=q.device))
+            count = torch.full((B, H_kv), keep, dtype=torch.int32, device=q.device)
+            lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
+            return out, SparseIndex(1, ids, count, lens, None, p.sink_tokens, p.recent_tokens, id_range=(lo, hi - 1))
+        candidates = self._candidates(B, q.device)  # (B, T)
         if p.score_reduction == "softmax_max":
             cand = candidates[:, None, None, :]
             mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
             scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, T)
         else:
             scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
-        ids, count = select_pages(scores, p.budget - p.sink_tokens - p.recent_tokens, candidates)
+        ids, count = select_pages(scores, keep, candidates)
         lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
         starts = None if self.row_start is None else self.row_start.to(torch.int32)
         index = SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts, p.sink_tokens, p.recent_tokens)

@@ -49,6 +49,37 @@ def test_page_bounds_are_updated_incrementally_and_match_a_recompute():
         torch.testing.assert_close(got_max[b : b + 1], mx, rtol=0, atol=0)
 
 
+def test_unpadded_decode_appends_update_one_page_in_place_like_a_recompute():
+    g = torch.Generator().manual_seed(1)
+    stats = PageStats(page_size=8, grow_pages=2)
+    keys = torch.randn(2, 3, 45, 16, generator=g)
+    stats.append(keys[:, :, :13], 0, None)
+    for t in range(13, 45):  # the one-token fast path, across page boundaries and growth
+        stats.append(keys[:, :, t : t + 1], t, None)
+    mn, mx = page_min_max(keys, 8)
+    got_min, got_max = stats.bounds(mn.shape[2])
+    torch.testing.assert_close(got_min, mn, rtol=0, atol=0)
+    torch.testing.assert_close(got_max, mx, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sinks,reduction", [(0, "softmax_max"), (8, "softmax_max"), (8, "max"), (0, "mean")])
+def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, reduction):
+    layer = quest_layer(model, budget=48, sink_tokens=sinks, score_reduction=reduction)
+    prefill(layer, 203, batch=2, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):  # decode appends keep both paths in step
+        q = torch.randn(2, 4, 16, generator=g)
+        lengths = layer.lengths()
+        fast, slow = layer.select(q, 0.25, lengths), layer._select_masked(q, 0.25, lengths)
+        assert fast.id_range is not None and slow.id_range is None  # the hot path really ran
+        T = layer.buffer.k.shape[2]
+        assert torch.equal(fast.token_mask(T), slow.token_mask(T))
+        assert fast.num_attended().tolist() == [[48, 48], [48, 48]]
+        fast.validate()
+        k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
+        layer.attend(q[:, :, None], k, v, 0.25)
+
+
 @pytest.mark.parametrize("sinks", [0, 8])
 def test_attended_tokens_equal_budget_and_always_on_tokens_are_kept(model, sinks):
     layer = quest_layer(model, budget=36, sink_tokens=sinks)

@@ -80,6 +80,23 @@ def test_selected_tokens_are_the_top_exact_scores(model):
         assert set(index.block_idx[0, h, : int(index.block_cnt[0, h])].tolist()) == want
 
 
+@pytest.mark.parametrize("sinks,recent", [(0, 1), (2, 3)])
+def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, recent):
+    cache = make_cache(model, reselection_layer=-1, sink_tokens=sinks, recent_tokens=recent, budget=17)
+    prefill(cache, 90, seed=5)
+    layer = cache.layers[1]
+    layer.buffer.append(torch.randn(2, 2, 1, 16)[:1], torch.randn(2, 2, 1, 16)[:1])  # the step's token
+    layer.seen += 1
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(6))
+    out_fast, fast = layer._attend_and_select(q, 0.25)
+    out_slow, slow = layer._attend_and_select(q, 0.25, hot_path=False)
+    assert fast.id_range == (sinks, 91 - recent - 1) and slow.id_range is None  # the hot path really ran
+    torch.testing.assert_close(out_fast, out_slow, rtol=0, atol=0)
+    assert torch.equal(fast.token_mask(91), slow.token_mask(91))
+    assert fast.num_attended().tolist() == [[17, 17]]
+    fast.validate()
+
+
 def test_a_sparse_layer_without_a_fresh_selection_refuses(model):
     cache = make_cache(model)
     prefill(cache, 64)
