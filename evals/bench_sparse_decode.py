@@ -59,14 +59,14 @@ class _AttentionTimer:
 
 def run(args) -> list[dict]:
     import kvpress
-    from kvpress.evals.cli import _options
+    from kvpress.evals.cli import parse_options
     from kvpress.evals.models import default_device, load_eval_model
     from kvpress.evals.runner import expand_policies
     from kvpress.evals.tasks import get_task
     from kvpress.generation import timed_generate
 
     torch.set_num_threads(args.threads)
-    variants = expand_policies(args.policies.split(","), args.budgets, (), _options(args.option))
+    variants = expand_policies(args.policies.split(","), args.budgets, (), parse_options(args.option))
     model, tokenizer = load_eval_model(args.model, dtype=args.dtype, device=args.device or default_device())
     num_layers = kvpress.get_adapter(model).num_layers
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])

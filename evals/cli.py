@@ -18,7 +18,8 @@ def _csv(text: str | None, cast=str) -> tuple:
         raise ValueError(f"expected a comma-separated list of {cast.__name__}, got {text!r}") from exc
 
 
-def _options(items) -> dict:
+def parse_options(items) -> dict:
+    """``["duo.sink_tokens=8", ...]`` (repeated ``-o POLICY.FIELD=VALUE``) -> ``{"duo.sink_tokens": "8"}``."""
     out = {}
     for item in items or []:
         key, eq, value = item.partition("=")
@@ -50,7 +51,7 @@ def cmd_eval(args) -> int:
     grid = EvalGrid(  # every name and field is checked here, before the model loads
         model=args.model, policies=_policies(args.policies), budgets=_csv(args.budgets, int), bits=_csv(args.bits, int),
         tasks=_tasks(args.tasks), lengths=_csv(args.lengths, int), samples=args.samples, seed=args.seed,
-        options=_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
+        options=parse_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
     )
     run_eval(grid, args.out, max_cells=args.max_cells, progress=not args.no_progress, plots=not args.no_plots)
@@ -85,7 +86,7 @@ def cmd_bench(args) -> int:
 
     return run_bench(
         model=args.model, policies=_policies(args.policies), budget=args.budget, lengths=_csv(args.lengths, int),
-        new_tokens=args.new_tokens, options=_options(args.option), out=args.out, dtype=args.dtype,
+        new_tokens=args.new_tokens, options=parse_options(args.option), out=args.out, dtype=args.dtype,
         device=args.device, repeats=args.repeats, interleave=args.interleave,
     )
 
