@@ -91,6 +91,13 @@ def _budget_sort(budget) -> float:
     return -1 if budget is None else budget
 
 
+def percent(ratio: float) -> str:
+    """``0.5`` -> ``"50%"``, ``0.8942`` -> ``"89.4%"``: a whole percent only when exact, so a ratio
+    just under a target (89.4% against 90%) is never rounded onto it."""
+    tenths = math.floor(ratio * 1000 + 1e-9) / 10
+    return f"{tenths:.0f}%" if tenths == int(tenths) else f"{tenths:.1f}%"
+
+
 def format_report(records: list[dict], min_full: float = 0.5) -> str:
     """The markdown report (both tables per length)."""
     lines = []
@@ -117,7 +124,7 @@ def format_report(records: list[dict], min_full: float = 0.5) -> str:
                     row.append("")
                 else:
                     ratio, count = value
-                    row.append(f"{ratio:.0%}" + ("" if count == len(tasks) else f" ({count}/{len(tasks)})"))
+                    row.append(percent(ratio) + ("" if count == len(tasks) else f" ({count}/{len(tasks)})"))
             if any(row):
                 lines.append(f"| {spec} | " + " | ".join(row) + " |")
         all_tasks = list(dict.fromkeys(t for by_task in table.values() for t in by_task))

@@ -53,3 +53,11 @@ def test_report_tables_and_cli(tmp_path, capsys):
     assert "## 1024 tokens" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "none")]) == 2
     assert "no kvpress eval results" in capsys.readouterr().err
+
+
+def test_ratios_just_under_a_target_are_not_rounded_onto_it():
+    from kvpress.evals.report import percent
+
+    assert [percent(r) for r in (0.5, 0.0, 1.0, 1.2)] == ["50%", "0%", "100%", "120%"]
+    assert percent(0.500 / 0.559) == "89.4%" and percent(0.8999) == "89.9%"  # not "90%"
+    assert percent(2 / 3) == "66.6%"
