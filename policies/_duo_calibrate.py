@@ -82,6 +82,7 @@ import torch.nn.functional as F
 
 ATTN_NAME = "kvpress_duo_calibration"
 LOSSES = ("hidden", "logits")
+PREFILLS = ("streaming", "dense")
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class CalibrationSettings:
     loss: str = "logits"
     # Needle depths are drawn uniformly from this range (0 = right after the prompt header).
     depths: tuple = (0.0, 1.0)
+    # Which run-time prefill the gates are fitted for: "streaming" (the paper: the gated mix at
+    # every position) or "dense" (``duo:prefill=dense``: the prompt is plain attention in every
+    # head and the mix applies only to the queries that produce the answer, i.e. decode).
+    prefill: str = "streaming"
 
     def __post_init__(self):
         for name in ("steps", "num_passkeys", "passkey_words", "window_size"):
@@ -120,6 +125,8 @@ class CalibrationSettings:
             raise ValueError(f"loss={self.loss!r} is not supported; allowed: {', '.join(LOSSES)}")
         if len(self.depths) != 2 or not 0.0 <= self.depths[0] <= self.depths[1] <= 1.0:
             raise ValueError(f"depths={self.depths} must be (low, high) with 0 <= low <= high <= 1")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILLS)}")
 
 
 # ---------------------------------------------------------------------------- data
@@ -170,12 +177,18 @@ def streaming_mask(length: int, sinks: int, window: int, device) -> torch.Tensor
 
 
 class GatedAttention:
-    """The calibration attention: per KV head, ``g * full + (1 - g) * streaming`` (all heads)."""
+    """The calibration attention: per KV head, ``g * full + (1 - g) * streaming`` (all heads).
+
+    ``mix_from`` (set per sample): queries before it attend fully in every head and only the
+    later ones get the gated mix -- the dense-prefill mode, where the prompt's K/V are exact and
+    only decode steps see the streaming heads' sinks + window. None mixes at every position.
+    """
 
     def __init__(self, logits: torch.Tensor, group: int, sinks: int, window: int):
         self.logits = logits  # (L, H_kv), requires grad
         self.group = group
         self.sinks, self.window = sinks, window
+        self.mix_from: int | None = None
         self._mask: torch.Tensor | None = None
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -184,10 +197,13 @@ class GatedAttention:
         if self._mask is None or self._mask.shape[0] != t:
             self._mask = streaming_mask(t, self.sinks, self.window, query.device)
         full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        stream = F.scaled_dot_product_attention(query, key, value, attn_mask=self._mask, scale=scaling, enable_gqa=True)
+        start = self.mix_from or 0
+        stream = F.scaled_dot_product_attention(query[:, :, start:], key, value, attn_mask=self._mask[start:],
+                                                scale=scaling, enable_gqa=True)  # (1, H_q, T - start, D)
         gate = torch.sigmoid(self.logits[module.layer_idx]).repeat_interleave(self.group)  # (H_q,)
         gate = gate.to(query.dtype).view(1, -1, 1, 1)
-        out = stream + gate * (full - stream)  # (1, H_q, T, D)
+        mixed = stream + gate * (full[:, :, start:] - stream)
+        out = mixed if start == 0 else torch.cat([full[:, :, :start], mixed], dim=2)  # (1, H_q, T, D)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -246,7 +262,8 @@ def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: 
     expected = (adapter.num_layers, adapter.num_kv_heads)
     if tuple(logits.shape) != expected:
         raise ValueError(f"gate logits have shape {tuple(logits.shape)}; this model needs {expected} [layers, KV heads]")
-    AttentionInterface.register(ATTN_NAME, GatedAttention(logits, adapter.group_size, sink_tokens, window_size))
+    attention = GatedAttention(logits, adapter.group_size, sink_tokens, window_size)
+    AttentionInterface.register(ATTN_NAME, attention)
     AttentionMaskInterface.register(ATTN_NAME, _no_mask)
     attn_before = model.config._attn_implementation
     grad_before = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -256,7 +273,7 @@ def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: 
         for p in model.parameters():
             p.requires_grad_(False)
         model.set_attn_implementation(ATTN_NAME)
-        yield model
+        yield attention
     finally:
         model.set_attn_implementation(attn_before)
         for name, p in model.named_parameters():
@@ -309,7 +326,11 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
             teacher_all = _final_hidden(model, ids)[0].float()  # (T, hidden)
             if settings.loss == "logits":
                 teacher_logp = _answer_log_probs(model, teacher_all[span])  # (N, vocab)
-        with gated_attention(model, logits, settings.sink_tokens, settings.window_size):
+        with gated_attention(model, logits, settings.sink_tokens, settings.window_size) as attention:
+            if settings.prefill == "dense":
+                # the prompt (its last token predicts the first answer token) is the prefill:
+                # exact; the answer tokens are the decode steps that see the mix
+                attention.mix_from = answer_start
             student = _final_hidden(model, ids)[0, span].float()
             if settings.loss == "logits":
                 distill = logit_kl(teacher_logp, _answer_log_probs(model, student))
@@ -359,6 +380,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         "--depths", default=",".join(map(str, d.depths)),
         help="needle depth range LOW,HIGH in [0, 1] (0 = right after the prompt header)",
     )
+    parser.add_argument(
+        "--prefill", choices=PREFILLS, default=d.prefill,
+        help="fit the gates for the run-time prefill: streaming (the paper, duo's default) or dense "
+             "(duo:prefill=dense: only the answer's queries see the streaming heads' sinks + window)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
@@ -379,7 +405,7 @@ def run_from_args(args) -> int:
     settings = CalibrationSettings(
         lengths=lengths, steps=args.steps, num_passkeys=args.num_passkeys, passkey_words=args.passkey_words,
         sink_tokens=args.sink_tokens, window_size=args.window_size, lr=args.lr, reg=args.reg, seed=args.seed,
-        normalize_dims=args.normalize_dims, loss=args.loss, depths=depths,
+        normalize_dims=args.normalize_dims, loss=args.loss, depths=depths, prefill=args.prefill,
     )
     if args.threads:
         torch.set_num_threads(args.threads)

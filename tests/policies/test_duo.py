@@ -110,6 +110,30 @@ def test_mixed_prefill_matches_hard_gated_calibration_attention(model4):
         assert (model4(ids).logits - got).abs().max() > 1e-3
 
 
+def test_dense_prefill_decode_matches_calibration_attention_mixed_from_the_answer(model4):
+    """prefill="dense" at run time == the calibration's gated mix (hard gates) applied only from
+    ``mix_from`` on: the prompt exact in every head, the decode steps split per head."""
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense")
+    retrieval = policy.retrieval_mask(kvpress.get_adapter(model4))
+    ids, prompt = random_ids(37, seed=12), 29
+    with torch.no_grad(), kvpress.apply(model4, policy):
+        out = model4(ids[:, :prompt], use_cache=True)
+        steps = [out.logits[:, -1]]
+        for t in range(prompt, ids.shape[1] - 1):  # teacher-forced decode of the rest
+            out = model4(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+            steps.append(out.logits[:, -1])
+    got = torch.stack(steps, dim=1)  # predictions from positions prompt-1 .. T-2
+    logits = torch.where(retrieval, torch.tensor(float("inf")), torch.tensor(float("-inf")))
+    with torch.no_grad(), gated_attention(model4, logits, sink_tokens=2, window_size=6) as attention:
+        attention.mix_from = prompt
+        ref = model4(ids, use_cache=False).logits[:, prompt - 1 : -1]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        full = model4(ids).logits[:, prompt - 1 : -1]
+    torch.testing.assert_close(got[:, 0], full[:, 0], atol=1e-5, rtol=0)  # the prefill's prediction is exact
+    assert (got[:, 1:] - full[:, 1:]).abs().max() > 1e-3  # decode really streams
+
+
 # ------------------------------------------------------------------ prefill="dense"
 def test_dense_prefill_is_full_attention_then_the_same_split_storage(model4):
     """prefill="dense": the prompt's logits are full's exactly; what stays resident is the same
@@ -291,3 +315,19 @@ def test_logit_loss_calibration_and_settings_validation(llama):
         CalibrationSettings(loss="ce")
     with pytest.raises(ValueError, match="0 <= low <= high <= 1"):
         CalibrationSettings(depths=(0.5, 0.2))
+    with pytest.raises(ValueError, match="allowed: streaming, dense"):
+        CalibrationSettings(prefill="chunked")
+
+
+def test_dense_prefill_calibration_learns_only_from_the_answer_queries(llama):
+    """prefill="dense": the prompt is exact, so only answer positions carry a distillation error;
+    gates still train (and differ from the paper's every-position mix)."""
+    ids = random_ids(48, seed=9)
+    runs = {}
+    for prefill in ("streaming", "dense"):
+        settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=6, prefill=prefill)
+        runs[prefill] = calibrate(llama, settings=settings, samples=[(ids, 40)] * 2, log=lambda *_: None)
+    (g_stream, info_stream), (g_dense, info_dense) = runs["streaming"], runs["dense"]
+    assert info_dense["settings"]["prefill"] == "dense" and all(h["distill"] > 0 for h in info_dense["history"])
+    assert info_dense["history"][0]["distill"] < info_stream["history"][0]["distill"]  # less is perturbed
+    assert not torch.equal(g_stream, g_dense)
