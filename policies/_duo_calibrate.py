@@ -67,6 +67,15 @@ error 0.006-0.015 vs 0.020-0.224) while answer-token accuracy barely separated t
 random 0.67-0.86): closeness of hidden states is not what decides whether greedy decoding copies
 a needle, hence the logit loss -- which in the end scored about as the hidden-state loss
 (H1 above). Untested: the paper's scale (1k-32k contexts, 2000 Adam steps).
+
+``--prefill dense`` (session 6) fits the gates for ``duo:prefill=dense``: the gated mix applies
+only to the answer's queries, the prompt attends fully in every head, as at run time in that
+mode (295 s; 37 of the shipped gates' 45 retrieval heads). Run with ``prefill="dense"`` it does
+not beat the shipped gates: niah_multivalue at 4k over 64 samples 0.50 against their 0.56 (full
+0.56), niah_single at 8k over 24 samples 0.46, the same as theirs (full 0.54)::
+
+    kvpress calibrate duo --model smollm2 --out F --threads 1 --prefill dense
+    kvpress eval --model smollm2 --policies duo:prefill=dense:artifact=F,duo:prefill=dense --tasks niah_multivalue --lengths 4096 --samples 64
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class KiviPolicy(Policy):
     niah_single,niah_multikey,niah_multivalue --lengths 4096 --samples 32``, BENCHMARKS "Session
     5"): 1.00 / 0.34 / 0.59 against full's 1.00 / 0.38 / 0.62, i.e. 95% on niah_multivalue (full
     scores < 0.5 on multikey there); over 64 niah_multivalue samples (session 6) 0.527 against
-    0.559 (94.3%), and at 8192 tokens 12 of full's 13 niah_single needles over 24 samples (0.50
+    0.559 (94.4%), and at 8192 tokens 12 of full's 13 niah_single needles over 24 samples (0.50
     against 0.54, 92%): short of the 98% target. 2-bit by group size
     64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
     """
