@@ -14,6 +14,8 @@ Small on purpose; other policies may import it:
     like the same prompt run alone.
 ``select_pages`` / ``page_index``
     Top-k pages per KV head among candidate pages, and the `SparseIndex` that attends them.
+``range_topk_index``
+    The unpadded decode hot path: top-k over one candidate range shared by every row.
 
 Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
 ``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
@@ -204,6 +206,23 @@ def select_pages(scores: torch.Tensor, k: int, candidates: torch.Tensor,
     slot_ok = torch.arange(k, device=scores.device) < count[..., None]  # (B, H, k)
     ids = torch.where(slot_ok, ids, torch.full_like(ids, P)).sort(dim=-1).values
     return torch.where(slot_ok, ids, torch.full_like(ids, -1)), count
+
+
+def range_topk_index(scores: torch.Tensor, k: int, lo: int, seq_len: int, *, block_size: int, sinks: int,
+                     dense_tail: int) -> SparseIndex:
+    """`SparseIndex` of the top-``k`` candidates when every row's candidates are one range.
+
+    The decode hot path of an unpadded batch: ``scores`` (B, H_kv, n) score blocks
+    ``lo .. lo + n - 1`` (tokens when ``block_size`` is 1), the same for every row, so no mask is
+    needed. Ids come out ascending (the kernel's gather then walks the cache forward), as int32,
+    with a trusted ``id_range`` so the kernel need not read them.
+    """
+    B, H, n = scores.shape
+    top = torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    ids = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=scores.device))
+    count = torch.full((B, H), k, dtype=torch.int32, device=scores.device)
+    lens = torch.full((B,), seq_len, dtype=torch.int32, device=scores.device)
+    return SparseIndex(block_size, ids, count, lens, None, sinks, dense_tail, id_range=(lo, lo + n - 1))
 
 
 def page_index(ids: torch.Tensor, count: torch.Tensor, page_size: int, seq_len: int,

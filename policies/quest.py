@@ -8,7 +8,8 @@ import torch
 
 from kvpress.kernels import ALLOWED_BLOCK_SIZES, REDUCTIONS, SparseIndex, quest_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import PageStats, SelectiveLayer, check_budget, page_index, select_pages
+from kvpress.policies._sparse import (PageStats, SelectiveLayer, check_budget, page_index, range_topk_index,
+                                      select_pages)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 
@@ -153,11 +154,8 @@ class QuestLayer(SelectiveLayer):
             scores = torch.softmax(s.mul_(scaling), dim=-1).amax(1).view(B, H, n)
         else:
             scores = quest_scores(q, mn, mx, scale=scaling, reduction=p.score_reduction)
-        top = torch.topk(scores, p.selected_pages, dim=-1, sorted=False).indices.sort(dim=-1).values
-        blocks = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=q.device))
-        count = torch.full((B, H), p.selected_pages, dtype=torch.int32, device=q.device)
-        lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
-        return SparseIndex(p.page_size, blocks, count, lens, None, p.sink_tokens, p.dense_tail, id_range=(lo, hi - 1))
+        return range_topk_index(scores, p.selected_pages, lo, self.seen, block_size=p.page_size,
+                                sinks=p.sink_tokens, dense_tail=p.dense_tail)
 
     def state_tensors(self):
         return {**super().state_tensors(), "page_min": self.pages.page_min, "page_max": self.pages.page_max}

@@ -12,7 +12,7 @@ import torch
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import SelectiveLayer, check_budget, select_pages
+from kvpress.policies._sparse import SelectiveLayer, check_budget, range_topk_index, select_pages
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
@@ -204,11 +204,8 @@ class TidalLayer(SelectiveLayer):
             # every reusing layer a read of the ids
             cand = probs[..., lo:hi]
             scores = (cand / cand.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)).amax(dim=2)
-            top = torch.topk(scores, keep, dim=-1, sorted=False).indices.sort(dim=-1).values
-            ids = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=q.device))
-            count = torch.full((B, H_kv), keep, dtype=torch.int32, device=q.device)
-            lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
-            return out, SparseIndex(1, ids, count, lens, None, p.sink_tokens, p.recent_tokens, id_range=(lo, hi - 1))
+            return out, range_topk_index(scores, keep, lo, self.seen, block_size=1, sinks=p.sink_tokens,
+                                         dense_tail=p.recent_tokens)
         candidates = self._candidates(B, q.device)  # (B, T)
         if p.score_reduction == "softmax_max":
             cand = candidates[:, None, None, :]

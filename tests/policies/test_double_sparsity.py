@@ -151,10 +151,10 @@ def test_label_bytes_are_counted(model, artifact):
     dense = kvpress.cache_stats(full).resident_bytes
     # KV buffers (capacity 128) + r=2 fp32 labels per key; 4-bit: 1 code byte + 2+2 bytes scale/zero
     per_layer_tokens = 2 * 128  # batch 1 x 2 KV heads x capacity
-    # + the decode hot path's constants: query channel index (B, H_q, r) int64, count (B, H_kv) int32, fp32 zero
-    hot = 1 * 4 * 2 * 8 + 1 * 2 * 4 + 4
+    # + the decode hot path's cached constants: query channel index (B, H_q, r) int64, fp32 zero
+    hot = 1 * 4 * 2 * 8 + 4
     assert stats[16] - dense == 2 * (per_layer_tokens * 2 * 4 + 2 * 2 * 8 + hot)  # labels + channels (int64)
-    assert stats[4] - dense == 2 * (per_layer_tokens * (1 + 2 + 2) + 2 * 2 * 8 + 1 * 2 * 4)  # + the count
+    assert stats[4] - dense == 2 * (per_layer_tokens * (1 + 2 + 2) + 2 * 2 * 8)
 
 
 @pytest.mark.parametrize("batch_pad", [False, True])
