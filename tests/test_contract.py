@@ -150,3 +150,59 @@ def test_shared_dense_prefill_equals_own_prefill(llama, name):
         shared_next = llama(nxt, past_key_values=cache, use_cache=True).logits
     assert torch.equal(own.logits[:, -1].argmax(-1, keepdim=True), nxt)
     torch.testing.assert_close(shared_next, own_next, atol=1e-5, rtol=0)
+
+
+def _budget_covering(name, adapter):
+    try:
+        return example(name, adapter).with_budget(4 * (PROMPT + NEW + 16))
+    except ValueError:
+        return None  # no token budget: the policy itself is checked, not an identity
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_second_generate_on_the_same_cache_continues_the_conversation(llama, name):
+    """Multi-turn: generate, append a new user turn, generate again on the returned cache."""
+    adapter = kvpress.get_adapter(llama)
+    more = random_ids(7, seed=7)
+
+    def two_turns(policy):
+        first = greedy(llama, random_ids(PROMPT, seed=6), policy)
+        turn2 = torch.cat([first.sequences, more], dim=1)
+        second = greedy(llama, turn2, policy, past_key_values=first.past_key_values)
+        return turn2, second
+
+    turn2, second = two_turns(example(name, adapter))
+    assert torch.equal(second.sequences[:, : turn2.shape[1]], turn2)
+    assert second.sequences.shape[1] == turn2.shape[1] + NEW
+    assert kvpress.cache_stats(second.past_key_values).tokens == turn2.shape[1] + NEW - 1  # every token seen
+    covering = _budget_covering(name, adapter)
+    if covering is not None:  # with the whole conversation in budget the policy is `full`
+        (_, got), (_, ref) = two_turns(covering), two_turns(kvpress.get_policy("full"))
+        assert torch.equal(got.sequences, ref.sequences)
+        for a, b in zip(got.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_prompt_fed_in_chunks_then_decoded(llama, name):
+    """A prompt fed as two forwards, then decode steps: every token is counted, and a policy whose
+    budget covers the sequence gives full's logits."""
+    adapter = kvpress.get_adapter(llama)
+    ids = random_ids(PROMPT, seed=8)
+
+    def chunked(policy):
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            out = llama(ids[:, :30], use_cache=True)
+            out = llama(ids[:, 30:], past_key_values=out.past_key_values, use_cache=True)
+            logits = [out.logits[:, -1]]
+            for _ in range(3):
+                nxt = logits[-1].argmax(-1, keepdim=True)
+                out = llama(nxt, past_key_values=out.past_key_values, use_cache=True)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits, 1), out.past_key_values
+
+    logits, cache = chunked(example(name, adapter))
+    assert torch.isfinite(logits).all() and kvpress.cache_stats(cache).tokens == PROMPT + 3
+    covering = _budget_covering(name, adapter)
+    if covering is not None:
+        torch.testing.assert_close(chunked(covering)[0], chunked(kvpress.get_policy("full"))[0], atol=1e-5, rtol=0)
