@@ -206,3 +206,16 @@ def test_prompt_fed_in_chunks_then_decoded(llama, name):
     covering = _budget_covering(name, adapter)
     if covering is not None:
         torch.testing.assert_close(chunked(covering)[0], chunked(kvpress.get_policy("full"))[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_beam_search_reorders_the_policy_cache(llama, name):
+    """num_beams=2 expands and reorders the cache's rows (``batch_select`` / ``reorder_cache``)."""
+    adapter = kvpress.get_adapter(llama)
+    ids = random_ids(PROMPT, seed=9)
+    out = greedy(llama, ids, example(name, adapter), num_beams=2)
+    assert out.sequences.shape == (1, PROMPT + NEW) and torch.equal(out.sequences[:, :PROMPT], ids)
+    covering = _budget_covering(name, adapter)
+    if covering is not None:
+        got = greedy(llama, ids, covering, num_beams=2).sequences
+        assert torch.equal(got, greedy(llama, ids, kvpress.get_policy("full"), num_beams=2).sequences)
