@@ -45,15 +45,25 @@ BENCH_COLUMNS = ("policy_label", "length", "prefill_s", "decode_ms_per_token", "
                  "attention_ms_per_token", "speedup_vs_full", "resident_mib", "offloaded_mib", "dense_mib", "agree")
 
 
-def time_attention(cache, sink: list) -> None:
-    """Wrap every layer's ``attend`` so its thread CPU time (seconds) adds to ``sink[-1]``."""
+def time_attention(cache, sink: list, *, cuda_sync: bool = False) -> None:
+    """Wrap every layer's ``attend`` so its time (seconds) adds to ``sink[-1]``.
+
+    Thread CPU time by default (with one thread: the work done, whatever the machine's load).
+    ``cuda_sync=True`` times wall clock between device synchronisations instead, the only way to
+    see asynchronous CUDA work per layer -- the syncs then slow the whole decode step a little.
+    """
+    clock = time.perf_counter if cuda_sync else time.thread_time
     for layer in cache.layers:
-        def attend(*args, _inner=layer.attend, **kw):
-            t0 = time.thread_time()
+        def attend(q, *args, _inner=layer.attend, **kw):
+            if cuda_sync:
+                torch.cuda.synchronize(q.device)
+            t0 = clock()
             try:
-                return _inner(*args, **kw)
+                return _inner(q, *args, **kw)
             finally:
-                sink[-1] += time.thread_time() - t0
+                if cuda_sync:
+                    torch.cuda.synchronize(q.device)
+                sink[-1] += clock() - t0
         layer.attend = attend
 
 

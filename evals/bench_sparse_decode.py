@@ -4,8 +4,9 @@ For each policy and budget, one greedy generation with :func:`kvpress.generation
 (no early stop) on a ``--length``-token prompt (the ``ppl`` document). Columns:
 
 ``decode ms/tok``  end-to-end decode step (model forward + greedy pick), mean over the steps;
-``attn ms/tok``    time inside the kvpress attention function per decode step, summed over the
-                   layers (cache update, selection, sparse_decode);
+``attn ms/tok``    time inside the cache layers' ``attend`` per decode step, summed over the
+                   layers (cache update, selection, sparse_decode): thread CPU time on CPU,
+                   wall time between device syncs on CUDA (``kvpress.evals.bench.time_attention``);
 ``speedup``        full's decode ms/token / the policy's, at the same context.
 
 Before timing, each policy's first generated tokens are printed next to ``full``'s as a sanity
@@ -16,49 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 
-class _AttentionTimer:
-    """Wraps kvpress' registered attention function to time one-token (decode) calls."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self.calls = 0
-
-    def __enter__(self):
-        import kvpress.patching as patching
-
-        self._patching = patching
-        self._original = patching.kvpress_attention
-        original = self._original
-
-        def timed(module, query, *args, **kwargs):
-            if query.shape[2] != 1:
-                return original(module, query, *args, **kwargs)
-            start = time.perf_counter()
-            out = original(module, query, *args, **kwargs)
-            if query.is_cuda:
-                torch.cuda.synchronize(query.device)
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
-            return out
-
-        patching.kvpress_attention = timed  # apply() registers whatever this name holds
-        return self
-
-    def __exit__(self, *exc):
-        self._patching.kvpress_attention = self._original
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(self._patching.ATTN_NAME, self._original)
-        return False
-
-
 def run(args) -> list[dict]:
-    import kvpress
+    from kvpress.evals.bench import time_attention
     from kvpress.evals.cli import parse_options
     from kvpress.evals.models import default_device, load_eval_model
     from kvpress.evals.runner import expand_policies
@@ -68,14 +32,15 @@ def run(args) -> list[dict]:
     torch.set_num_threads(args.threads)
     variants = expand_policies(args.policies.split(","), args.budgets, (), parse_options(args.option))
     model, tokenizer = load_eval_model(args.model, dtype=args.dtype, device=args.device or default_device())
-    num_layers = kvpress.get_adapter(model).num_layers
+    cuda = model.device.type == "cuda"
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])
     rows, reference, full_ms = [], None, None
     for variant in variants:
         name, budget = variant.spec, variant.budget
-        with _AttentionTimer() as timer:
-            result = timed_generate(model, ids, variant.policy, max_new_tokens=args.new_tokens, eos_token_id=[])
-        steps = max(1, timer.calls // num_layers)
+        sink = [0.0]  # attention seconds over the decode steps (the prefill is not timed)
+        result = timed_generate(model, ids, variant.policy, max_new_tokens=args.new_tokens, eos_token_id=[],
+                                on_prefill=lambda cache: time_attention(cache, sink, cuda_sync=cuda))
+        steps = max(1, result.tokens.shape[1] - 1)
         tokens = result.tokens[0].tolist()
         if reference is None:
             reference = tokens
@@ -84,7 +49,7 @@ def run(args) -> list[dict]:
             full_ms = result.decode_ms_per_token
         rows.append(dict(policy=name, context=args.length, budget=budget, prefill_s=result.prefill_s,
                          decode_ms_per_token=result.decode_ms_per_token,
-                         attention_ms_per_token=1000.0 * timer.seconds / steps,
+                         attention_ms_per_token=1000.0 * sink[0] / steps,
                          resident_mib=result.stats.resident_bytes / 2**20,
                          speedup_vs_full=(full_ms / result.decode_ms_per_token) if full_ms else None,
                          tokens_agreeing_with_first=f"{agree}/{len(tokens)}"))
