@@ -89,9 +89,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .duo import PREFILL_MODES
+
 ATTN_NAME = "kvpress_duo_calibration"
 LOSSES = ("hidden", "logits")
-PREFILLS = ("streaming", "dense")
 
 
 @dataclass(frozen=True)
@@ -134,8 +135,8 @@ class CalibrationSettings:
             raise ValueError(f"loss={self.loss!r} is not supported; allowed: {', '.join(LOSSES)}")
         if len(self.depths) != 2 or not 0.0 <= self.depths[0] <= self.depths[1] <= 1.0:
             raise ValueError(f"depths={self.depths} must be (low, high) with 0 <= low <= high <= 1")
-        if self.prefill not in PREFILLS:
-            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILLS)}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
 
 
 # ---------------------------------------------------------------------------- data
@@ -390,7 +391,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="needle depth range LOW,HIGH in [0, 1] (0 = right after the prompt header)",
     )
     parser.add_argument(
-        "--prefill", choices=PREFILLS, default=d.prefill,
+        "--prefill", choices=PREFILL_MODES, default=d.prefill,
         help="fit the gates for the run-time prefill: streaming (the paper, duo's default) or dense "
              "(duo:prefill=dense: only the answer's queries see the streaming heads' sinks + window)",
     )
