@@ -86,15 +86,27 @@ class SinkWindowLayer(CacheLayer):
     its queries sees every kept slot and every earlier token of the same forward (a one-shot
     prefill is then plain causal attention); only sinks + window are stored afterwards, and
     one-token decode steps are streaming as above.
+
+    With ``prefill_chunk=K`` (and ``dense_prefill=True``) a forward of several tokens is cut into
+    chunks at multiples of K of the sequence index, and each chunk attends as a dense-prefill
+    forward of its own: its queries see the slots kept after the earlier chunks (sinks + the last
+    ``window`` tokens before the chunk) and the chunk's own earlier tokens. This is DuoAttention's
+    chunked pre-filling: at most ``sinks + window + K`` keys per query, O(T * (sinks + window + K))
+    work, and the layer never holds more than one chunk beyond its slots. Only the slots survive
+    between forwards, so a caller's own forwards cut the chunks too. ``K=1`` is the per-token
+    streaming pattern with one more window slot; ``K=None`` one chunk per forward.
     """
 
     def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False,
-                 dense_prefill: bool = False):
+                 dense_prefill: bool = False, prefill_chunk: int | None = None):
         super().__init__(cache, layer_idx)
+        if prefill_chunk is not None and (not dense_prefill or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk!r} needs dense_prefill=True and must be >= 1")
         self.sinks = sinks
         self.window = window
         self.rerotate = rerotate
         self.dense_prefill = dense_prefill
+        self.prefill_chunk = prefill_chunk
         self.k = self.v = self.pos = None
 
     def _allocate(self, k_new, v_new) -> None:
@@ -122,21 +134,40 @@ class SinkWindowLayer(CacheLayer):
         row_start = self._row_start(batch, k_new.device)
         if n_new == 1 and self.seen > 0:
             out = self._decode(q, k_new, v_new, scaling, row_start)
-        elif self.dense_prefill and self.seen == 0:
-            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
-            self._write(k_new, v_new, row_start)
+        elif self.dense_prefill:
+            return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
         else:
-            # dense_prefill after earlier forwards: a window covering everything makes every kept
-            # slot and every token of this forward visible (causally)
-            window = self.seen + n_new if self.dense_prefill else self.window
             out = streaming_attention(
                 q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
-                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=window,
-                sink_query_fn=self.cache.adapter.rotate if self.rerotate and not self.dense_prefill else None,
+                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
+                sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
             )
             self._write(k_new, v_new, row_start)
         self.seen += n_new
         return out
+
+    def _chunked_prefill(self, q, k_new, v_new, scaling, row_start):
+        """Several tokens with ``dense_prefill``: each chunk (see the class doc) sees the kept
+        slots and its own earlier tokens."""
+        n_new = k_new.shape[2]
+        size = self.prefill_chunk
+        outs, a = [], 0
+        while a < n_new:
+            b = n_new if size is None else min(n_new, a + size - (self.seen % size))
+            q_c, k_c, v_c = q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b]
+            if self.seen == 0:
+                outs.append(dense_causal_attention(q_c, k_c, v_c, scaling, q_start=0, row_start=self.row_start))
+            else:
+                # a window covering the slots and the whole chunk: every kept slot and every
+                # earlier token of the chunk is visible (causally)
+                outs.append(streaming_attention(
+                    q_c, self.k, self.v, self._visible_pos(row_start), k_c, v_c, scaling,
+                    q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.seen + (b - a),
+                ))
+            self._write(k_c, v_c, row_start)
+            self.seen += b - a
+            a = b
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def ingest_prefill(self, k, v):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""

@@ -91,6 +91,10 @@ import torch.nn.functional as F
 
 from .duo import PREFILL_MODES
 
+# duo's prefill modes the gated forward can mimic ("chunked" is not one: its chunks are longer than
+# the calibration prompts, where it equals "dense")
+CALIBRATION_PREFILLS = tuple(m for m in PREFILL_MODES if m != "chunked")
+
 ATTN_NAME = "kvpress_duo_calibration"
 LOSSES = ("hidden", "logits")
 
@@ -135,8 +139,8 @@ class CalibrationSettings:
             raise ValueError(f"loss={self.loss!r} is not supported; allowed: {', '.join(LOSSES)}")
         if len(self.depths) != 2 or not 0.0 <= self.depths[0] <= self.depths[1] <= 1.0:
             raise ValueError(f"depths={self.depths} must be (low, high) with 0 <= low <= high <= 1")
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
+        if self.prefill not in CALIBRATION_PREFILLS:
+            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(CALIBRATION_PREFILLS)}")
 
 
 # ---------------------------------------------------------------------------- data
@@ -391,8 +395,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="needle depth range LOW,HIGH in [0, 1] (0 = right after the prompt header)",
     )
     parser.add_argument(
-        "--prefill", choices=PREFILL_MODES, default=d.prefill,
-        help="fit the gates for the run-time prefill: streaming (the paper, duo's default) or dense "
+        "--prefill", choices=CALIBRATION_PREFILLS, default=d.prefill,
+        help="fit the gates for the run-time prefill: streaming (the paper's calibration; the shipped gates, "
+             "also used with duo's default chunked prefill) or dense "
              "(duo:prefill=dense: only the answer's queries see the streaming heads' sinks + window)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

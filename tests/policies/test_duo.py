@@ -40,7 +40,7 @@ def test_split_heads_sparsity_threshold_and_random():
 
 def test_bad_config_values_are_value_errors():
     for kwargs in (dict(sparsity=1.5), dict(window_size=0), dict(sink_tokens=-1), dict(gates=((0.1,), (0.2, 0.3))),
-                   dict(prefill="chunked")):
+                   dict(prefill="sparse"), dict(prefill_chunk_size=0)):
         with pytest.raises(ValueError, match="allowed|rectangular"):
             DuoPolicy(**kwargs)
     with pytest.raises(ValueError, match="either gates or artifact"):
@@ -88,7 +88,7 @@ def test_all_retrieval_equals_full_and_all_streaming_equals_streaming(model4):
     full = run(model4, kvpress.get_policy("full"), ids)
     stream = run(model4, kvpress.get_policy("streaming", sink_tokens=2, window_size=6), ids)
     duo_full = run(model4, DuoPolicy(gates=GATES, sparsity=0.0, sink_tokens=2, window_size=6), ids)
-    duo_stream = run(model4, DuoPolicy(gates=GATES, sparsity=1.0, sink_tokens=2, window_size=6), ids)
+    duo_stream = run(model4, DuoPolicy(gates=GATES, sparsity=1.0, sink_tokens=2, window_size=6, prefill="streaming"), ids)
     for ref, got in ((full, duo_full), (stream, duo_stream)):
         assert torch.equal(ref.sequences, got.sequences)
         for a, b in zip(ref.scores, got.scores):
@@ -96,8 +96,9 @@ def test_all_retrieval_equals_full_and_all_streaming_equals_streaming(model4):
 
 
 def test_mixed_prefill_matches_hard_gated_calibration_attention(model4):
-    """Runtime split == the calibration's gated mix with gates at exactly 0/1 (per head, GQA)."""
-    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    """Runtime split with the streaming prefill == the calibration's gated mix with gates at
+    exactly 0/1 (per head, GQA)."""
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="streaming")
     retrieval = policy.retrieval_mask(kvpress.get_adapter(model4))
     ids = random_ids(37, seed=11)
     with torch.no_grad(), kvpress.apply(model4, policy):
@@ -202,6 +203,69 @@ def test_dense_prefill_in_several_forwards_sees_every_kept_token(model4):
         second = model4(ids[:, 17:], past_key_values=first.past_key_values, use_cache=True)
     torch.testing.assert_close(first.logits, ref[:, :17], atol=1e-5, rtol=0)
     assert (second.logits - ref[:, 17:]).abs().max() > 1e-3  # the middle of the first forward is gone
+
+
+# ------------------------------------------------------------------ prefill="chunked"
+def _prompt_logits(model, policy, ids, forwards=(None,)):
+    """Logits of the prompt ``ids`` fed in forwards that end at ``forwards`` (None = the end)."""
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache, out, start = None, [], 0
+        for end in forwards:
+            res = model(ids[:, start:end], past_key_values=cache, use_cache=True)
+            cache, start = res.past_key_values, ids.shape[1] if end is None else end
+            out.append(res.logits)
+    return torch.cat(out, dim=1), cache
+
+
+def test_chunked_prefill_is_dense_prefill_fed_chunk_by_chunk(model4):
+    """prefill="chunked" in one forward == prefill="dense" fed one chunk per forward (the
+    upstream deployment), chunks counted from the first token; the kept tokens are the same."""
+    ids = random_ids(45, seed=21)
+    dense = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense")
+    chunked = dense.replace(prefill="chunked", prefill_chunk_size=16)
+    one, cache_c = _prompt_logits(model4, chunked, ids)
+    fed, cache_d = _prompt_logits(model4, dense, ids, forwards=(16, 32, None))
+    torch.testing.assert_close(one, fed, atol=1e-5, rtol=0)
+    for lc, ld in zip(cache_c.layers, cache_d.layers):
+        for name, t in lc.state_tensors().items():
+            torch.testing.assert_close(t, ld.state_tensors()[name], atol=1e-6, rtol=0)
+    # the layer keeps only sinks + window between forwards, so a caller's own forwards cut the
+    # chunks too: forwards ending at 10 and 40 give chunks ending at 10, 16, 32, 40, 45
+    split, _ = _prompt_logits(model4, chunked, ids, forwards=(10, 40, None))
+    cut, _ = _prompt_logits(model4, dense, ids, forwards=(10, 16, 32, 40, None))
+    torch.testing.assert_close(split, cut, atol=1e-5, rtol=0)
+    # the first chunk is plain causal attention; later chunks lose what fell out of the window
+    full = model4(ids).logits.detach()
+    torch.testing.assert_close(one[:, :16], full[:, :16], atol=1e-5, rtol=0)
+    assert (one[:, 16:] - full[:, 16:]).abs().max() > 1e-3
+
+
+def test_chunked_prefill_extremes_are_dense_and_per_token_streaming(model4):
+    ids = random_ids(37, seed=22)
+    base = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    dense, _ = _prompt_logits(model4, base.replace(prefill="dense"), ids)
+    one_chunk, _ = _prompt_logits(model4, base.replace(prefill="chunked", prefill_chunk_size=64), ids)
+    torch.testing.assert_close(one_chunk, dense, atol=1e-5, rtol=0)
+    # chunks of one token: sinks + the window before each token + the token itself, i.e. the
+    # per-token streaming pattern with one more window slot
+    per_token, _ = _prompt_logits(model4, base.replace(prefill="chunked", prefill_chunk_size=1), ids)
+    streaming, _ = _prompt_logits(model4, base.replace(window_size=7, prefill="streaming"), ids)
+    torch.testing.assert_close(per_token, streaming, atol=1e-5, rtol=0)
+
+
+def test_chunked_prefill_generates_with_the_same_storage(model4):
+    ids = random_ids(40, seed=23)
+    chunked = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="chunked", prefill_chunk_size=8)
+    out = run(model4, chunked, ids)
+    stream = run(model4, chunked.replace(prefill="streaming"), ids)
+    assert not chunked.prefills_densely()
+    assert kvpress.cache_stats(out.past_key_values).resident_bytes == kvpress.cache_stats(stream.past_key_values).resident_bytes
+    # left padding: chunks are counted in the batch's positions, so the unpadded row decodes as
+    # it does alone (a padded row's chunks start elsewhere than its own prompt's)
+    batch, mask = torch.zeros(2, 40, dtype=torch.long), torch.ones(2, 40, dtype=torch.long)
+    batch[0], batch[1, 11:], mask[1, :11] = ids[0], random_ids(29, seed=24)[0], 0
+    both = run(model4, chunked, batch, attention_mask=mask).sequences
+    assert torch.equal(both[0], out.sequences[0])
 
 
 # ------------------------------------------------------------------ artifacts
