@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import dense_causal_attention, streaming_attention
+from .kernels import SparseIndex, sparse_decode
 from .cache import CacheLayer, KVBuffer
 
 
@@ -63,6 +64,30 @@ class DenseLayer(CacheLayer):
             return 0
         b, h, _, d = self.buffer.k.shape
         return 2 * b * h * self.buffer.length * d
+
+
+def dense_index(batch: int, kv_heads: int, length: int, row_start: torch.Tensor | None, device) -> SparseIndex:
+    """A :class:`SparseIndex` selecting every cached token ``[row_start, length)`` of each row
+    (the decode kernel's whole-cache case: no blocks, the dense tail covers the row)."""
+    starts = None if row_start is None else row_start.to(device=device, dtype=torch.int32)
+    return SparseIndex(1, torch.empty(batch, kv_heads, 0, dtype=torch.int32, device=device),
+                       torch.zeros(batch, kv_heads, dtype=torch.int32, device=device),
+                       torch.full((batch,), length, dtype=torch.int32, device=device), starts, dense_tail=length)
+
+
+def slot_index(visible: torch.Tensor, kv_heads: int) -> SparseIndex:
+    """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
+    same for every KV head of a row."""
+    batch, slots = visible.shape
+    if bool(visible.all()):
+        return dense_index(batch, kv_heads, slots, None, visible.device)
+    ids = torch.arange(slots, device=visible.device, dtype=torch.int32).expand(batch, slots)
+    packed = torch.where(visible, ids, slots).sort(dim=-1).values  # visible slot ids first
+    packed = torch.where(packed < slots, packed, -1)
+    count = visible.sum(dim=-1, dtype=torch.int32)
+    return SparseIndex(1, packed[:, None, :].expand(batch, kv_heads, slots).contiguous(),
+                       count[:, None].expand(batch, kv_heads).contiguous(),
+                       torch.full((batch,), slots, dtype=torch.int32, device=visible.device))
 
 
 class SinkWindowLayer(CacheLayer):
@@ -207,10 +232,10 @@ class SinkWindowLayer(CacheLayer):
         batch, h_q, _, dim = q.shape
         h_kv = self.k.shape[1]
         if not self.rerotate:
-            mask = None if bool(visible.all()) else visible[:, None, None, :]
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, self.k, self.v, attn_mask=mask, scale=scaling, enable_gqa=h_q != h_kv
-            )
+            # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
+            out, _ = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv), scale=scaling,
+                                   validate_index=False)
+            return out[:, :, None]
         # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
         q_real = (q_pos - row_start).to(torch.float32)  # (B,)
         shift = (q_real.clamp(max=self.sinks + self.window - 1) - q_real).view(batch, 1, 1)

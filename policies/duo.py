@@ -9,7 +9,10 @@ calibrated offline on synthetic passkey retrieval, ranks the heads; at run time 
 ``sparsity`` (fraction of streaming heads) or a ``threshold`` splits them. Storage is split per
 head: each layer keeps a dense buffer [B, H_ret, T, D] for its retrieval heads and a bounded
 sinks + window buffer [B, H_str, <= S + W, D] for its streaming heads, so a streaming head's
-memory stays constant at every length (``cache_stats`` lists both buffers).
+memory stays constant at every length (``cache_stats`` lists both buffers). A decode step runs
+both groups through ``kvpress.kernels.sparse_decode`` (the Triton split-K kernel on CUDA):
+retrieval heads over their whole buffer, streaming heads over their visible slots; the groups
+are disjoint query heads of one output, so nothing needs merging.
 
 Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a kvpress artifact
 (``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
@@ -84,7 +87,8 @@ import torch
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
-from kvpress.layers import SinkWindowLayer
+from kvpress.kernels import sparse_decode
+from kvpress.layers import SinkWindowLayer, dense_index
 from kvpress.registry import Policy, check_int, register_policy
 
 ARTIFACT_VERSION = 1
@@ -318,10 +322,16 @@ class DuoLayer(CacheLayer):
         out = q.new_empty(q.shape)  # (B, H_q, T, D)
         if self.dense is not None:
             self.dense.append(k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"]))
-            out[:, idx["ret_q"]] = dense_causal_attention(
-                q.index_select(1, idx["ret_q"]), self.dense.keys, self.dense.values, scaling,
-                q_start=q_start, row_start=self.row_start,
-            )
+            q_ret = q.index_select(1, idx["ret_q"])
+            if q.shape[2] == 1 and q_start > 0:  # decode: the decode kernel over the whole buffer
+                keys = self.dense.keys
+                index = dense_index(keys.shape[0], keys.shape[1], keys.shape[2], self.row_start, q.device)
+                o, _ = sparse_decode(q_ret[:, :, 0], keys, self.dense.values, index, scale=scaling,
+                                     validate_index=False)
+                out[:, idx["ret_q"]] = o[:, :, None]
+            else:
+                out[:, idx["ret_q"]] = dense_causal_attention(q_ret, self.dense.keys, self.dense.values, scaling,
+                                                              q_start=q_start, row_start=self.row_start)
         if self.stream is not None:
             k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
             if not self.stream.is_initialized:

@@ -395,3 +395,32 @@ def test_dense_prefill_calibration_learns_only_from_the_answer_queries(llama):
     assert info_dense["settings"]["prefill"] == "dense" and all(h["distill"] > 0 for h in info_dense["history"])
     assert info_dense["history"][0]["distill"] < info_stream["history"][0]["distill"]  # less is perturbed
     assert not torch.equal(g_stream, g_dense)
+
+
+def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
+    """Decode steps: retrieval heads attend their whole buffer and streaming heads their visible
+    slots through ``kvpress.kernels.sparse_decode``; the prompt does not."""
+    import kvpress.layers
+    import kvpress.policies.duo as duo_mod
+
+    calls = []
+    real = duo_mod.sparse_decode
+
+    def counting(q, k, v, index, **kw):
+        calls.append((tuple(q.shape), index.dense_tail, index.max_blocks))
+        return real(q, k, v, index, **kw)
+
+    monkeypatch.setattr(duo_mod, "sparse_decode", counting)
+    monkeypatch.setattr(kvpress.layers, "sparse_decode", counting)
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
+    ids = random_ids(30, seed=25)
+    out = run(model4, policy, ids)  # 4 new tokens: the first from the prompt, 3 decode steps
+    layers = out.past_key_values.layers
+    with_ret = sum(l.dense is not None for l in layers)
+    with_str = sum(l.stream is not None for l in layers)
+    assert len(calls) == 3 * (with_ret + with_str)
+    assert all(q[0] == 1 and q[1] > 0 for q, _, _ in calls)
+    calls.clear()
+    monkeypatch.setattr(duo_mod, "sparse_decode", real)
+    monkeypatch.setattr(kvpress.layers, "sparse_decode", real)
+    assert torch.equal(run(model4, policy, ids).sequences, out.sequences)
