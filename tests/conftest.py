@@ -13,8 +13,9 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
-def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0):
-    """A randomly initialised causal LM of ``family`` with 16-dim heads (fp32, eval mode)."""
+def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
+               head_dim: int = 16):
+    """A randomly initialised causal LM of ``family`` with ``head_dim``-dim heads (fp32, eval mode)."""
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     classes = {
@@ -24,7 +25,7 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
     }
     config_cls, model_cls = classes[family]
     kwargs = dict(
-        vocab_size=256, hidden_size=16 * heads, intermediate_size=96, num_hidden_layers=layers,
+        vocab_size=256, hidden_size=head_dim * heads, intermediate_size=96, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
         pad_token_id=0, bos_token_id=1, eos_token_id=255,
     )

@@ -429,12 +429,7 @@ def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_decode_through_the_triton_kernel_matches_cpu():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).eval()  # head_dim 64: the Triton decode kernel applies on CUDA
+    model = tiny_model("llama", layers=2, heads=8, kv_heads=2, head_dim=64)  # the Triton kernel's head_dim
     gates = ((0.9, 0.1), (0.2, 0.8))
     policy = DuoPolicy(gates=gates, sparsity=0.5, sink_tokens=4, window_size=60, prefill_chunk_size=128)
     ids = random_ids(300)
