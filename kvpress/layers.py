@@ -66,21 +66,12 @@ class DenseLayer(CacheLayer):
         return 2 * b * h * self.buffer.length * d
 
 
-def dense_index(batch: int, kv_heads: int, length: int, row_start: torch.Tensor | None, device) -> SparseIndex:
-    """A :class:`SparseIndex` selecting every cached token ``[row_start, length)`` of each row
-    (the decode kernel's whole-cache case: no blocks, the dense tail covers the row)."""
-    starts = None if row_start is None else row_start.to(device=device, dtype=torch.int32)
-    return SparseIndex(1, torch.empty(batch, kv_heads, 0, dtype=torch.int32, device=device),
-                       torch.zeros(batch, kv_heads, dtype=torch.int32, device=device),
-                       torch.full((batch,), length, dtype=torch.int32, device=device), starts, dense_tail=length)
-
-
 def slot_index(visible: torch.Tensor, kv_heads: int) -> SparseIndex:
     """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
     same for every KV head of a row."""
     batch, slots = visible.shape
     if bool(visible.all()):
-        return dense_index(batch, kv_heads, slots, None, visible.device)
+        return SparseIndex.dense(torch.full((batch,), slots, device=visible.device), kv_heads, capacity=slots)
     ids = torch.arange(slots, device=visible.device, dtype=torch.int32).expand(batch, slots)
     packed = torch.where(visible, ids, slots).sort(dim=-1).values  # visible slot ids first
     packed = torch.where(packed < slots, packed, -1)

@@ -87,8 +87,8 @@ import torch
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
-from kvpress.kernels import sparse_decode
-from kvpress.layers import SinkWindowLayer, dense_index
+from kvpress.kernels import SparseIndex, sparse_decode
+from kvpress.layers import SinkWindowLayer
 from kvpress.registry import Policy, check_int, register_policy
 
 ARTIFACT_VERSION = 1
@@ -325,7 +325,8 @@ class DuoLayer(CacheLayer):
             q_ret = q.index_select(1, idx["ret_q"])
             if q.shape[2] == 1 and q_start > 0:  # decode: the decode kernel over the whole buffer
                 keys = self.dense.keys
-                index = dense_index(keys.shape[0], keys.shape[1], keys.shape[2], self.row_start, q.device)
+                lens = torch.full((keys.shape[0],), keys.shape[2], device=q.device)
+                index = SparseIndex.dense(lens, keys.shape[1], seq_starts=self.row_start, capacity=keys.shape[2])
                 o, _ = sparse_decode(q_ret[:, :, 0], keys, self.dense.values, index, scale=scaling,
                                      validate_index=False)
                 out[:, idx["ret_q"]] = o[:, :, None]
