@@ -9,7 +9,8 @@ that would start too late is skipped and says so):
 
 ``env``       versions, the GPU, and the two ceilings measured on it (a device-to-device copy,
               bytes read + written; a bf16 8192^3 matrix product) -- the yardsticks for the rest
-``tests``     ``pytest tests/kernels tests/policies -m gpu`` (Triton kernels against torch references)
+``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies and the registry contract (Triton
+              kernels against torch references; every policy on CUDA against its CPU run)
 ``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096
 ``quant``     ``bench_quant kernel``: fused 4/2-bit dequantize-attention vs bf16 dense, 8k-128k
 ``sparse``    Double Sparsity calibrated on the random Llama-3-8B shape, then ``bench_sparse_decode``
@@ -49,6 +50,13 @@ REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable i
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
 
 
+def _calibrate_ds(model: str, artifact: Path, dev: str, smoke: bool) -> list[str]:
+    """Double Sparsity's channel calibration for the benchmark model (it ships none)."""
+    tokens = ["--tokens", "1024", "--seq-len", "512"] if smoke else ["--tokens", "8192", "--seq-len", "4096"]
+    return [sys.executable, "-m", "kvpress", "calibrate", "double_sparsity", "--model", model,
+            "--out", str(artifact), "--device", dev, *tokens]
+
+
 def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     """The subprocess command lines of one stage (``env`` runs in-process)."""
     py = [sys.executable, "-m"]
@@ -58,7 +66,13 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "tests":
         if not (REPO / "tests").is_dir():
             return []
-        return [py + ["pytest", "-q", "-m", "gpu", "tests/kernels", "tests/policies", "-p", "no:cacheprovider"]]
+        try:  # Triton compiles on the host's cores: spread the GPU tests over a few workers
+            import xdist  # noqa: F401
+            workers = [] if smoke else ["-n", "4"]
+        except ImportError:
+            workers = []
+        return [py + ["pytest", "-q", "-m", "gpu", *workers, "tests/kernels", "tests/policies",
+                      "tests/test_contract.py", "-p", "no:cacheprovider"]]
     if stage == "kernels":
         sizes = ["--contexts", "1k", "--budgets", "256", "--warmup", "0", "--iters", "1"] if smoke else \
             ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]
@@ -68,11 +82,9 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
         return [py + ["kvpress.evals.bench_quant", "kernel", "--device", dev, *sizes, "--out", str(work / "quant")]]
     if stage == "sparse":
         artifact = work / "sparse" / f"ds-{model}.safetensors"
-        calib_tokens = ["--tokens", "1024", "--seq-len", "512"] if smoke else ["--tokens", "8192", "--seq-len", "4096"]
         budget = "96" if smoke else "1024"
         return [
-            py + ["kvpress", "calibrate", "double_sparsity", "--model", model, "--out", str(artifact),
-                  "--device", dev, *calib_tokens],
+            _calibrate_ds(model, artifact, dev, smoke),
             py + ["kvpress.evals.bench_sparse_decode", "--model", model, "--device", dev, "--length", length,
                   "--budgets", budget, "--policies", "full,quest,double_sparsity,tidal", "--new-tokens",
                   "4" if smoke else "32", "-o", f"double_sparsity.artifact={artifact}",
@@ -84,7 +96,10 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
         return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
                       "--json", str(work / "shadowkv" / "speed.json")]]
     if stage == "bench":
-        return [py + ["kvpress", "bench", "--model", model, "--device", dev, "--lengths", length,
+        artifact = work / "sparse" / f"ds-{model}.safetensors"
+        # the sparse stage makes the artifact when it ran first in this call
+        calibrate = [] if artifact.exists() else [_calibrate_ds(model, artifact, dev, smoke)]
+        return calibrate + [py + ["kvpress", "bench", "--model", model, "--device", dev, "--lengths", length,
                       "--policies", "full,kivi,zipcache,gear,quest,double_sparsity,streaming,snapkv",
                       "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
                       "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",

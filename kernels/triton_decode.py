@@ -35,11 +35,22 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: the launchers ask on every call)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SM_COUNT[key]
+
+
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_virtual: int, device: torch.device) -> int:
     """Split count so that about two programs run per SM, each on at least one tile."""
     tiles = max(1, -(-max_virtual // BLOCK_N))
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _sm_count(device)
     else:  # interpreter: exercise the split-K path, but keep the program count small
         target = 2 * batch_size * num_kv_heads
     return max(1, min(tiles, MAX_SPLITS, -(-target // max(1, batch_size * num_kv_heads))))

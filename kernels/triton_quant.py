@@ -11,16 +11,18 @@ import math
 import torch
 
 from .quant import _check_decode, check_quant_config
-from .triton_decode import MAX_SPLITS, _next_pow2, interpreting, require_cuda_or_interpreter
+from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-BLOCK_N = 64  # tokens per decode tile
+BLOCK_N = 64  # tokens per decode tile (at least; a multiple of the key token group)
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
+NUM_WARPS, NUM_STAGES = 4, 3  # decode kernel launch configuration (H100 sweep, BENCHMARKS "Session 8")
+PROGRAMS_PER_SM = 2  # split-K aims at this many decode programs per multiprocessor
 
 
-def _splits(batch: int, heads: int, tokens: int, device: torch.device) -> int:
-    tiles = max(1, -(-tokens // BLOCK_N))
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: int) -> int:
+    tiles = max(1, -(-tokens // block_n))
+    target = PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" \
         else 2 * batch * heads
     return max(1, min(tiles, MAX_SPLITS, -(-target // max(1, batch * heads))))
 
@@ -54,8 +56,9 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
     if B * H_q == 0:
         return out.to(q.dtype), lse
-    splits = num_splits or _splits(B, H_kv, T, q.device)
-    tiles = max(1, -(-T // BLOCK_N))
+    block_n = max(BLOCK_N, group_size)  # a tile holds whole key token groups
+    splits = num_splits or _splits(B, H_kv, T, q.device, block_n)
+    tiles = max(1, -(-T // block_n))
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)
     out_part = torch.empty(B, H_q, splits, D, device=q.device, dtype=torch.float32)
@@ -70,11 +73,11 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        scale * 1.4426950408889634, T, per_split * BLOCK_N,
-        GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=BLOCK_N, HEAD_DIM=D,
+        scale * 1.4426950408889634, T, per_split * block_n,
+        GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=block_n, HEAD_DIM=D,
         BITS=bits, GROUP_SIZE=group_size, HAS_STARTS=seq_starts is not None,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     dec._merge_splits_kernel[(B, H_q)](
         out_part, lse_part, out, lse,

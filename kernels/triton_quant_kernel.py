@@ -22,12 +22,21 @@ def _quant_decode_split_kernel(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
-    dequantizing each K/V tile in registers (keys per channel, values per token)."""
+    dequantizing each K/V tile in registers (keys per channel, values per token).
+
+    Each tile reads its packed bytes as whole rows (``HEAD_DIM / PER`` bytes per token) and
+    unpacks them with shifts; key scales / zeros are read once per token group
+    (``BLOCK_N / GROUP_SIZE`` rows of ``HEAD_DIM``), value scales / zeros once per token
+    (``HEAD_DIM / GROUP_SIZE`` each), and broadcast in registers.
+    ``BLOCK_N`` is a multiple of ``GROUP_SIZE`` and tiles start at multiples of ``BLOCK_N``."""
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     PER: tl.constexpr = 8 // BITS
+    BYTES: tl.constexpr = HEAD_DIM // PER  # packed bytes per token
     LEVEL_MASK: tl.constexpr = (1 << BITS) - 1
+    TOKEN_GROUPS: tl.constexpr = BLOCK_N // GROUP_SIZE  # key scale rows per tile
+    CHANNEL_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE  # value scales per token
 
     if HAS_STARTS:
         seq_start = tl.load(SEQ_STARTS + b)
@@ -39,12 +48,14 @@ def _quant_decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_byte = tl.arange(0, BYTES)
+    offs_tg = tl.arange(0, TOKEN_GROUPS)
+    offs_cg = tl.arange(0, CHANNEL_GROUPS)
+    shifts = (tl.arange(0, PER) * BITS).to(tl.uint8)
     g_mask = offs_g < GROUP
     q_rows = hk * GROUP + offs_g
     q = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None], other=0.0).to(tl.float32)
-    byte_d = offs_d // PER  # byte holding channel d
-    shift_d = ((offs_d % PER) * BITS).to(tl.uint8)
 
     kc_base = KC + b * stride_kcb + hk * stride_kch
     ks_base = KS + b * stride_ksb + hk * stride_ksh
@@ -60,14 +71,23 @@ def _quant_decode_split_kernel(
     for t0 in range(t_begin, t_end, BLOCK_N):
         t = t0 + offs_n
         valid = (t < t_end) & (t >= seq_start)
-        tt = tl.where(t < t_end, t, 0).to(tl.int64)
-        # keys: per-channel scale / zero of token group t // GROUP_SIZE
-        kb = tl.load(kc_base + tt[:, None] * stride_kct + byte_d[None, :], mask=valid[:, None], other=0)
-        kcode = ((kb >> shift_d[None, :]) & LEVEL_MASK).to(tl.float32)
-        grp = tt // GROUP_SIZE
-        ks = tl.load(ks_base + grp[:, None] * stride_ksg + offs_d[None, :], mask=valid[:, None], other=0.0)
-        kz = tl.load(kz_base + grp[:, None] * stride_ksg + offs_d[None, :], mask=valid[:, None], other=0.0)
-        k = kcode * ks.to(tl.float32) + kz.to(tl.float32)  # (BLOCK_N, D)
+        in_range = t < t_end
+        tt = tl.where(in_range, t, 0).to(tl.int64)
+        # keys: whole packed rows, unpacked to (BLOCK_N, HEAD_DIM) codes (channel d = byte * PER + j)
+        kb = tl.load(kc_base + tt[:, None] * stride_kct + offs_byte[None, :], mask=in_range[:, None], other=0)
+        kcode = tl.reshape((kb[:, :, None] >> shifts[None, None, :]) & LEVEL_MASK, (BLOCK_N, HEAD_DIM))
+        kcode = kcode.to(tl.float32)
+        grp = t0 // GROUP_SIZE + offs_tg  # token groups of this tile
+        g_ok = grp * GROUP_SIZE < t_end
+        ks = tl.load(ks_base + grp[:, None].to(tl.int64) * stride_ksg + offs_d[None, :], mask=g_ok[:, None],
+                     other=0.0).to(tl.float32)
+        kz = tl.load(kz_base + grp[:, None].to(tl.int64) * stride_ksg + offs_d[None, :], mask=g_ok[:, None],
+                     other=0.0).to(tl.float32)
+        if TOKEN_GROUPS == 1:
+            k = kcode * ks + kz  # (BLOCK_N, D) * (1, D)
+        else:
+            k = tl.reshape(tl.reshape(kcode, (TOKEN_GROUPS, GROUP_SIZE, HEAD_DIM)) * ks[:, None, :]
+                           + kz[:, None, :], (BLOCK_N, HEAD_DIM))
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -75,13 +95,19 @@ def _quant_decode_split_kernel(
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # values: per-token scale / zero of channel group d // GROUP_SIZE
-        vb = tl.load(vc_base + tt[:, None] * stride_vct + byte_d[None, :], mask=valid[:, None], other=0)
-        vcode = ((vb >> shift_d[None, :]) & LEVEL_MASK).to(tl.float32)
-        cg = offs_d // GROUP_SIZE
-        vs = tl.load(vs_base + tt[:, None] * stride_vst + cg[None, :], mask=valid[:, None], other=0.0)
-        vz = tl.load(vz_base + tt[:, None] * stride_vst + cg[None, :], mask=valid[:, None], other=0.0)
-        v = vcode * vs.to(tl.float32) + vz.to(tl.float32)
+        # values: whole packed rows; per-token scale / zero of each channel group
+        vb = tl.load(vc_base + tt[:, None] * stride_vct + offs_byte[None, :], mask=in_range[:, None], other=0)
+        vcode = tl.reshape((vb[:, :, None] >> shifts[None, None, :]) & LEVEL_MASK, (BLOCK_N, HEAD_DIM))
+        vcode = vcode.to(tl.float32)
+        vs = tl.load(vs_base + tt[:, None] * stride_vst + offs_cg[None, :], mask=in_range[:, None],
+                     other=0.0).to(tl.float32)
+        vz = tl.load(vz_base + tt[:, None] * stride_vst + offs_cg[None, :], mask=in_range[:, None],
+                     other=0.0).to(tl.float32)
+        if CHANNEL_GROUPS == 1:
+            v = vcode * vs + vz  # (BLOCK_N, D) * (BLOCK_N, 1)
+        else:
+            v = tl.reshape(tl.reshape(vcode, (BLOCK_N, CHANNEL_GROUPS, GROUP_SIZE)) * vs[:, :, None]
+                           + vz[:, :, None], (BLOCK_N, HEAD_DIM))
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -21,6 +21,32 @@ def _query_chunk(batch: int, heads: int, keys: int, total: int) -> int:
     return int(max(1, min(total, _SCORE_BYTES // per_query)))
 
 
+def _triton_decode_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    from .kernels.checks import MAX_GROUP
+    from .kernels.decode import triton_available
+    from .kernels.triton_decode import TRITON_HEAD_DIMS
+
+    return (q.is_cuda and q.shape[-1] in TRITON_HEAD_DIMS and q.dtype == k.dtype
+            and q.shape[1] // k.shape[1] <= MAX_GROUP and triton_available())
+
+
+def _triton_decode(q, k, v, scaling, row_start):
+    """One decode token per head on CUDA: the Triton decode kernel over the whole cache.
+
+    SDPA would do here, but with torch 2.11 on an H100 it picked its cuDNN backend, which builds
+    a new plan for every new key length -- 1.5-2 ms of host time per call, i.e. per layer and
+    decode step (profiled 2026-11-22, BENCHMARKS "Session 8"); this kernel costs ~0.2 ms of host
+    time and about SDPA's device time.
+    """
+    from .kernels import SparseIndex, sparse_decode
+
+    batch, _, t_k, _ = k.shape
+    lens = torch.full((batch,), t_k, dtype=torch.int32, device=q.device)
+    index = SparseIndex.dense(lens, k.shape[1], seq_starts=row_start, capacity=t_k)
+    out, _ = sparse_decode(q[:, :, 0], k, v, index, scale=scaling, backend="triton", validate_index=False)
+    return out[:, :, None]
+
+
 def dense_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,6 +76,8 @@ def dense_causal_attention(
     batch, _, t_q, _ = q.shape
     t_k = k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if t_q == 1 and q_start == t_k - 1 and _triton_decode_applies(q, k):
+        return _triton_decode(q, k, v, scaling, row_start)
     if row_start is None and (t_q == 1 or q_start == 0):
         # Plain causal (or single-query) attention: SDPA's fused CPU/GPU kernels apply.
         return F.scaled_dot_product_attention(q, k, v, is_causal=t_q > 1, scale=scaling, enable_gqa=gqa)

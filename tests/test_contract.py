@@ -219,3 +219,28 @@ def test_beam_search_reorders_the_policy_cache(llama, name):
     if covering is not None:
         got = greedy(llama, ids, covering, num_beams=2).sequences
         assert torch.equal(got, greedy(llama, ids, kvpress.get_policy("full"), num_beams=2).sequences)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", POLICIES)
+def test_cuda_matches_cpu_and_runs_in_bf16(name):
+    """Each policy on CUDA (Triton kernels where it has them) gives the CPU run's tokens and logits
+    (fp32; Triton's fp32 dots use tf32, hence the tolerance), keeps its state on the GPU, and runs
+    in bf16 with finite logits."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", layers=2, heads=8, kv_heads=2, head_dim=64)  # a head_dim the kernels take
+    policy = example(name, kvpress.get_adapter(model))
+    ids = random_ids(160, seed=10)  # past the examples' windows and budgets
+    cpu = greedy(model, ids, policy)
+    model = model.cuda()
+    gpu = greedy(model, ids.cuda(), policy)
+    assert torch.equal(gpu.sequences.cpu(), cpu.sequences)
+    for a, b in zip(cpu.scores, gpu.scores):
+        torch.testing.assert_close(b.cpu(), a, atol=5e-3, rtol=0)
+    for layer in gpu.past_key_values.layers:
+        assert all(t.is_cuda for t in layer.state_tensors().values() if t is not None)
+    half = greedy(model.to(torch.bfloat16), ids.cuda(), policy)
+    assert all(torch.isfinite(s).all() for s in half.scores)
+    assert kvpress.cache_stats(half.past_key_values).tokens == 160 + NEW - 1

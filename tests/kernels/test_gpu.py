@@ -50,3 +50,28 @@ def test_triton_fp32_and_auto_on_cuda():
     ref, ref_lse = reference_sparse_decode(q, k, v, index)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_decode_attention_on_cuda_uses_the_kernel_and_matches_sdpa(dtype, monkeypatch):
+    """`dense_causal_attention` sends one-token decode on CUDA to the Triton kernel (left padding
+    as seq_starts); its output matches masked SDPA in fp32 within 2x SDPA's own error."""
+    import kvpress.kernels as kernels
+    from kvpress.attention import dense_causal_attention
+
+    calls = []
+    real = kernels.sparse_decode
+    monkeypatch.setattr(kernels, "sparse_decode", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 8, 1, 128, generator=gen).cuda()
+    k, v = (torch.randn(2, 2, 777, 128, generator=gen).cuda() for _ in range(2))
+    row_start = torch.tensor([0, 300], device="cuda")
+    mask = (torch.arange(777, device="cuda")[None, :] >= row_start[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    torch_out = F.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask,
+                                               enable_gqa=True)
+    out = dense_causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), 128 ** -0.5, q_start=776,
+                                 row_start=row_start)
+    assert len(calls) == 1 and out.dtype == dtype and out.shape == q.shape
+    err, torch_err = ((x.double() - ref).abs().max().item() for x in (out, torch_out))
+    assert err <= 2 * torch_err + (1e-3 if dtype == torch.float32 else 0)  # fp32 dots run in tf32

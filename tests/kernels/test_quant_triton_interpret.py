@@ -19,6 +19,7 @@ DECODE = [
     (2, 1, 8, 256, 64, 2, 32, [0, 70], None),
     (1, 2, 1, 64, 64, 8, 16, None, None),
     (1, 1, 2, 1024, 64, 4, 64, [1000], 4),  # everything before 1000 masked: a split sees nothing
+    (1, 2, 4, 256, 128, 8, 128, [0], 2),  # a tile of one 128-token key group, one value group per token
 ]
 PACK = [(1, 2, 64, 64, b, g, pc) for b in (2, 4, 8) for g, pc in ((32, True), (16, False))] + \
        [(2, 1, 37, 128, 4, 32, False), (1, 1, 128, 128, 2, 128, True)]
