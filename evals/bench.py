@@ -68,12 +68,14 @@ def time_attention(cache, sink: list, *, cuda_sync: bool = False) -> None:
 
 
 def bench_cell(model, policy, ids: torch.Tensor, new_tokens: int, repeats: int = 1):
-    """Best of ``repeats`` timed generations.
+    """Best of ``repeats`` timed generations (on CUDA after an untimed 3-token warm-up).
 
     Returns the GenerationResult of the fastest decode and its attention ms per decode step
     (thread CPU time inside the cache layers' ``attend``; NaN off CPU).
     """
     best = best_attn = None
+    if model.device.type == "cuda":  # untimed: Triton compiles its kernels on their first launch
+        timed_generate(model, ids, policy, max_new_tokens=3, eos_token_id=[])
     for _ in range(max(1, repeats)):
         sink = [0.0]
         result = timed_generate(model, ids, policy, max_new_tokens=new_tokens, eos_token_id=[],

@@ -14,9 +14,9 @@ from .quant import _check_decode, check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-BLOCK_N = 64  # tokens per decode tile (at least; a multiple of the key token group)
+BLOCK_N = 128  # tokens per decode tile (at least; a multiple of the key token group)
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
-NUM_WARPS, NUM_STAGES = 4, 3  # decode kernel launch configuration (H100 sweep, BENCHMARKS "Session 8")
+NUM_WARPS, NUM_STAGES = 4, 2  # decode kernel launch configuration (H100 sweep, BENCHMARKS "Session 8")
 PROGRAMS_PER_SM = 2  # split-K aims at this many decode programs per multiprocessor
 
 

@@ -8,6 +8,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _key_part_scores(q_part, kb, ks_base, kz_base, grp, g_ok, stride_ksg, offs_byte,
+                     J: tl.constexpr, BITS: tl.constexpr, PER: tl.constexpr, TOKEN_GROUPS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, BYTES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores from channels ``byte * PER + J`` of a key tile: codes at bit offset J * BITS of each
+    packed byte, their per-channel scale / zero rows, dotted with the matching query channels."""
+    code = ((kb >> (J * BITS)) & ((1 << BITS) - 1)).to(tl.float32)  # (BLOCK_N, BYTES)
+    off = grp[:, None].to(tl.int64) * stride_ksg + (offs_byte * PER + J)[None, :]
+    ks = tl.load(ks_base + off, mask=g_ok[:, None], other=0.0).to(tl.float32)  # (TOKEN_GROUPS, BYTES)
+    kz = tl.load(kz_base + off, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    if TOKEN_GROUPS == 1:
+        k = code * ks + kz  # (BLOCK_N, BYTES) * (1, BYTES)
+    else:  # repeat each group's row over its GROUP_SIZE tokens
+        rows: tl.constexpr = TOKEN_GROUPS * GROUP_SIZE
+        k = code * tl.reshape(tl.broadcast_to(ks[:, None, :], (TOKEN_GROUPS, GROUP_SIZE, BYTES)), (rows, BYTES)) \
+            + tl.reshape(tl.broadcast_to(kz[:, None, :], (TOKEN_GROUPS, GROUP_SIZE, BYTES)), (rows, BYTES))
+    return tl.dot(q_part, tl.trans(k), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _value_part(p, vb, vs, vz, J: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """p @ (values of channels ``byte * PER + J``), dequantized with per-token scale / zero."""
+    code = ((vb >> (J * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return tl.dot(p, code * vs + vz, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _quant_decode_split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, SEQ_STARTS, OUT_PART, LSE_PART,
     stride_qb, stride_qh,
@@ -24,19 +50,22 @@ def _quant_decode_split_kernel(
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
     dequantizing each K/V tile in registers (keys per channel, values per token).
 
-    Each tile reads its packed bytes as whole rows (``HEAD_DIM / PER`` bytes per token) and
-    unpacks them with shifts; key scales / zeros are read once per token group
-    (``BLOCK_N / GROUP_SIZE`` rows of ``HEAD_DIM``), value scales / zeros once per token
-    (``HEAD_DIM / GROUP_SIZE`` each), and broadcast in registers.
-    ``BLOCK_N`` is a multiple of ``GROUP_SIZE`` and tiles start at multiples of ``BLOCK_N``."""
+    The packed bytes of a tile are read as whole rows (``HEAD_DIM / PER`` bytes per token) and
+    never interleaved back into channel order: channel ``byte * PER + j`` sits at bit offset
+    ``j * BITS``, so the tile is handled as PER parts (j = 0 .. PER - 1), each a plain
+    (tokens, bytes) matrix. The query is loaded in the same PER parts, key scores are the sum of
+    the parts' dot products, and the output is accumulated per part and written back to channel
+    order by a strided store. Key scales / zeros are read once per token group, value scales /
+    zeros once per token. ``BLOCK_N`` is a multiple of ``GROUP_SIZE``; tiles start at multiples
+    of ``BLOCK_N``."""
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     PER: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = HEAD_DIM // PER  # packed bytes per token
-    LEVEL_MASK: tl.constexpr = (1 << BITS) - 1
     TOKEN_GROUPS: tl.constexpr = BLOCK_N // GROUP_SIZE  # key scale rows per tile
     CHANNEL_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE  # value scales per token
+    BYTES_PER_GROUP: tl.constexpr = GROUP_SIZE // PER
 
     if HAS_STARTS:
         seq_start = tl.load(SEQ_STARTS + b)
@@ -46,16 +75,22 @@ def _quant_decode_split_kernel(
     t_end = tl.minimum(t_begin + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     offs_byte = tl.arange(0, BYTES)
     offs_tg = tl.arange(0, TOKEN_GROUPS)
     offs_cg = tl.arange(0, CHANNEL_GROUPS)
-    shifts = (tl.arange(0, PER) * BITS).to(tl.uint8)
     g_mask = offs_g < GROUP
     q_rows = hk * GROUP + offs_g
-    q = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q_ptr = Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_byte[None, :] * PER
+    q0 = tl.load(q_ptr, mask=g_mask[:, None], other=0.0).to(tl.float32)  # channels byte * PER + 0
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PER > 1:
+        q1 = tl.load(q_ptr + 1, mask=g_mask[:, None], other=0.0).to(tl.float32)
+    if PER > 2:
+        q2 = tl.load(q_ptr + 2, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        q3 = tl.load(q_ptr + 3, mask=g_mask[:, None], other=0.0).to(tl.float32)
 
     kc_base = KC + b * stride_kcb + hk * stride_kch
     ks_base = KS + b * stride_ksb + hk * stride_ksh
@@ -66,56 +101,62 @@ def _quant_decode_split_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_G, BYTES], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_G, BYTES], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, BYTES], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_G, BYTES], dtype=tl.float32)
 
     for t0 in range(t_begin, t_end, BLOCK_N):
         t = t0 + offs_n
         valid = (t < t_end) & (t >= seq_start)
         in_range = t < t_end
         tt = tl.where(in_range, t, 0).to(tl.int64)
-        # keys: whole packed rows, unpacked to (BLOCK_N, HEAD_DIM) codes (channel d = byte * PER + j)
         kb = tl.load(kc_base + tt[:, None] * stride_kct + offs_byte[None, :], mask=in_range[:, None], other=0)
-        kcode = tl.reshape((kb[:, :, None] >> shifts[None, None, :]) & LEVEL_MASK, (BLOCK_N, HEAD_DIM))
-        kcode = kcode.to(tl.float32)
-        grp = t0 // GROUP_SIZE + offs_tg  # token groups of this tile
+        grp = t0 // GROUP_SIZE + offs_tg  # the tile's key token groups
         g_ok = grp * GROUP_SIZE < t_end
-        ks = tl.load(ks_base + grp[:, None].to(tl.int64) * stride_ksg + offs_d[None, :], mask=g_ok[:, None],
-                     other=0.0).to(tl.float32)
-        kz = tl.load(kz_base + grp[:, None].to(tl.int64) * stride_ksg + offs_d[None, :], mask=g_ok[:, None],
-                     other=0.0).to(tl.float32)
-        if TOKEN_GROUPS == 1:
-            k = kcode * ks + kz  # (BLOCK_N, D) * (1, D)
-        else:
-            k = tl.reshape(tl.reshape(kcode, (TOKEN_GROUPS, GROUP_SIZE, HEAD_DIM)) * ks[:, None, :]
-                           + kz[:, None, :], (BLOCK_N, HEAD_DIM))
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        qk = tl.where(valid[None, :], qk, float("-inf"))
+        qk = _key_part_scores(q0, kb, ks_base, kz_base, grp, g_ok, stride_ksg, offs_byte, 0, BITS, PER,
+                              TOKEN_GROUPS, GROUP_SIZE, BYTES, DOT_PRECISION)
+        if PER > 1:
+            qk += _key_part_scores(q1, kb, ks_base, kz_base, grp, g_ok, stride_ksg, offs_byte, 1, BITS, PER,
+                                   TOKEN_GROUPS, GROUP_SIZE, BYTES, DOT_PRECISION)
+        if PER > 2:
+            qk += _key_part_scores(q2, kb, ks_base, kz_base, grp, g_ok, stride_ksg, offs_byte, 2, BITS, PER,
+                                   TOKEN_GROUPS, GROUP_SIZE, BYTES, DOT_PRECISION)
+            qk += _key_part_scores(q3, kb, ks_base, kz_base, grp, g_ok, stride_ksg, offs_byte, 3, BITS, PER,
+                                   TOKEN_GROUPS, GROUP_SIZE, BYTES, DOT_PRECISION)
+        qk = tl.where(valid[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # values: whole packed rows; per-token scale / zero of each channel group
         vb = tl.load(vc_base + tt[:, None] * stride_vct + offs_byte[None, :], mask=in_range[:, None], other=0)
-        vcode = tl.reshape((vb[:, :, None] >> shifts[None, None, :]) & LEVEL_MASK, (BLOCK_N, HEAD_DIM))
-        vcode = vcode.to(tl.float32)
-        vs = tl.load(vs_base + tt[:, None] * stride_vst + offs_cg[None, :], mask=in_range[:, None],
-                     other=0.0).to(tl.float32)
-        vz = tl.load(vz_base + tt[:, None] * stride_vst + offs_cg[None, :], mask=in_range[:, None],
-                     other=0.0).to(tl.float32)
-        if CHANNEL_GROUPS == 1:
-            v = vcode * vs + vz  # (BLOCK_N, D) * (BLOCK_N, 1)
-        else:
-            v = tl.reshape(tl.reshape(vcode, (BLOCK_N, CHANNEL_GROUPS, GROUP_SIZE)) * vs[:, :, None]
-                           + vz[:, :, None], (BLOCK_N, HEAD_DIM))
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        v_off = tt[:, None] * stride_vst + offs_cg[None, :]
+        vs = tl.load(vs_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, CG)
+        vz = tl.load(vz_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)
+        if CHANNEL_GROUPS > 1:  # repeat each group's scale over its bytes (GROUP_SIZE / PER per part)
+            vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BLOCK_N, CHANNEL_GROUPS, BYTES_PER_GROUP)),
+                            (BLOCK_N, BYTES))
+            vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (BLOCK_N, CHANNEL_GROUPS, BYTES_PER_GROUP)),
+                            (BLOCK_N, BYTES))
+        acc0 = acc0 * alpha[:, None] + _value_part(p, vb, vs, vz, 0, BITS, DOT_PRECISION)
+        if PER > 1:
+            acc1 = acc1 * alpha[:, None] + _value_part(p, vb, vs, vz, 1, BITS, DOT_PRECISION)
+        if PER > 2:
+            acc2 = acc2 * alpha[:, None] + _value_part(p, vb, vs, vz, 2, BITS, DOT_PRECISION)
+            acc3 = acc3 * alpha[:, None] + _value_part(p, vb, vs, vz, 3, BITS, DOT_PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    inv = 1.0 / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    tl.store(OUT_PART + b * stride_ob + q_rows[:, None] * stride_oh + split * stride_os + offs_d[None, :], out,
-             mask=g_mask[:, None])
+    o_ptr = OUT_PART + b * stride_ob + q_rows[:, None] * stride_oh + split * stride_os + offs_byte[None, :] * PER
+    tl.store(o_ptr, acc0 * inv, mask=g_mask[:, None])
+    if PER > 1:
+        tl.store(o_ptr + 1, acc1 * inv, mask=g_mask[:, None])
+    if PER > 2:
+        tl.store(o_ptr + 2, acc2 * inv, mask=g_mask[:, None])
+        tl.store(o_ptr + 3, acc3 * inv, mask=g_mask[:, None])
     tl.store(LSE_PART + b * stride_lb + q_rows * stride_lh + split, lse, mask=g_mask)
 
 
