@@ -9,7 +9,10 @@ GPU (default when CUDA is present; triton backend, fp16)::
     # Llama-3-8B attention: H_q=32, H_kv=8, D=128; contexts 4k..128k, batch 1..32, budgets 256..4096
 
 Targets: >= 80% of device copy bandwidth at >= 32k; the all-blocks index within 1.1x of dense
-SDPA; speedup within 1.5x of the ideal context/budget ratio at 32k.
+SDPA; speedup within 1.5x of the ideal context/budget ratio at 32k. On CUDA ``sparse_ms`` and
+``dense_ms`` are device time from CUDA-graph replays (`graph_timeit`), and ``eager_ms`` is one
+eager call between events (it adds the launcher's host time). H100 results: BENCHMARKS.md,
+"Session 8".
 
 CPU (torch backend, fp32, batch 1, contexts 8k..32k)::
 
