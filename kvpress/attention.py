@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+from .kernels import SparseIndex
+from .kernels.checks import MAX_GROUP
+from .kernels.decode import triton_available
+from .kernels.triton_decode import TRITON_HEAD_DIMS
+
 # Upper bound on the fp32 score block one query chunk may materialise (bytes).
 _SCORE_BYTES = 256 * 2**20
 
@@ -22,10 +28,6 @@ def _query_chunk(batch: int, heads: int, keys: int, total: int) -> int:
 
 
 def _triton_decode_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    from .kernels.checks import MAX_GROUP
-    from .kernels.decode import triton_available
-    from .kernels.triton_decode import TRITON_HEAD_DIMS
-
     return (q.is_cuda and q.shape[-1] in TRITON_HEAD_DIMS and q.dtype == k.dtype
             and q.shape[1] // k.shape[1] <= MAX_GROUP and triton_available())
 
@@ -38,12 +40,10 @@ def _triton_decode(q, k, v, scaling, row_start):
     decode step (profiled 2026-11-22, BENCHMARKS "Session 8"); this kernel costs ~0.2 ms of host
     time and about SDPA's device time.
     """
-    from .kernels import SparseIndex, sparse_decode
-
     batch, _, t_k, _ = k.shape
     lens = torch.full((batch,), t_k, dtype=torch.int32, device=q.device)
     index = SparseIndex.dense(lens, k.shape[1], seq_starts=row_start, capacity=t_k)
-    out, _ = sparse_decode(q[:, :, 0], k, v, index, scale=scaling, backend="triton", validate_index=False)
+    out, _ = kernels.sparse_decode(q[:, :, 0], k, v, index, scale=scaling, backend="triton", validate_index=False)
     return out[:, :, None]
 
 
@@ -72,6 +72,9 @@ def dense_causal_attention(
     Returns
     -------
     Tensor [B, H_q, T_q, D] in q's dtype.
+
+    One decode token on CUDA (head_dim 64 / 128, Triton installed) goes through the Triton
+    decode kernel (see `_triton_decode`); everything else through SDPA.
     """
     batch, _, t_q, _ = q.shape
     t_k = k.shape[2]
