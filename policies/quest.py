@@ -42,6 +42,11 @@ class QuestPolicy(Policy):
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
     ~3x (``kvpress bench --interleave``, BENCHMARKS "Session 6").
+    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024; BENCHMARKS "Session 8"): the
+    decode kernel reads the budget 7.8x (batch 1) / 22x (batch 8) faster than dense SDPA, but a
+    whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
+    end to end it is not faster than ``full`` yet (sync-timed attention 39.6 vs 44.5 ms/token
+    for quest; unsynchronised steps 85-90 vs 44-45 ms).
     """
 
     budget: int = 256

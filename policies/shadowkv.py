@@ -75,6 +75,13 @@ class ShadowKVPolicy(Policy):
     At 8192 tokens (session 6: ``--tasks niah_single --lengths 8192 --samples 24 --budgets 256``,
     3.1% of the context) it answers 7 of full's 13 needles (54%; the misses keep the first digits
     and then stop or stray, e.g. ``641021.`` for 6410216) with 21.8% of full's bytes on the device.
+
+    On a GPU (H100, random-weight Llama-3-8B shape, 32k prompts, budget 1120, rank 48;
+    ``bench_shadowkv speed``, BENCHMARKS "Session 8"): device bytes 0.107x of ``full``'s and
+    batch 8 fits where ``full`` stops at 4, but a step is 5-6x slower (30.8 tokens/s at batch 8
+    against ``full``'s 58.1 at batch 4): 61 MiB of values fetched per row per step from pinned
+    host memory with a reuse rate of 0.03 (random weights pick new chunks every step) and many
+    small launches per layer.
     """
 
     budget: int = 2048

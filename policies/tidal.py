@@ -85,6 +85,11 @@ class TidalPolicy(Policy):
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
     ~3x (``kvpress bench --interleave``, BENCHMARKS "Session 6").
+    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024; BENCHMARKS "Session 8"): the
+    decode kernel reads the budget 7.8x (batch 1) / 22x (batch 8) faster than dense SDPA, but a
+    whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
+    end to end it is slower than ``full`` (97.3 vs 79.4 ms/token with the per-layer attention
+    timer, attention 60.1 vs 44.5 ms).
     """
 
     budget: int = 256
