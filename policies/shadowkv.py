@@ -78,7 +78,7 @@ class ShadowKVPolicy(Policy):
 
     On a GPU (H100, random-weight Llama-3-8B shape, 32k prompts, budget 1120, rank 48;
     ``bench_shadowkv speed``, BENCHMARKS "Session 8"): device bytes 0.107x of ``full``'s and
-    batch 8 fits where ``full`` stops at 4, but a step is 5-6x slower (30.8 tokens/s at batch 8
+    batch 8 fits where ``full`` stops at 4, but a step is 4-6x slower (30.8 tokens/s at batch 8
     against ``full``'s 58.1 at batch 4): 61 MiB of values fetched per row per step from pinned
     host memory with a reuse rate of 0.03 (random weights pick new chunks every step) and many
     small launches per layer.
