@@ -7,7 +7,7 @@ prefixed by a perturbation of the dense prompt KV applied before the policy's ca
 from it (``kvpress.prefill.cache_from_dense``):
 
 ``bf16|`` / ``fp16|``   keys and values rounded to that dtype and back
-``kq4|`` / ``vq4|`` / ``kvq4|`` (any bit width in place of 4)
+``kq4|`` / ``vq4|`` / ``kvq4|`` (any bit width in place of 4; ``g16`` etc. after it sets the group)
                         keys (per channel, groups of 32 tokens) / values (per token, groups of
                         32 channels) / both quantized and dequantized as ``kivi`` stores them,
                         except the last 128 tokens and the tail that does not fill a group
@@ -18,6 +18,7 @@ on niah_multivalue between keys and values (BENCHMARKS "Session 8").
 """
 import json
 import os
+import re
 import sys
 import types
 
@@ -33,13 +34,14 @@ from kvpress.prefill import cache_from_dense, dense_prefill
 WINDOW, GROUP = 128, 32  # kivi's defaults: full-precision recent tokens, quantization group
 
 
-def fake_quant(x: torch.Tensor, bits: int, per_channel: bool) -> torch.Tensor:
-    """x [B, H, T, D] with its oldest whole groups (all but >= WINDOW latest tokens) quantized and dequantized."""
-    nq = max(0, (x.shape[2] - WINDOW) // GROUP * GROUP)
+def fake_quant(x: torch.Tensor, bits: int, per_channel: bool, group: int = GROUP) -> torch.Tensor:
+    """x [B, H, T, D] with the tokens before its last >= WINDOW quantized and dequantized (the
+    cut at a multiple of GROUP, kivi's flush unit; ``group`` is the quantization group)."""
+    nq = max(0, (x.shape[2] - WINDOW) // max(GROUP, group) * max(GROUP, group))
     if per_channel:
-        deq = dequantize_per_channel(*quantize_per_channel(x[:, :, :nq], bits, GROUP), bits, GROUP)
+        deq = dequantize_per_channel(*quantize_per_channel(x[:, :, :nq], bits, group), bits, group)
     else:
-        deq = dequantize_per_token(*quantize_per_token(x[:, :, :nq], bits, GROUP), bits, GROUP)
+        deq = dequantize_per_token(*quantize_per_token(x[:, :, :nq], bits, group), bits, group)
     return torch.cat([deq.to(x.dtype), x[:, :, nq:]], 2)
 
 
@@ -51,12 +53,13 @@ def perturbed(dense, how: str):
     if how in ("bf16", "fp16"):
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[how]
         pairs = [(k.to(dt).to(k.dtype), v.to(dt).to(v.dtype)) for k, v in kv]
-    elif how.rstrip("0123456789") in ("kq", "vq", "kvq"):
-        bits = int(how.lstrip("kvq"))
-        pairs = [(fake_quant(k, bits, True) if "k" in how else k, fake_quant(v, bits, False) if how.startswith(("v", "kv")) else v)
-                 for k, v in kv]
+    elif re.fullmatch(r"(k|v|kv)q\d+(g\d+)?", how):
+        which, bits, group = re.fullmatch(r"(k|v|kv)q(\d+)(?:g(\d+))?", how).groups()
+        bits, group = int(bits), int(group or GROUP)
+        pairs = [(fake_quant(k, bits, True, group) if "k" in which else k,
+                  fake_quant(v, bits, False, group) if "v" in which else v) for k, v in kv]
     else:
-        raise SystemExit(f"unknown perturbation {how!r}; allowed: bf16, fp16, kqN, vqN, kvqN")
+        raise SystemExit(f"unknown perturbation {how!r}; allowed: bf16, fp16, kqN, vqN, kvqN (each optionally gM)")
     return types.SimpleNamespace(layers=[types.SimpleNamespace(buffer=types.SimpleNamespace(keys=k, values=v))
                                          for k, v in pairs])
 
