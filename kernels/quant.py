@@ -261,12 +261,14 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
 
 
 # ----------------------------------------------------------------------------- fused decode
-def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size):
+def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, value_group_size=None):
+    value_group_size = group_size if value_group_size is None else value_group_size
     check_quant_config(bits, group_size)
+    check_quant_config(bits, value_group_size)
     if q.dim() != 3:
         raise ValueError(f"q must have shape (B, H_q, D), got {tuple(q.shape)}")
     B, H_q, D = q.shape
-    check_quant_config(bits, group_size, D)
+    check_quant_config(bits, value_group_size, D)
     if k_codes.dim() != 4 or k_codes.dtype != torch.uint8 or v_codes.dtype != torch.uint8:
         raise ValueError("k_codes / v_codes must be uint8 (B, H_kv, T, D * bits / 8)")
     Bk, H_kv, T, Dp = k_codes.shape
@@ -279,8 +281,9 @@ def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, g
         raise ValueError(f"token count {T} must be a multiple of group_size={group_size}")
     if k_scale.shape != (B, H_kv, T // group_size, D) or k_zero.shape != k_scale.shape:
         raise ValueError(f"k_scale / k_zero must be (B, H_kv, T/group_size, D) = {(B, H_kv, T // group_size, D)}")
-    if v_scale.shape != (B, H_kv, T, D // group_size) or v_zero.shape != v_scale.shape:
-        raise ValueError(f"v_scale / v_zero must be (B, H_kv, T, D/group_size) = {(B, H_kv, T, D // group_size)}")
+    if v_scale.shape != (B, H_kv, T, D // value_group_size) or v_zero.shape != v_scale.shape:
+        raise ValueError(f"v_scale / v_zero must be (B, H_kv, T, D/value_group_size) = "
+                         f"{(B, H_kv, T, D // value_group_size)}")
     return B, H_q, H_kv, T, D
 
 
@@ -294,27 +297,29 @@ def _finish(scores: torch.Tensor, seq_starts) -> tuple[torch.Tensor, torch.Tenso
 
 
 def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                           seq_starts=None, scale: float | None = None):
+                           seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
     """Dequantize everything to fp32, then plain softmax attention: the definition of
     :func:`quant_decode` (tests only; it materialises the cache)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
+                                       value_group_size)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     k = dequantize_per_channel(k_codes, k_scale, k_zero, bits, group_size)
-    v = dequantize_per_token(v_codes, v_scale, v_zero, bits, group_size)
+    v = dequantize_per_token(v_codes, v_scale, v_zero, bits, value_group_size or group_size)
     qg = q.float().view(B, H_kv, H_q // H_kv, D)
     p, lse = _finish(qg @ k.transpose(-1, -2) * scale, seq_starts)
     return (p @ v).view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
 
 
 def torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                       seq_starts=None, scale: float | None = None):
+                       seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
     """Torch implementation of :func:`quant_decode` (chunked, no dequantized cache)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
+                                       value_group_size)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qg = q.float().view(B, H_kv, H_q // H_kv, D) * scale
     s = channel_quant_scores(qg, k_codes, k_scale, k_zero, bits, group_size)
     p, lse = _finish(s, seq_starts)
-    out = token_quant_values(p, v_codes, v_scale, v_zero, bits, group_size)
+    out = token_quant_values(p, v_codes, v_scale, v_zero, bits, value_group_size or group_size)
     return out.view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
 
 
@@ -322,7 +327,8 @@ QUANT_BACKENDS = ("auto", "triton", "torch")
 
 
 def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                 seq_starts: torch.Tensor | None = None, scale: float | None = None, backend: str = "auto"):
+                 seq_starts: torch.Tensor | None = None, scale: float | None = None, backend: str = "auto",
+                 value_group_size: int | None = None):
     """One decode step of attention over a KIVI-format packed cache, dequantizing inside the loop.
 
     Parameters
@@ -330,10 +336,11 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     q : Tensor (B, H_q, D), fp16 / bf16 / fp32; query head h reads KV head h // (H_q / H_kv).
     k_codes, v_codes : uint8 (B, H_kv, T, D * bits / 8)
         Keys per-channel (groups of ``group_size`` tokens), values per-token (groups of
-        ``group_size`` channels); ``T`` a multiple of ``group_size``.
+        ``value_group_size`` channels); ``T`` a multiple of ``group_size``.
     k_scale, k_zero : fp16 (B, H_kv, T / group_size, D)
-    v_scale, v_zero : fp16 (B, H_kv, T, D / group_size)
-    bits : 2, 4 or 8.  group_size : one of ``ALLOWED_GROUP_SIZES``, dividing D.
+    v_scale, v_zero : fp16 (B, H_kv, T, D / value_group_size)
+    bits : 2, 4 or 8.  group_size, value_group_size : in ``ALLOWED_GROUP_SIZES``, dividing D;
+        ``value_group_size=None`` means ``group_size`` (KIVI's single group).
     seq_starts : int (B,) or None
         Tokens before ``seq_starts[b]`` are not attended (left padding).
     scale : float, default ``D ** -0.5``.
@@ -353,6 +360,8 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
         from .triton_quant import triton_quant_decode
 
         return triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
-                                   group_size=group_size, seq_starts=seq_starts, scale=scale)
+                                   group_size=group_size, seq_starts=seq_starts, scale=scale,
+                                   value_group_size=value_group_size)
     return torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
+                              value_group_size=value_group_size,
                               group_size=group_size, seq_starts=seq_starts, scale=scale)

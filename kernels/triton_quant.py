@@ -28,10 +28,13 @@ def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: 
 
 
 def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                        seq_starts=None, scale: float | None = None, num_splits: int | None = None):
+                        seq_starts=None, scale: float | None = None, num_splits: int | None = None,
+                        value_group_size: int | None = None):
     """Triton implementation of :func:`kvpress.kernels.quant.quant_decode` (same arguments and
     results); ``num_splits`` overrides the split-K count (tests use it to cover the merge)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size)
+    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
+                                       value_group_size)
+    value_group_size = group_size if value_group_size is None else value_group_size
     if D not in TRITON_QUANT_HEAD_DIMS:
         raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
     if H_q // H_kv > 8:
@@ -75,7 +78,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         lse_part.stride(0), lse_part.stride(1),
         scale * 1.4426950408889634, T, per_split * block_n,
         GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=block_n, HEAD_DIM=D,
-        BITS=bits, GROUP_SIZE=group_size, HAS_STARTS=seq_starts is not None,
+        BITS=bits, GROUP_SIZE=group_size, VALUE_GROUP_SIZE=value_group_size, HAS_STARTS=seq_starts is not None,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )

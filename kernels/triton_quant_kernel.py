@@ -45,10 +45,12 @@ def _quant_decode_split_kernel(
     stride_lb, stride_lh,
     scale_log2, seq_len, tokens_per_split,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, VALUE_GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
-    dequantizing each K/V tile in registers (keys per channel, values per token).
+    dequantizing each K/V tile in registers (keys per channel in groups of GROUP_SIZE tokens,
+    values per token in groups of VALUE_GROUP_SIZE channels).
 
     The packed bytes of a tile are read as whole rows (``HEAD_DIM / PER`` bytes per token) and
     never interleaved back into channel order: channel ``byte * PER + j`` sits at bit offset
@@ -64,8 +66,8 @@ def _quant_decode_split_kernel(
     PER: tl.constexpr = 8 // BITS
     BYTES: tl.constexpr = HEAD_DIM // PER  # packed bytes per token
     TOKEN_GROUPS: tl.constexpr = BLOCK_N // GROUP_SIZE  # key scale rows per tile
-    CHANNEL_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE  # value scales per token
-    BYTES_PER_GROUP: tl.constexpr = GROUP_SIZE // PER
+    CHANNEL_GROUPS: tl.constexpr = HEAD_DIM // VALUE_GROUP_SIZE  # value scales per token
+    BYTES_PER_GROUP: tl.constexpr = VALUE_GROUP_SIZE // PER
 
     if HAS_STARTS:
         seq_start = tl.load(SEQ_STARTS + b)
@@ -134,7 +136,7 @@ def _quant_decode_split_kernel(
         v_off = tt[:, None] * stride_vst + offs_cg[None, :]
         vs = tl.load(vs_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, CG)
         vz = tl.load(vz_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)
-        if CHANNEL_GROUPS > 1:  # repeat each group's scale over its bytes (GROUP_SIZE / PER per part)
+        if CHANNEL_GROUPS > 1:  # repeat each group's scale over its bytes (VALUE_GROUP_SIZE / PER per part)
             vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BLOCK_N, CHANNEL_GROUPS, BYTES_PER_GROUP)),
                             (BLOCK_N, BYTES))
             vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (BLOCK_N, CHANNEL_GROUPS, BYTES_PER_GROUP)),

@@ -18,8 +18,8 @@ from ._quant import QuantWindowLayer, append_tokens
 @dataclass(frozen=True)
 class KiviPolicy(Policy):
     """KIVI: keys quantized per channel (groups of ``group_size`` tokens), values per token
-    (groups of ``group_size`` channels), the ``residual_length`` most recent tokens kept in
-    full precision.
+    (groups of ``value_group_size`` channels; None = ``group_size``, the paper's single group),
+    the ``residual_length`` most recent tokens kept in full precision.
 
     Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750.
     Key channels carry outliers, so per-channel ranges quantize keys well; value errors mix
@@ -51,6 +51,7 @@ class KiviPolicy(Policy):
     bits: int = 2
     group_size: int = 32
     residual_length: int = 128
+    value_group_size: int | None = None
 
     name = "kivi"
     description = "2/4-bit KV quantization: keys per channel, values per token, fp recent window (KIVI)"
@@ -60,10 +61,18 @@ class KiviPolicy(Policy):
 
     def validate(self):
         check_quant_config(self.bits, self.group_size)
+        if self.value_group_size is not None:
+            _check_value_group(self.bits, self.value_group_size)
         check_int("residual_length", self.residual_length, 0)
 
     def check_model(self, adapter):
         check_quant_config(self.bits, self.group_size, adapter.head_dim)
+        _check_value_group(self.bits, self.value_group, adapter.head_dim)
+
+    @property
+    def value_group(self) -> int:
+        """Channels per value quantization group."""
+        return self.group_size if self.value_group_size is None else self.value_group_size
 
     def make_layer(self, cache, layer_idx):
         return KiviLayer(cache, layer_idx, self)
@@ -73,20 +82,27 @@ class KiviPolicy(Policy):
         return cls(bits=4, group_size=8, residual_length=16)
 
 
+def _check_value_group(bits: int, group: int, head_dim: int | None = None) -> None:
+    try:
+        check_quant_config(bits, group, head_dim)
+    except ValueError as exc:
+        raise ValueError(f"value_group_size: {exc}") from None
+
+
 class KiviLayer(QuantWindowLayer):
     """Packed store in sequence order: ``kc`` uint8 (B, H, cap, D*bits/8), ``ks`` / ``kz`` fp16
-    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/G)."""
+    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/Gv), G the key token group, Gv the value channel group."""
 
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
-        self.bits, self.group_size = policy.bits, policy.group_size
+        self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
     def _flush(self, k, v, start):
         g = self.group_size
         kc, ks, kz = quantize_per_channel(self.zero_padding(k, start), self.bits, g)
-        vc, vs, vz = quantize_per_token(self.zero_padding(v, start), self.bits, g)
+        vc, vs, vz = quantize_per_token(self.zero_padding(v, start), self.bits, self.value_group)
         self.kc = append_tokens(self.kc, start, kc)
         self.vc = append_tokens(self.vc, start, vc)
         self.vs = append_tokens(self.vs, start, vs)
@@ -105,7 +121,7 @@ class KiviLayer(QuantWindowLayer):
 
     def _quant_output(self, p):
         vc, vs, vz = self._views()[3:]
-        return token_quant_values(p, vc, vs, vz, self.bits, self.group_size)
+        return token_quant_values(p, vc, vs, vz, self.bits, self.value_group)
 
     def attend(self, q, k_new, v_new, scaling):
         fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= 8 * k_new.shape[1]
@@ -123,7 +139,8 @@ class KiviLayer(QuantWindowLayer):
         self.seen += 1
         rs = self.row_start
         out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
-                                    seq_starts=rs, scale=scaling, backend=self.decode_backend)
+                                    seq_starts=rs, scale=scaling, backend=self.decode_backend,
+                                    value_group_size=self.value_group)
         qg = q[:, :, 0].float().view(B, H, H_q // H, D)
         s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
         if rs is not None:

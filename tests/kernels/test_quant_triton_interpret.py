@@ -20,6 +20,8 @@ DECODE = [
     (1, 2, 1, 64, 64, 8, 16, None, None),
     (1, 1, 2, 1024, 64, 4, 64, [1000], 4),  # everything before 1000 masked: a split sees nothing
     (1, 2, 4, 256, 128, 8, 128, [0], 2),  # a tile of one 128-token key group, one value group per token
+    (1, 2, 4, 192, 128, 4, (64, 16), [5], 2),  # key groups of 64 tokens, value groups of 16 channels
+    (2, 1, 3, 96, 64, 2, (16, 64), None, None),  # and the other way round
 ]
 PACK = [(1, 2, 64, 64, b, g, pc) for b in (2, 4, 8) for g, pc in ((32, True), (16, False))] + \
        [(2, 1, 37, 128, 4, 32, False), (1, 1, 128, 128, 2, 128, True)]
@@ -33,14 +35,20 @@ def _run_cases():
 
     results = {"decode": [], "pack": []}
     for B, H, G, T, D, bits, group, starts, splits in DECODE:
+        group, vgroup = group if isinstance(group, tuple) else (group, None)
         gen = torch.Generator().manual_seed(T + G)
         k, v, q = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen), \
             torch.randn(B, H * G, D, generator=gen)
         kc = kq.quantize_per_channel(k, bits, group)
-        vc = kq.quantize_per_token(v, bits, group)
+        vc = kq.quantize_per_token(v, bits, vgroup or group)
         st = None if starts is None else torch.tensor(starts)
-        ref, ref_lse = kq.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st)
-        out, lse = triton_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st, num_splits=splits)
+        ref, ref_lse = kq.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+                                                 value_group_size=vgroup)
+        out, lse = triton_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st, num_splits=splits,
+                                       value_group_size=vgroup)
+        tout, _ = kq.torch_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+                                        value_group_size=vgroup)
+        assert (tout - ref).abs().max().item() < 1e-4, "torch_quant_decode disagrees with the reference"
         results["decode"].append({"out_err": (out - ref).abs().max().item(),
                                   "lse_err": (lse - ref_lse).abs().max().item()})
     for B, H, T, D, bits, group, pc in PACK:

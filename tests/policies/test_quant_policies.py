@@ -129,12 +129,24 @@ def _bits(policy, tokens=8192, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("name, overrides, limit", [
-    ("kivi", dict(bits=4), 5.5), ("kivi", dict(bits=2), 3.5), ("zipcache", {}, 3.5), ("gear", dict(bits=2), 4.5)])
+    ("kivi", dict(bits=4), 5.5), ("kivi", dict(bits=2), 3.5), ("zipcache", {}, 3.5), ("gear", dict(bits=2), 4.5),
+    ("kivi", dict(bits=4, group_size=64, value_group_size=16, residual_length=64), 5.5)])
 def test_bits_per_element_at_8k(name, overrides, limit):
     """Everything counted (codes, scales, zeros, factors, outliers, probes, fp16 window, slack)."""
     stats = _bits(kvpress.get_policy(name, **overrides))
     assert stats.tokens == 8192
     assert 1.5 < stats.bits_per_element <= limit, stats
+
+
+def test_kivi_value_groups_apart_from_key_groups(llama):
+    """``value_group_size`` sets the values' channel groups alone: value scales per token follow
+    it, key scales per token group do not move, and finer value groups lose no accuracy."""
+    base = dict(bits=4, group_size=16, residual_length=16)
+    coarse, layer_c = _layer_run(llama, kvpress.get_policy("kivi", **base))
+    fine, layer_f = _layer_run(llama, kvpress.get_policy("kivi", value_group_size=8, **base))
+    assert layer_c.vs.shape[-1] == 16 // 16 and layer_f.vs.shape[-1] == 16 // 8
+    assert layer_f.ks.shape == layer_c.ks.shape and layer_f.n_quant == layer_c.n_quant > 150
+    assert fine > coarse - 0.5 and fine > 20.0, (fine, coarse)
 
 
 def test_codes_are_packed_bytes(llama):
@@ -158,6 +170,11 @@ def test_bad_input(llama):
         kvpress.get_policy("kivi", bits=3)
     with pytest.raises(ValueError, match="group_size=24"):
         kvpress.get_policy("gear", group_size=24)
+    with pytest.raises(ValueError, match=r"value_group_size: group_size=12 is not supported; allowed"):
+        kvpress.get_policy("kivi", value_group_size=12)
+    with pytest.raises(ValueError, match="value_group_size: head_dim=16 is not divisible by group_size=32"):
+        with kvpress.apply(llama, kvpress.get_policy("kivi", group_size=8, value_group_size=32)):
+            pass
     with pytest.raises(ValueError, match="bits_low=4 must not exceed bits_high=2"):
         kvpress.get_policy("zipcache", bits_low=4, bits_high=2)
     with pytest.raises(ValueError, match="flush_size"):
