@@ -42,6 +42,12 @@ class KiviPolicy(Policy):
     against 0.54, 92%): short of the 98% target. 2-bit by group size
     64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
 
+    Separate value groups: ``kivi:bits=4:group_size=64:value_group_size=16:residual_length=64``
+    (5.50 bits at 8k, everything counted) scores 0.574 against full's 0.559 over the same 64
+    niah_multivalue samples at 4k (103%; 10 answers up, 10 down), where the paper's single
+    group of 32 keeps 94.4% -- 4-bit values in groups of 32 channels were the loss
+    (``benchmarks/kv_controls.py``, BENCHMARKS "Session 8"). Unmeasured at 8k.
+
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).
     On an H100 at 32k, batch 1 (BENCHMARKS "Session 8") it takes 0.056 ms (4-bit) / 0.047 ms
     (2-bit) against bf16 SDPA's 0.052 ms over the dense cache: 0.93x / 1.10x, short of the 2.5x
