@@ -1,6 +1,7 @@
 """`sparse_decode`: one decode step of attention over the tokens a `SparseIndex` selects."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -12,8 +13,10 @@ from .triton_decode import TRITON_HEAD_DIMS
 BACKENDS = ("auto", "triton", "torch")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (checked without importing it)."""
+    """Whether the ``triton`` package can be imported (checked once, without importing it: the
+    decode paths ask on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -262,6 +262,7 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
 
 # ----------------------------------------------------------------------------- fused decode
 def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, value_group_size=None):
+    """Validate a packed decode call; returns (B, H_q, H_kv, T, D, value group size resolved)."""
     value_group_size = group_size if value_group_size is None else value_group_size
     check_quant_config(bits, group_size)
     check_quant_config(bits, value_group_size)
@@ -284,7 +285,7 @@ def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, g
     if v_scale.shape != (B, H_kv, T, D // value_group_size) or v_zero.shape != v_scale.shape:
         raise ValueError(f"v_scale / v_zero must be (B, H_kv, T, D/value_group_size) = "
                          f"{(B, H_kv, T, D // value_group_size)}")
-    return B, H_q, H_kv, T, D
+    return B, H_q, H_kv, T, D, value_group_size
 
 
 def _finish(scores: torch.Tensor, seq_starts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,11 +301,11 @@ def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
                            seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
     """Dequantize everything to fp32, then plain softmax attention: the definition of
     :func:`quant_decode` (tests only; it materialises the cache)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
-                                       value_group_size)
+    B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                         bits, group_size, value_group_size)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     k = dequantize_per_channel(k_codes, k_scale, k_zero, bits, group_size)
-    v = dequantize_per_token(v_codes, v_scale, v_zero, bits, value_group_size or group_size)
+    v = dequantize_per_token(v_codes, v_scale, v_zero, bits, value_group_size)
     qg = q.float().view(B, H_kv, H_q // H_kv, D)
     p, lse = _finish(qg @ k.transpose(-1, -2) * scale, seq_starts)
     return (p @ v).view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
@@ -313,13 +314,13 @@ def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 def torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
                        seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
     """Torch implementation of :func:`quant_decode` (chunked, no dequantized cache)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
-                                       value_group_size)
+    B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                         bits, group_size, value_group_size)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qg = q.float().view(B, H_kv, H_q // H_kv, D) * scale
     s = channel_quant_scores(qg, k_codes, k_scale, k_zero, bits, group_size)
     p, lse = _finish(s, seq_starts)
-    out = token_quant_values(p, v_codes, v_scale, v_zero, bits, value_group_size or group_size)
+    out = token_quant_values(p, v_codes, v_scale, v_zero, bits, value_group_size)
     return out.view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
 
 
@@ -363,5 +364,5 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
                                    group_size=group_size, seq_starts=seq_starts, scale=scale,
                                    value_group_size=value_group_size)
     return torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
-                              value_group_size=value_group_size,
-                              group_size=group_size, seq_starts=seq_starts, scale=scale)
+                              group_size=group_size, seq_starts=seq_starts, scale=scale,
+                              value_group_size=value_group_size)

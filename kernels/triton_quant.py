@@ -32,9 +32,8 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
                         value_group_size: int | None = None):
     """Triton implementation of :func:`kvpress.kernels.quant.quant_decode` (same arguments and
     results); ``num_splits`` overrides the split-K count (tests use it to cover the merge)."""
-    B, H_q, H_kv, T, D = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size,
-                                       value_group_size)
-    value_group_size = group_size if value_group_size is None else value_group_size
+    B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                                         bits, group_size, value_group_size)
     if D not in TRITON_QUANT_HEAD_DIMS:
         raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
     if H_q // H_kv > 8:
