@@ -72,8 +72,10 @@ class KiviPolicy(Policy):
         check_int("residual_length", self.residual_length, 0)
 
     def check_model(self, adapter):
-        check_quant_config(self.bits, self.group_size, adapter.head_dim)
-        _check_value_group(self.bits, self.value_group, adapter.head_dim)
+        # keys are grouped over tokens (any head_dim); only the values' channel group divides head_dim
+        field = "value_group_size" if self.value_group_size is not None else \
+            "group_size (also the values' channel group while value_group_size is None)"
+        _check_value_group(self.bits, self.value_group, adapter.head_dim, field)
 
     @property
     def value_group(self) -> int:
@@ -88,11 +90,11 @@ class KiviPolicy(Policy):
         return cls(bits=4, group_size=8, residual_length=16)
 
 
-def _check_value_group(bits: int, group: int, head_dim: int | None = None) -> None:
+def _check_value_group(bits: int, group: int, head_dim: int | None = None, field: str = "value_group_size") -> None:
     try:
         check_quant_config(bits, group, head_dim)
     except ValueError as exc:
-        raise ValueError(f"value_group_size: {exc}") from None
+        raise ValueError(f"{field}: {exc}") from None
 
 
 class KiviLayer(QuantWindowLayer):

@@ -149,6 +149,22 @@ def test_kivi_value_groups_apart_from_key_groups(llama):
     assert fine > coarse - 0.5 and fine > 20.0, (fine, coarse)
 
 
+def test_kivi_key_groups_need_not_divide_head_dim(llama):
+    """Keys are grouped over tokens, so a key group longer than head_dim (16 here) is allowed
+    once the values have their own channel group; it used to be refused against head_dim."""
+    policy = kvpress.get_policy("kivi", bits=4, group_size=32, value_group_size=8, residual_length=16)
+    sqnr, layer = _layer_run(llama, policy)
+    assert layer.n_quant >= 160 and layer.n_quant % 32 == 0 and layer.vs.shape[-1] == 16 // 8
+    assert layer.ks.shape[-1] == 16 and layer.ks.shape[2] * 32 >= layer.n_quant
+    assert sqnr > 20.0, sqnr
+    out = greedy(llama, random_ids(80), policy)
+    assert out.past_key_values.layers[0].n_quant == 64
+    with pytest.raises(ValueError, match=r"^group_size \(also the values' channel group while value_group_size is None\): "
+                                         r"head_dim=16 is not divisible by group_size=32"):
+        with kvpress.apply(llama, kvpress.get_policy("kivi", group_size=32)):
+            pass
+
+
 def test_codes_are_packed_bytes(llama):
     out = greedy(llama, random_ids(48), kvpress.get_policy("kivi", bits=2, group_size=8, residual_length=16))
     layer = out.past_key_values.layers[0]
