@@ -202,7 +202,7 @@ class PolicyCache(Cache):
         self.shared: dict[str, Any] = {}  # cross-layer per-generation state (e.g. TidalDecode)
         self._row_start: torch.Tensor | None = None
         self._row_start_by_device: dict[torch.device, torch.Tensor] = {}
-        self._min_row_start = 0
+        self._min_row_start = self._max_row_start = 0
         self._session = None
         layers = [policy.make_layer(self, i) for i in range(adapter.num_layers)]
         super().__init__(layers=layers)
@@ -271,6 +271,7 @@ class PolicyCache(Cache):
         self._row_start = None if row_start is None else row_start.to(torch.long)
         self._row_start_by_device = {}
         self._min_row_start = 0 if row_start is None else int(self._row_start.min())
+        self._max_row_start = 0 if row_start is None else int(self._row_start.max())
 
     def set_left_padding(self, row_start: torch.Tensor | None) -> None:
         """Declare each row's first real token [B] (long) — for callers that build caches by hand."""
@@ -280,6 +281,11 @@ class PolicyCache(Cache):
     def min_row_start(self) -> int:
         """Smallest first-real-token index over the rows (0 without padding); no device sync."""
         return self._min_row_start
+
+    @property
+    def max_row_start(self) -> int:
+        """Largest first-real-token index over the rows (0 without padding); no device sync."""
+        return self._max_row_start
 
     def row_start_on(self, device) -> torch.Tensor | None:
         """First real token of each row [B] (long) on ``device``; None when nothing is padded."""

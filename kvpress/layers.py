@@ -66,11 +66,12 @@ class DenseLayer(CacheLayer):
         return 2 * b * h * self.buffer.length * d
 
 
-def slot_index(visible: torch.Tensor, kv_heads: int) -> SparseIndex:
+def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) -> SparseIndex:
     """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
-    same for every KV head of a row."""
+    same for every KV head of a row. ``all_visible=True`` (the caller knows every slot is
+    visible, without asking the device) gives the dense index."""
     batch, slots = visible.shape
-    if bool(visible.all()):
+    if all_visible:
         return SparseIndex.dense(torch.full((batch,), slots, device=visible.device), kv_heads, capacity=slots)
     ids = torch.arange(slots, device=visible.device, dtype=torch.int32).expand(batch, slots)
     packed = torch.where(visible, ids, slots).sort(dim=-1).values  # visible slot ids first
@@ -205,9 +206,11 @@ class SinkWindowLayer(CacheLayer):
         self.v[:, :, slots] = v_new[:, :, n_new - keep :]
         self.pos[:, slots] = idx
         if self.sinks:
-            local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
-            fresh = (local >= 0) & (local < n_new)
-            if bool(fresh.any()):
+            # a row's sink is among the new tokens only while seen < its row_start + sinks; decided
+            # on the host (no device sync per layer and step)
+            if self.seen < self.cache.max_row_start + self.sinks:
+                local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
+                fresh = (local >= 0) & (local < n_new)
                 src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
                 take = fresh[:, None, :, None]
                 self.k[:, :, : self.sinks] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, : self.sinks])
@@ -224,8 +227,10 @@ class SinkWindowLayer(CacheLayer):
         h_kv = self.k.shape[1]
         if not self.rerotate:
             # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
-            out, _ = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv), scale=scaling,
-                                   validate_index=False)
+            # without padding every slot is visible once the sinks and the window are full
+            full = self.row_start is None and q_pos >= self.sinks + self.window - 1
+            out, _ = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv, all_visible=full),
+                                   scale=scaling, validate_index=False)
             return out[:, :, None]
         # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
         q_real = (q_pos - row_start).to(torch.float32)  # (B,)

@@ -105,3 +105,36 @@ def test_streaming_prefill_cost_is_bounded_by_the_window(llama):
         out = llama(ids, use_cache=True)
     assert torch.isfinite(out.logits).all()
     assert out.past_key_values.layers[0].stored_tokens() == 64
+
+
+def test_decode_decides_visibility_and_sink_writes_on_the_host(llama, monkeypatch):
+    """Decode steps pick the dense index and skip the sink writes from host-side counters (no
+    device sync per layer and step); the choices must match what the slots say."""
+    import kvpress.layers as layers
+
+    calls = []
+    real_slot_index = layers.slot_index
+
+    def spy(visible, kv_heads, all_visible=False):
+        calls.append((bool(visible.all()), all_visible))
+        return real_slot_index(visible, kv_heads, all_visible)
+
+    monkeypatch.setattr(layers, "slot_index", spy)
+    policy = kvpress.get_policy("streaming", sink_tokens=3, window_size=5)
+    run(llama, policy, random_ids(2), new=12)  # the sinks fill during decode, then the window
+    assert calls and all(vis == host for vis, host in calls)
+    assert {host for _, host in calls} == {True, False}
+
+    calls.clear()
+    ids = random_ids(3, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :1] = 0  # row 1 starts at token 1: its sinks are tokens 1, 2 and (decoded) 3
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        out = llama.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             return_dict_in_generate=True)
+    assert calls and not any(host and not vis for vis, host in calls)
+    for layer in out.past_key_values.layers:
+        last = layer.seen - 1
+        ring = list(range(last - 4, last + 1))
+        assert sorted(layer.pos[0].tolist()) == [0, 1, 2] + ring
+        assert sorted(layer.pos[1].tolist()) == [1, 2, 3] + ring
