@@ -50,7 +50,8 @@ def cmd_eval(args) -> int:
 
     grid = EvalGrid(  # every name and field is checked here, before the model loads
         model=args.model, policies=_policies(args.policies), budgets=_csv(args.budgets, int), bits=_csv(args.bits, int),
-        tasks=_tasks(args.tasks), lengths=_csv(args.lengths, int), samples=args.samples, seed=args.seed,
+        tasks=_tasks(args.tasks), lengths=_csv(args.lengths, int), samples=args.samples,
+        sample_ids=_csv(args.sample_ids, int), seed=args.seed,
         options=parse_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
     )
@@ -67,6 +68,8 @@ def configure_eval(p) -> None:
                    help="task specs, comma-separated (use ';' when specs carry options: 'vt:num_hops=2;cwe')")
     p.add_argument("--lengths", default="4096", help="comma-separated input lengths in tokens")
     p.add_argument("--samples", type=int, default=5, help="samples per task and length")
+    p.add_argument("--sample-ids", default=None,
+                   help="run only these comma-separated indices of the --samples sweep (same samples and keys)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--option", action="append", metavar="POLICY.FIELD=VALUE", help="policy field (repeatable)")
     p.add_argument("--out", default="results", help="output folder (JSONL, CSVs, PNG plots); reruns resume")

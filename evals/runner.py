@@ -68,6 +68,9 @@ class EvalGrid:
         Input lengths in tokens.
     samples : int
         Samples per (task, length).
+    sample_ids : tuple of int
+        Run only these indices of the ``samples`` sweep (empty: all): the same samples, needle
+        depths and result keys as in the whole run, e.g. to re-run the ones two policies disagree on.
     options : dict
         ``{"policy.field": "value"}`` overrides applied before budgets/bits.
     share_prefill : bool
@@ -85,6 +88,7 @@ class EvalGrid:
     tasks: tuple = ("niah_single",)
     lengths: tuple = (4096,)
     samples: int = 5
+    sample_ids: tuple = ()
     seed: int = 0
     options: dict = field(default_factory=dict)
     share_prefill: bool = True
@@ -94,7 +98,7 @@ class EvalGrid:
     max_new_tokens: int | None = None
 
     def __post_init__(self):
-        for name in ("policies", "budgets", "bits", "tasks", "lengths"):
+        for name in ("policies", "budgets", "bits", "tasks", "lengths", "sample_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not self.policies:
             object.__setattr__(self, "policies", tuple(kvpress.list_policies()))
@@ -107,6 +111,9 @@ class EvalGrid:
             raise ValueError("the grid needs at least one task and one length")
         if not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"samples must be an int >= 1, got {self.samples!r}")
+        for index in self.sample_ids:
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.samples:
+                raise ValueError(f"sample_ids must be ints in 0 .. samples - 1 = {self.samples - 1}, got {index!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.chunk_size < 1:
@@ -259,7 +266,7 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
     plan = []  # (length, task, sample index, pending variants)
     for length in grid.lengths:
         for task in tasks:
-            for index in range(1 if task.kind == "perplexity" else grid.samples):
+            for index in range(1) if task.kind == "perplexity" else (grid.sample_ids or range(grid.samples)):
                 pending = [v for v in variants
                            if res.cell_key(grid.model, v.config, task.spec, length, index, grid.seed) not in done]
                 if pending:

@@ -46,6 +46,7 @@ def _grid(**kw):
         (dict(budgets=(0,)), "positive ints"),
         (dict(samples=0), "samples"),
         (dict(lengths=()), "at least one"),
+        (dict(samples=2, sample_ids=(2,)), r"sample_ids must be ints in 0 \.\. samples - 1 = 1, got 2"),
     ],
 )
 def test_bad_grid_is_a_value_error(kw, message):
@@ -157,6 +158,18 @@ def test_killed_mid_line_results_file_still_resumes(tiny, tmp_path):
         f.write('{"key": "half a line')  # a kill during the write
     records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
     assert sorted(r["sample"] for r in records) == [0, 1]
+
+
+def test_sample_ids_run_the_same_cells_as_the_whole_sweep(tiny, tmp_path):
+    model, tok = tiny
+    some = run_eval(_grid(policies=("full",), samples=3, sample_ids=(2, 0)), tmp_path / "some", model=model,
+                    tokenizer=tok, progress=False, plots=False, quiet=True)
+    every = run_eval(_grid(policies=("full",), samples=3), tmp_path / "all", model=model, tokenizer=tok,
+                     progress=False, plots=False, quiet=True)
+    assert sorted(r["sample"] for r in some) == [0, 2]
+    by_key = {r["key"]: r for r in every}
+    for r in some:  # same keys (resumable into the whole run's folder), same prompts and answers
+        assert by_key[r["key"]]["answers"] == r["answers"] and by_key[r["key"]]["prediction"] == r["prediction"]
 
 
 def test_ppl_task_scores_perplexity_through_the_policy_cache(tiny, tmp_path):
