@@ -72,7 +72,10 @@ approximation costs them; with ``prefill="dense"`` the first token is full's exa
 (session 6) ``prefill="dense"`` scores 0.5625 against full's 0.5586. On the 9 niah_single
 needles the streaming pattern loses at 4k, chunks of 512 / 1024 / 2048 tokens answer 7 / 8 / 9
 (``prefill="dense"`` fed one chunk per forward, the same computation as ``"chunked"``, as
-tests/policies/test_duo.py checks). The gates' calibration and the variants tried (losses,
+tests/policies/test_duo.py checks). On the six 8k samples where ``duo`` and full disagree
+(BENCHMARKS "Session 9", ``kvpress eval --sample-ids``), 60% or 70% retrieval heads keep 1 and 2
+of full's 5 lost needles, a 496-token window 1, the dense prefill 3 -- no setting moves them one
+way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and the variants tried (losses,
 steps, lengths, L1 weights; 38-43 of the same 45 heads each time) are in ``_duo_calibrate``;
 earlier tables in BENCHMARKS "Session 4" and "Session 5".
 """
