@@ -100,6 +100,7 @@ class EvalGrid:
     def __post_init__(self):
         for name in ("policies", "budgets", "bits", "tasks", "lengths", "sample_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "sample_ids", tuple(dict.fromkeys(self.sample_ids)))  # each index once
         if not self.policies:
             object.__setattr__(self, "policies", tuple(kvpress.list_policies()))
         check_model_name(self.model)

@@ -75,9 +75,9 @@ needles the streaming pattern loses at 4k, chunks of 512 / 1024 / 2048 tokens an
 tests/policies/test_duo.py checks). On the six 8k samples where ``duo`` and full disagree
 (BENCHMARKS "Session 9", ``kvpress eval --sample-ids``), 60% or 70% retrieval heads keep 1 and 2
 of full's 5 lost needles, a 496-token window 1, the dense prefill 3 -- no setting moves them one
-way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and the variants tried (losses,
-steps, lengths, L1 weights; 38-43 of the same 45 heads each time) are in ``_duo_calibrate``;
-earlier tables in BENCHMARKS "Session 4" and "Session 5".
+way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and
+the variants tried (losses, steps, lengths, L1 weights; 38-43 of the same 45 heads each time)
+are in ``_duo_calibrate``; earlier tables in BENCHMARKS "Session 4" and "Session 5".
 """
 
 from __future__ import annotations

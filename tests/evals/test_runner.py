@@ -162,11 +162,11 @@ def test_killed_mid_line_results_file_still_resumes(tiny, tmp_path):
 
 def test_sample_ids_run_the_same_cells_as_the_whole_sweep(tiny, tmp_path):
     model, tok = tiny
-    some = run_eval(_grid(policies=("full",), samples=3, sample_ids=(2, 0)), tmp_path / "some", model=model,
+    some = run_eval(_grid(policies=("full",), samples=3, sample_ids=(2, 0, 2)), tmp_path / "some", model=model,
                     tokenizer=tok, progress=False, plots=False, quiet=True)
     every = run_eval(_grid(policies=("full",), samples=3), tmp_path / "all", model=model, tokenizer=tok,
                      progress=False, plots=False, quiet=True)
-    assert sorted(r["sample"] for r in some) == [0, 2]
+    assert sorted(r["sample"] for r in some) == [0, 2]  # a repeated index runs once
     by_key = {r["key"]: r for r in every}
     for r in some:  # same keys (resumable into the whole run's folder), same prompts and answers
         assert by_key[r["key"]]["answers"] == r["answers"] and by_key[r["key"]]["prediction"] == r["prediction"]
