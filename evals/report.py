@@ -9,7 +9,9 @@ every input length:
   the issues' "keeps >= X% of full's score on every task where full scores >= 0.5";
   qualifying tasks are those where ``full`` averages at least ``--min-full`` at that length;
 - a *detail* table: one row per policy config, the mean score on every task, resident KV MiB
-  and the number of samples behind each score.
+  and the number of samples behind each score;
+- for the ``ppl`` task, a *perplexity* table: each policy's perplexity (lower is better) and
+  ``full``'s perplexity divided by it (100% = as good as ``full``).
 
 Scores are means over samples; ``full`` must be in the results at each length it reports.
 """
@@ -54,6 +56,31 @@ def score_table(records: list[dict], length: int) -> dict:
         if r["length"] == length and r.get("metric", "score") == "score":
             cells[(_spec(r), r.get("budget"))][r["task"]][r["sample"]] = (float(r["score"]), r["resident_bytes"])
     return cells
+
+
+def perplexity_table(records: list[dict], length: int) -> dict:
+    """``{(spec, budget): {task: (perplexity, resident bytes)}}`` for one length."""
+    cells: dict[tuple, dict[str, tuple]] = defaultdict(dict)
+    for r in records:
+        if r["length"] == length and r.get("metric") == "perplexity":
+            cells[(_spec(r), r.get("budget"))][r["task"]] = (float(r["score"]), r["resident_bytes"])
+    return cells
+
+
+def _perplexity_lines(table: dict) -> list[str]:
+    full = table.get((REFERENCE, None), {})
+    tasks = list(dict.fromkeys(t for by_task in table.values() for t in by_task))
+    lines = ["Perplexity (lower is better); `full / policy`: full's perplexity over the policy's.", "",
+             "| policy | budget | task | perplexity | full / policy | resident KV MiB |", "|---" * 6 + "|"]
+    for (spec, budget), by_task in sorted(table.items(), key=lambda kv: (kv[0][0] != REFERENCE, kv[0][0],
+                                                                         _budget_sort(kv[0][1]))):
+        for task in tasks:
+            if task in by_task:
+                value, nbytes = by_task[task]
+                ratio = percent(full[task][0] / value) if task in full and value > 0 else ""
+                lines.append(f"| {spec} | {'-' if budget is None else budget} | {task} | {value:.3f} | {ratio} "
+                             f"| {nbytes / res.MIB:.1f} |")
+    return lines + [""]
 
 
 def _task_mean(samples: dict, only=None) -> float:
@@ -103,8 +130,12 @@ def format_report(records: list[dict], min_full: float = 0.5) -> str:
     lines = []
     for length in sorted({r["length"] for r in records}):
         table = score_table(records, length)
+        ppl = perplexity_table(records, length)
         if (REFERENCE, None) not in table:
-            lines += [f"## {length} tokens", "", f"(no `{REFERENCE}` results at this length: nothing to compare)", ""]
+            lines += [f"## {length} tokens", ""]
+            if table:
+                lines += [f"(no `{REFERENCE}` scores at this length: nothing to compare)", ""]
+            lines += _perplexity_lines(ppl) if ppl else []
             continue
         tasks = qualifying_tasks(table, min_full)
         full_desc = ", ".join(f"{t} {s:.2f}" for t, s in tasks.items()) or "none"
@@ -137,4 +168,5 @@ def format_report(records: list[dict], min_full: float = 0.5) -> str:
             lines.append(f"| {spec} | {'-' if budget is None else budget} | " + " | ".join(scores)
                          + f" | {'/'.join(map(str, counts))} | {mib:.1f} |")
         lines.append("")
+        lines += _perplexity_lines(ppl) if ppl else []
     return "\n".join(lines)

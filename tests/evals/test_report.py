@@ -55,6 +55,20 @@ def test_report_tables_and_cli(tmp_path, capsys):
     assert "no kvpress eval results" in capsys.readouterr().err
 
 
+def test_perplexity_cells_get_their_own_table(tmp_path):
+    def ppl(spec, value, length):
+        cell = _cell(spec, "ppl", 0, value, length=length)
+        return {**cell, "metric": "perplexity", "key": cell["key"] + "|ppl"}
+
+    records = _records() + [ppl("full", 30.0, 1024), ppl("kivi", 31.0, 1024), ppl("kivi", 40.0, 2048)]
+    text = format_report(records)
+    assert "| full | - | ppl | 30.000 | 100% | 1.0 |" in text
+    assert "| kivi | - | ppl | 31.000 | 96.7% | 1.0 |" in text  # 30 / 31, floored to a tenth
+    assert "| quest |  | 50% |" in text  # the score tables are unchanged beside it
+    only_ppl = text.split("## 2048 tokens")[1]
+    assert "| kivi | - | ppl | 40.000 |  | 1.0 |" in only_ppl and "nothing to compare" not in only_ppl
+
+
 def test_ratios_just_under_a_target_are_not_rounded_onto_it():
     from kvpress.evals.report import percent
 
