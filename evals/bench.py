@@ -190,7 +190,8 @@ def run_bench(model: str = "smollm2", policies=(), budget: int | None = 256, len
     lm = loaded[0]
     vocab = lm.config.vocab_size
     env = environment()
-    header = (f"{'policy':<22} {'length':>7} {'prefill s':>9} {'decode ms/tok':>13} {'cpu ms/tok':>10} "
+    width = max([22] + [len(v.label) for v in variants])  # policy column fits the longest label
+    header = (f"{'policy':<{width}} {'length':>7} {'prefill s':>9} {'decode ms/tok':>13} {'cpu ms/tok':>10} "
               f"{'attn ms/tok':>11} {'x full':>6} {'resident MiB':>12} {'offload MiB':>11} {'dense MiB':>9} "
               f"{'agree':>6}")
     mode = ("interleaved steps from a shared prefill, medians over steps 2..N" if interleave
@@ -208,7 +209,7 @@ def run_bench(model: str = "smollm2", policies=(), budget: int | None = 256, len
         reference = next((c for v, c in cells if v.policy.name == "full" and not isinstance(c, Exception)), None)
         for variant, cell in cells:
             if isinstance(cell, Exception):  # e.g. a policy that cannot run this model
-                print(f"{variant.label:<22} {length:>7}  skipped: {cell}")
+                print(f"{variant.label:<{width}} {length:>7}  skipped: {cell}")
                 continue
             agree = math.nan if reference is None else float(
                 (torch.tensor(cell["tokens"]) == torch.tensor(reference["tokens"])).float().mean())
@@ -224,7 +225,7 @@ def run_bench(model: str = "smollm2", policies=(), budget: int | None = 256, len
                 "threads": torch.get_num_threads(), "device": str(lm.device), "dtype": str(lm.dtype), **env,
             }
             rows.append(row)
-            print(f"{variant.label:<22} {length:>7} {row['prefill_s']:>9.2f} {row['decode_ms_per_token']:>13.1f} "
+            print(f"{variant.label:<{width}} {length:>7} {row['prefill_s']:>9.2f} {row['decode_ms_per_token']:>13.1f} "
                   f"{_fmt(row['cpu_ms_per_token'], 10)} {_fmt(row['attention_ms_per_token'], 11, 2)} "
                   f"{_fmt(speedup, 6, 2)} {row['resident_mib']:>12.2f} {row['offloaded_mib']:>11.2f} "
                   f"{row['dense_mib']:>9.2f} {agree:>6.2f}", flush=True)

@@ -19,7 +19,8 @@ that would start too late is skipped and says so):
 ``shadowkv``  ``bench_shadowkv speed`` at 32k: largest batch that fits, tokens/s, fetch bytes and
               reuse, against full
 ``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
-              quantizers, the sparse policies and the eviction baselines against full
+              quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
+              weights; speed does not depend on which heads) and the eviction baselines against full
 
 Everything lands in ``--out``: ``suite.log`` (all output), ``summary.txt`` (each stage's status
 and the tail of its table, also printed last) and ``results.tar.gz`` (the stages' JSON / CSV).
@@ -100,7 +101,7 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
         # the sparse stage makes the artifact when it ran first in this call
         calibrate = [] if artifact.exists() else [_calibrate_ds(model, artifact, dev, smoke)]
         return calibrate + [py + ["kvpress", "bench", "--model", model, "--device", dev, "--lengths", length,
-                      "--policies", "full,kivi,zipcache,gear,quest,double_sparsity,streaming,snapkv",
+                      "--policies", "full,kivi,zipcache,gear,quest,double_sparsity,duo:random_heads_seed=0,streaming,snapkv",
                       "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
                       "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",
                       "--out", str(work / "bench")]]

@@ -126,7 +126,8 @@ class DuoPolicy(Policy):
         What a streaming head keeps (its per-step budget is their sum).
     random_heads_seed : int or None
         Ablation: stream the same *number* of heads as the gates ask for, chosen at random with
-        this seed (shows that calibration matters).
+        this seed (shows that calibration matters). With ``sparsity`` set and no ``artifact`` it
+        reads no gates at all, so it runs on any model (speed runs on random weights).
     gates : tuple of tuples or None
         In-memory gates [layers][KV heads] (tests, experiments); overrides ``artifact``.
     prefill : {"streaming", "chunked", "dense"}
@@ -194,6 +195,10 @@ class DuoPolicy(Policy):
         if self.gates is not None:
             gates = torch.tensor(self.gates, dtype=torch.float32)
             source = "gates override"
+        elif self.artifact is None and self.random_heads_seed is not None and self.sparsity is not None:
+            # a random split of a given size needs no calibration (any model, e.g. speed runs on
+            # random weights); the split is the one the shipped gates' shape would give
+            return torch.zeros(adapter.num_layers, adapter.num_kv_heads)
         else:
             path = pathlib.Path(self.artifact) if self.artifact is not None else shipped_artifact(SHIPPED)
             if path.is_dir():

@@ -286,6 +286,20 @@ def test_artifact_round_trip_and_model_checks(model4, llama, tmp_path):
         kvpress.get_policy("duo").check_model(adapter)
 
 
+def test_random_split_of_a_given_size_needs_no_artifact(model4):
+    """``random_heads_seed`` with ``sparsity`` runs on any model without calibration (speed runs on
+    random weights); the split equals the one drawn against real gates of the same shape."""
+    adapter = kvpress.get_adapter(model4)
+    policy = kvpress.get_policy("duo", random_heads_seed=3, sink_tokens=2, window_size=6)
+    mask = policy.retrieval_mask(adapter)
+    assert torch.equal(mask, split_heads(torch.tensor(GATES), 0.5, 0.5, random_seed=3)) and int(mask.sum()) == 6
+    out = run(model4, policy, random_ids(30))
+    layers = out.past_key_values.layers
+    assert [int(layer.retrieval_heads.numel()) for layer in layers] == mask.sum(dim=1).tolist()
+    with pytest.raises(ValueError, match="another model"):  # the threshold split counts real gates
+        DuoPolicy(random_heads_seed=3, sparsity=None).check_model(adapter)  # (the shipped SmolLM2 ones)
+
+
 def test_reads_upstream_tsv_pattern(model4, tmp_path):
     run_dir = tmp_path / "lr=0.02-reg=0.05"
     run_dir.mkdir()
