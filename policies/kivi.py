@@ -39,7 +39,7 @@ class KiviPolicy(Policy):
     5"): 1.00 / 0.34 / 0.59 against full's 1.00 / 0.38 / 0.62, i.e. 95% on niah_multivalue (full
     scores < 0.5 on multikey there); over 64 niah_multivalue samples (session 6) 0.527 against
     0.559 (94.4%), and at 8192 tokens 12 of full's 13 niah_single needles over 24 samples (0.50
-    against 0.54, 92%): short of the 98% target. 2-bit by group size
+    against 0.54, 92%), 27 of 29 over 48 (93.1%, session 9): short of the 98% target. 2-bit by group size
     64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
 
     Separate value groups: ``kivi:bits=4:group_size=64:value_group_size=16:residual_length=64``
