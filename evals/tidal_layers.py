@@ -21,6 +21,12 @@ the table and writes a ``tidal`` artifact (``layers = [s, r]``) that the policy 
 Measured on SmolLM2-135M: with ``s`` fixed at 2 and a plain mean, the best ``r`` was 3 (a
 re-selection right after the selection: useless for the 26 later layers, and the needle tasks
 failed even at budget 1024); searching ``s`` with the log score gives ``s = 3``, ``r = 15``.
+
+``--text passkey`` measures on retrieval prompts instead (``duo``'s calibration data: 4 passkeys
+of 3 words per prompt), the queries being the teacher-forced answer's tokens -- the steps where
+a retrieval head must find the passkeys. On SmolLM2 (``--length 2048 --samples 4``, session 9)
+it picks ``s = 3``, ``r = 14`` (score -0.213, geometric-mean recall 0.81 at budget 256): the same
+layers as the ppl text, so which layers select is not what limits ``tidal`` on this model.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from kvpress.kernels import exact_scores
 from kvpress.layers import DenseLayer
 from kvpress.registry import Policy
 
+TEXTS = ("ppl", "passkey")
 LOG_FLOOR = 1e-4  # recall floor inside the log (a fully missed head scores log(1e-4), not -inf)
 
 
@@ -144,15 +151,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.01,
                         help="score margin within which an earlier selection layer is preferred")
     parser.add_argument("--out", default=None, help="artifact path (default: the shipped one for the model)")
+    parser.add_argument("--text", choices=TEXTS, default="ppl",
+                        help="ppl: the last --queries positions of the ppl document (the shipped artifact); "
+                             "passkey: multi-passkey retrieval prompts (duo's calibration data), the queries "
+                             "being the teacher-forced answer's tokens")
+    parser.add_argument("--samples", type=int, default=4, help="passkey prompts (--text passkey)")
     parser.add_argument("--threads", type=int, default=None)
     parser.set_defaults(func=run)
+
+
+def _recorded(model, ids: torch.Tensor, queries: int) -> list:
+    import kvpress
+
+    with torch.no_grad(), kvpress.apply(model, _RecordPolicy(queries=queries)):
+        cache = model(ids, use_cache=True).past_key_values
+    return [layer.record for layer in cache.layers]
+
+
+def calibration_recalls(model, tokenizer, text: str, length: int, queries: int, budget: int, min_source: int,
+                        samples: int = 4, seed: int = 0) -> dict:
+    """``layer_recalls`` on the calibration text; for ``passkey`` the recalls of ``samples``
+    prompts are joined along the query axis (each query counts once in the pair scores)."""
+    from kvpress.evals.tasks import get_task
+
+    if text == "ppl":
+        ids = torch.tensor([get_task("ppl").token_ids(tokenizer, length)])
+        return layer_recalls(_recorded(model, ids, queries), budget, min_source)
+    import random
+
+    from kvpress.policies._duo_calibrate import passkey_sample
+
+    rng = random.Random(seed)
+    merged: dict = {}
+    for _ in range(samples):
+        ids, answer_start = passkey_sample(tokenizer, length, rng, num_passkeys=4, passkey_words=3)
+        recall = layer_recalls(_recorded(model, ids, ids.shape[1] - answer_start), budget, min_source)
+        for src, by_layer in recall.items():
+            for layer, values in by_layer.items():
+                merged.setdefault(src, {}).setdefault(layer, []).append(values)
+            merged.setdefault(src, {})  # the last layer selects for no later layer
+    return {src: {layer: torch.cat(v, dim=1) for layer, v in by_layer.items()} for src, by_layer in merged.items()}
 
 
 def run(args) -> int:
     import kvpress
     from kvpress.calibration import save_artifact, shipped_artifact
     from kvpress.evals.models import load_eval_model
-    from kvpress.evals.tasks import get_task
     from kvpress.policies.tidal import ARTIFACT_VERSION, artifact_name
 
     if args.threads:
@@ -163,12 +207,11 @@ def run(args) -> int:
     hi = args.max_selection_layer if args.max_selection_layer is not None else max(1, n // 5)
     if not 0 <= args.min_selection_layer <= hi < n - 1:
         raise SystemExit(f"need 0 <= --min-selection-layer <= --max-selection-layer <= {n - 2}")
-    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.length)])
-    with torch.no_grad(), kvpress.apply(model, _RecordPolicy(queries=args.queries)):
-        cache = model(ids, use_cache=True).past_key_values
-    recall = layer_recalls([layer.record for layer in cache.layers], args.budget, args.min_selection_layer)
+    recall = calibration_recalls(model, tokenizer, args.text, args.length, args.queries, args.budget,
+                                 args.min_selection_layer, samples=args.samples)
     (sel, resel), scores = pick_layers(recall, n, range(args.min_selection_layer, hi + 1), args.tolerance)
-    print(f"model {adapter.model_id}  length {args.length}  queries {args.queries}  budget {args.budget}")
+    queries = args.queries if args.text == "ppl" else f"the answers of {args.samples} passkey prompts"
+    print(f"model {adapter.model_id}  text {args.text}  length {args.length}  queries {queries}  budget {args.budget}")
     print("mean log recall of the sparse layers (rows: selection layer; best re-selection layer)")
     for s in range(args.min_selection_layer, hi + 1):
         row = {r: v for (s2, r), v in scores.items() if s2 == s}
@@ -184,7 +227,8 @@ def run(args) -> int:
     save_artifact(out, {"layers": torch.tensor([sel, resel]), "score": table},
                   policy="tidal", version=ARTIFACT_VERSION, adapter=adapter,
                   extra={"length": args.length, "queries": args.queries, "budget": args.budget,
-                         "text": "ppl", "score": "mean log recall", "tolerance": args.tolerance})
+                         "text": args.text, "samples": args.samples if args.text == "passkey" else 1,
+                         "score": "mean log recall", "tolerance": args.tolerance})
     print(f"wrote {out}")
     return 0
 

@@ -185,3 +185,25 @@ def test_smollm2_sparse_decode_follows_full_when_few_tokens_are_dropped():
     ref, res = beside_full(kvpress.get_policy("tidal", budget=500))
     assert torch.equal(res.tokens, ref.tokens)  # 12+ of 512 tokens dropped per step in 26 layers
     assert res.stats.resident_bytes == ref.stats.resident_bytes  # tidal keeps the whole cache
+
+
+def test_layer_finder_on_passkey_prompts_reads_the_answer_queries(model):
+    """``--text passkey``: the queries are each prompt's teacher-forced answer tokens, joined
+    over the prompts along the query axis."""
+    import random
+
+    from kvpress.evals.models import byte_tokenizer
+    from kvpress.evals.tidal_layers import calibration_recalls
+    from kvpress.policies._duo_calibrate import passkey_sample
+
+    tok = byte_tokenizer()
+    rng = random.Random(0)
+    answers = [ids.shape[1] - start for ids, start in
+               (passkey_sample(tok, 400, rng, num_passkeys=4, passkey_words=3) for _ in range(2))]
+    recall = calibration_recalls(model, tok, "passkey", 400, queries=0, budget=32, min_source=1, samples=2)
+    assert sorted(recall) == [1, 2, 3] and sorted(recall[1]) == [2, 3]
+    for by_layer in recall.values():
+        for values in by_layer.values():
+            assert values.shape == (4, sum(answers)) and bool(((values >= 0) & (values <= 1 + 1e-5)).all())
+    covered = calibration_recalls(model, tok, "passkey", 400, queries=0, budget=10_000, min_source=1, samples=2)
+    assert all(torch.allclose(v, torch.ones_like(v)) for per in covered.values() for v in per.values())
