@@ -199,6 +199,8 @@ def run(args) -> int:
     from kvpress.evals.models import load_eval_model
     from kvpress.policies.tidal import ARTIFACT_VERSION, artifact_name
 
+    if args.samples < 1:
+        raise SystemExit(f"--samples must be >= 1, got {args.samples}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_eval_model(args.model)
@@ -207,8 +209,6 @@ def run(args) -> int:
     hi = args.max_selection_layer if args.max_selection_layer is not None else max(1, n // 5)
     if not 0 <= args.min_selection_layer <= hi < n - 1:
         raise SystemExit(f"need 0 <= --min-selection-layer <= --max-selection-layer <= {n - 2}")
-    if args.samples < 1:
-        raise SystemExit(f"--samples must be >= 1, got {args.samples}")
     recall = calibration_recalls(model, tokenizer, args.text, args.length, args.queries, args.budget,
                                  args.min_selection_layer, samples=args.samples)
     (sel, resel), scores = pick_layers(recall, n, range(args.min_selection_layer, hi + 1), args.tolerance)
