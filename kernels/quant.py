@@ -264,8 +264,7 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
 def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, value_group_size=None):
     """Validate a packed decode call; returns (B, H_q, H_kv, T, D, value group size resolved)."""
     value_group_size = group_size if value_group_size is None else value_group_size
-    check_quant_config(bits, group_size)
-    check_quant_config(bits, value_group_size)
+    check_quant_config(bits, group_size)  # keys are grouped over tokens: any head_dim
     if q.dim() != 3:
         raise ValueError(f"q must have shape (B, H_q, D), got {tuple(q.shape)}")
     B, H_q, D = q.shape
@@ -340,8 +339,8 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
         ``value_group_size`` channels); ``T`` a multiple of ``group_size``.
     k_scale, k_zero : fp16 (B, H_kv, T / group_size, D)
     v_scale, v_zero : fp16 (B, H_kv, T, D / value_group_size)
-    bits : 2, 4 or 8.  group_size, value_group_size : in ``ALLOWED_GROUP_SIZES``, dividing D;
-        ``value_group_size=None`` means ``group_size`` (KIVI's single group).
+    bits : 2, 4 or 8.  group_size, value_group_size : in ``ALLOWED_GROUP_SIZES``; the value
+        group divides D (``value_group_size=None`` means ``group_size``, KIVI's single group).
     seq_starts : int (B,) or None
         Tokens before ``seq_starts[b]`` are not attended (left padding).
     scale : float, default ``D ** -0.5``.

@@ -39,8 +39,8 @@ class KiviPolicy(Policy):
     5"): 1.00 / 0.34 / 0.59 against full's 1.00 / 0.38 / 0.62, i.e. 95% on niah_multivalue (full
     scores < 0.5 on multikey there); over 64 niah_multivalue samples (session 6) 0.527 against
     0.559 (94.4%), and at 8192 tokens 12 of full's 13 niah_single needles over 24 samples (0.50
-    against 0.54, 92%), 27 of 29 over 48 (93.1%, session 9): short of the 98% target. 2-bit by group size
-    64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
+    against 0.54, 92%), 27 of 29 over 48 (93.1%, session 9): short of the 98% target. 2-bit by
+    group size 64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
 
     Separate value groups: ``kivi:bits=4:group_size=64:value_group_size=16:residual_length=64``
     (5.50 bits at 8k, everything counted) scores 0.574 against full's 0.559 over the same 64
@@ -103,7 +103,8 @@ def _check_value_group(bits: int, group: int, head_dim: int | None = None, field
 
 class KiviLayer(QuantWindowLayer):
     """Packed store in sequence order: ``kc`` uint8 (B, H, cap, D*bits/8), ``ks`` / ``kz`` fp16
-    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/Gv), G the key token group, Gv the value channel group."""
+    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/Gv);
+    G the key token group, Gv the value channel group."""
 
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
