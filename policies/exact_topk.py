@@ -1,0 +1,85 @@
+"""``exact_topk``: attend the tokens with the highest exact ``q . k`` (the selection ceiling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores, select_topk
+from kvpress.policies._sparse import SelectiveLayer, check_budget, range_topk_index
+from kvpress.registry import Policy, check_choice, check_int, register_policy
+
+
+@register_policy
+@dataclass(frozen=True)
+class ExactTopKPolicy(Policy):
+    """Exact top-k attention: the reference that query-aware policies are measured against.
+
+    Each decode step scores every cached token by its exact ``q . k`` (GQA group reduced with
+    ``group_reduction``, as ``double_sparsity`` does) and attends ``budget`` tokens per KV head
+    through ``kvpress.kernels.sparse_decode``: ``sink_tokens`` first tokens, the ``window_size``
+    most recent (current token included) and the top-scoring rest. This is the "oracle top-k"
+    that the sparse-attention papers report beside their methods (e.g. Quest, Tang et al.,
+    arXiv 2406.10774; Double Sparsity, Yang et al., arXiv 2408.07092; ShadowKV, Sun et al.,
+    arXiv 2410.21465): no estimate stands between the query and the choice, so its score at a
+    budget is what selecting ``budget`` tokens per KV head can keep at best, up to the group
+    reduction. It reads every key each step and keeps the whole cache, so it saves neither time
+    nor memory; use it to tell a policy's estimation loss from the loss of the budget itself.
+
+    Prefill is full causal attention; when ``budget`` covers every real token the step attends
+    densely, so outputs equal ``full``.
+    """
+
+    budget: int = 256
+    sink_tokens: int = 4
+    window_size: int = 32
+    group_reduction: str = "max"
+
+    name = "exact_topk"
+    description = "exact q.k top-k tokens per KV head each step (selection ceiling; no speed or memory gain)"
+    paper = "oracle baseline (as in arXiv 2406.10774)"
+    full_prefill = True
+    keeps_full_cache = True
+
+    def validate(self):
+        check_int("budget", self.budget, 1)
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("window_size", self.window_size, 1)
+        check_choice("group_reduction", self.group_reduction, REDUCTIONS)
+        always = self.sink_tokens + self.window_size
+        check_budget(self.budget, always + 1, f"sink_tokens={self.sink_tokens} + window_size={self.window_size} + 1")
+
+    def make_layer(self, cache, layer_idx):
+        return ExactTopKLayer(cache, layer_idx, self)
+
+    @classmethod
+    def example(cls, adapter):
+        return cls(budget=24, sink_tokens=2, window_size=6)
+
+
+class ExactTopKLayer(SelectiveLayer):
+    """Dense K/V; a decode step attends sinks + window + the top exact-score tokens in between."""
+
+    def __init__(self, cache, layer_idx: int, policy: ExactTopKPolicy):
+        super().__init__(cache, layer_idx, policy.budget)
+        self.policy = policy
+
+    def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
+        p = self.policy
+        seq = self.seen
+        keep = p.budget - p.sink_tokens - p.window_size
+        lo, hi = p.sink_tokens, seq - p.window_size  # candidates: between the sinks and the window
+        keys = self.buffer.k
+        if self.row_start is None and hi - lo >= keep:  # unpadded, every row longer than the budget
+            scores = exact_scores(q, keys[:, :, lo:hi], scale=scaling, reduction=p.group_reduction)
+            return range_topk_index(scores, keep, lo, seq, block_size=1, sinks=p.sink_tokens,
+                                    dense_tail=p.window_size)
+        B = q.shape[0]
+        start = torch.zeros(B, dtype=torch.long, device=q.device) if self.row_start is None else self.row_start
+        pos = torch.arange(seq, device=q.device)[None, :]
+        mask = (pos >= start[:, None] + p.sink_tokens) & (pos < hi)  # (B, T)
+        scores = exact_scores(q, keys[:, :, :seq], scale=scaling, reduction=p.group_reduction, mask=mask)
+        seq_lens = torch.full((B,), seq, dtype=torch.int32, device=q.device)
+        return select_topk(scores, keep, block_size=1, seq_lens=seq_lens, seq_starts=start.to(torch.int32),
+                           sinks=p.sink_tokens, dense_tail=p.window_size)
