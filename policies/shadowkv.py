@@ -49,9 +49,6 @@ class ShadowKVPolicy(Policy):
     uniformly mediocre keys; the re-ranking costs a rebuild of the shortlist (``rank`` MACs per
     key element) but fetches values only for the chosen chunks. ``rerank=1`` is the paper's
     landmark-only selection.
-    ``score_rank`` (default None: all of ``rank``) scores the shortlist with only the factor's
-    leading components, so a longer shortlist costs ``score_rank`` instead of ``rank`` MACs per key
-    element; the chosen chunks are then rebuilt at full rank.
 
     ``budget`` counts every token a KV head attends per step: exact tokens (row-start partial
     chunk, outliers, window) + selected chunks * ``chunk_size`` + generated tokens. Generated
@@ -94,7 +91,6 @@ class ShadowKVPolicy(Policy):
     local_window: int = 32
     score_reduction: str = "softmax_max"
     rerank: int = 8
-    score_rank: int | None = None
     backend: str = "auto"
 
     name = "shadowkv"
@@ -112,8 +108,6 @@ class ShadowKVPolicy(Policy):
         check_int("local_window", self.local_window, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
         check_int("rerank", self.rerank, 1)
-        if self.score_rank is not None:
-            check_int("score_rank", self.score_rank, 1)
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):
@@ -121,10 +115,6 @@ class ShadowKVPolicy(Policy):
         if self.rank is not None and self.rank > key_dim:
             raise ValueError(f"rank={self.rank} is larger than the key dimension num_kv_heads * head_dim = "
                              f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
-        rank = default_rank(key_dim) if self.rank is None else self.rank
-        if self.score_rank is not None and self.score_rank > rank:
-            raise ValueError(f"score_rank={self.score_rank} is larger than the rank ({rank}); allowed: "
-                             f"1 <= score_rank <= {rank}, or None for all of it")
         if adapter.head_dim % 2:
             raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
 
@@ -332,16 +322,13 @@ class ShadowKVLayer(CacheLayer):
         A landmark is a chunk's mean key, so a chunk holding one key the query matches strongly
         (a needle among filler) can score below chunks of uniformly mediocre keys. The rebuilt
         low-rank keys cost ``rank`` MACs per element, and only the kept chunks' values are fetched.
-        Returns the chosen ids ``(B, H, k_sel)`` (ascending, -1 last) and their keys ``(B, H, k_sel*cs, D)``,
-        or None for the keys when ``score_rank`` scored the shortlist on fewer components than ``rank``.
+        Returns the chosen ids ``(B, H, k_sel)`` (ascending, -1 last) and their keys ``(B, H, k_sel*cs, D)``.
         """
         p = self.policy
         B, H, C, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
         cand = _top_chunks(scores, n_cand, torch.full_like(allow, n_cand))  # (B, H, M) ascending, -1 last
-        R = self.factor.shape[-1]
-        rr = R if p.score_rank is None else min(p.score_rank, R)  # leading components score the shortlist
-        keys = shadowkv_rebuild(self.factor[..., :rr], self.basis[:, :rr], cand, inv_freq, self.rope_start,
+        keys = shadowkv_rebuild(self.factor, self.basis, cand, inv_freq, self.rope_start,
                                 chunk_size=cs, backend=p.backend)  # (B, H, M*cs, D)
         G = q0.shape[1] // H
         logits = (q0.float().view(B, H, G, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
@@ -358,8 +345,6 @@ class ShadowKVLayer(CacheLayer):
         # ascending chunk order, empty slots last (as `_top_chunks`); keys follow their chunk
         order = torch.where(ok, ids, C).sort(dim=-1)
         ids = torch.where(order.values < C, order.values, -1).to(torch.int32)
-        if rr < R:  # the shortlist was scored on fewer components: rebuild the chosen chunks in full
-            return ids, None
         slot = torch.gather(slot, 2, order.indices)  # (B, H, k) candidate slot of each chosen chunk
         tok_idx = (slot[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, k*cs)
         chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k_sel * cs, D))

@@ -35,8 +35,7 @@ def generate(model, pol, ids, new=6):
 @pytest.mark.parametrize("kw, match", [(dict(chunk_size=12), "chunk_size=12 is not supported"),
                                        (dict(rank=0), "rank=0 is out of range"),
                                        (dict(backend="cuda"), "backend='cuda' is not supported"),
-                                       (dict(rerank=0), "rerank=0 is out of range"),
-                                       (dict(score_rank=0), "score_rank=0 is out of range")])
+                                       (dict(rerank=0), "rerank=0 is out of range")])
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
@@ -208,38 +207,6 @@ def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduc
     assert target not in picks[1][0, 0].tolist()
     assert target in picks[32][0, 0].tolist()
 
-
-def test_score_rank_larger_than_the_rank_is_refused(model):
-    with pytest.raises(ValueError, match=r"score_rank=9 is larger than the rank \(8\); allowed: 1 <= score_rank <= 8"):
-        with kvpress.apply(model, policy(rank=8, score_rank=9)):
-            pass
-
-
-def test_score_rank_scores_the_shortlist_on_leading_components_then_attends_full_rank_keys(model):
-    """With every chunk shortlisted, ``score_rank=r`` picks the top chunks by the exact scores of
-    rank-r keys, and the attention runs over those chunks' keys rebuilt at the full rank."""
-    from kvpress.kernels import exact_scores, shadowkv_rebuild
-
-    _, dense = dense_prefill(model, random_ids(PROMPT, seed=12))
-    pol = policy(rank=16, score_rank=4, rerank=32)
-    layer = cache_from_dense(model, pol, dense).layers[1]
-    B, H, C, D = layer.landmarks.shape
-    q0 = torch.randn(1, 4, D, generator=torch.Generator().manual_seed(3))
-    allow = torch.full((B, H), 3)
-    layer.sel_idx = layer.sel_values = None
-    out, lse = layer._attend_selected(q0, 3, allow, 0.25)
-    inv_freq = layer._rope_inv_freq("cpu")
-    chunks = torch.where(layer.selectable, torch.arange(C, dtype=torch.int32), -1).contiguous()
-    low = shadowkv_rebuild(layer.factor[..., :4], layer.basis[:, :4], chunks, inv_freq, layer.rope_start, chunk_size=8)
-    exact = exact_scores(q0, low, block_size=8, scale=0.25, reduction=pol.score_reduction)
-    expect = exact.masked_fill(~layer.selectable, float("-inf")).topk(3, dim=-1).indices.sort(-1).values
-    assert torch.equal(layer.sel_idx, expect.to(torch.int32))
-    keys = shadowkv_rebuild(layer.factor, layer.basis, layer.sel_idx, inv_freq, layer.rope_start, chunk_size=8)
-    values = layer.v_host[0][torch.arange(H)[:, None], layer.sel_idx[0].long()].reshape(H, 24, D)
-    logits = torch.einsum("hgd,htd->hgt", q0[0].view(H, 2, D), keys[0].float()) * 0.25
-    ref = (torch.softmax(logits, -1) @ values.float()).reshape(4, D)
-    torch.testing.assert_close(out[0].float(), ref, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(lse[0].float(), torch.logsumexp(logits, -1).reshape(4), rtol=1e-4, atol=1e-5)
 
 
 def test_default_rank_is_a_quarter_of_the_key_dimension(model):
