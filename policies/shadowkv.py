@@ -65,9 +65,9 @@ class ShadowKVPolicy(Policy):
         256     1.00         0.38           0.41
         128     0.38         0.12           0.03
 
-    The target (>= 95% of full) is not met on the multi-needle tasks. The misses come from the
-    low-rank keys, not the selection: on niah_multikey sample 0 (answer of another key) rank=192
-    (exact keys) answers and rank=56 does not; ``rerank=1`` (landmarks only), ``score_reduction=
+    The target (>= 95% of full) is not met on the multi-needle tasks. At 4k the misses came
+    from the low-rank keys, not the selection: on niah_multikey sample 0 (answer of another
+    key) rank=192 (exact keys) answers and rank=56 does not; ``rerank=1`` (landmarks only), ``score_reduction=
     "max"`` and ``outlier_chunks=4`` fix none of the failing samples (multikey 0, 2; multivalue 0, 3,
     6). SmolLM2's pre-RoPE keys keep 95-98% of their energy at rank 48 (96.5-99% at 64, layers
     2-29), against the near-lossless rank 160 of 1024 the paper reports for Llama-3-8B, and rank
@@ -75,6 +75,12 @@ class ShadowKVPolicy(Policy):
     At 8192 tokens (session 6: ``--tasks niah_single --lengths 8192 --samples 24 --budgets 256``,
     3.1% of the context) it answers 7 of full's 13 needles (54%; the misses keep the first digits
     and then stop or stray, e.g. ``641021.`` for 6410216) with 21.8% of full's bytes on the device.
+    There the shortlist, not the keys, is the loss (session 10): on the 6 lost needles exact keys
+    (``rank=192``) with the default shortlist recover 1, ranks 96 and 128 none, while a longer
+    shortlist at the default rank recovers 4 (``rerank=32``; ``rerank=128``, every chunk, 3).
+    ``rerank=32`` answers 11 of the 13 over all 24 samples (85%; ``exact_topk@256``, exact token
+    selection of the same budget, 77%) but rebuilds 32x the allowed chunks per step (56% of the
+    chunks at 8k, all of them at the GPU benchmark's 32k), so the default stays 8.
 
     On a GPU (H100, random-weight Llama-3-8B shape, 32k prompts, budget 1120, rank 48;
     ``bench_shadowkv speed``, BENCHMARKS "Session 8"): device bytes 0.107x of ``full``'s and
