@@ -40,10 +40,17 @@ def _triton_decode(q, k, v, scaling, row_start):
     decode step (profiled 2026-11-22, BENCHMARKS "Session 8"); this kernel costs ~0.2 ms of host
     time and about SDPA's device time.
     """
+    return whole_cache_decode(q, k, v, scaling, row_start, backend="triton")
+
+
+def whole_cache_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                       row_start: torch.Tensor | None, *, backend: str = "auto") -> torch.Tensor:
+    """One query per head ``q [B, H_q, 1, D]`` over every cached token ``k, v [B, H_kv, T, D]``
+    (rows start at ``row_start``) through ``kvpress.kernels.sparse_decode``; returns ``[B, H_q, 1, D]``."""
     batch, _, t_k, _ = k.shape
     lens = torch.full((batch,), t_k, dtype=torch.int32, device=q.device)
     index = SparseIndex.dense(lens, k.shape[1], seq_starts=row_start, capacity=t_k)
-    out, _ = kernels.sparse_decode(q[:, :, 0], k, v, index, scale=scaling, backend="triton", validate_index=False)
+    out, _ = kernels.sparse_decode(q[:, :, 0], k, v, index, scale=scaling, backend=backend, validate_index=False)
     return out[:, :, None]
 
 

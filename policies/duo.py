@@ -87,10 +87,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvpress.attention import dense_causal_attention
+from kvpress.attention import dense_causal_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
-from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.layers import SinkWindowLayer
 from kvpress.registry import Policy, check_int, register_policy
 
@@ -332,12 +331,8 @@ class DuoLayer(CacheLayer):
             self.dense.append(k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"]))
             q_ret = q.index_select(1, idx["ret_q"])
             if q.shape[2] == 1 and q_start > 0:  # decode: the decode kernel over the whole buffer
-                keys = self.dense.keys
-                lens = torch.full((keys.shape[0],), keys.shape[2], device=q.device)
-                index = SparseIndex.dense(lens, keys.shape[1], seq_starts=self.row_start, capacity=keys.shape[2])
-                o, _ = sparse_decode(q_ret[:, :, 0], keys, self.dense.values, index, scale=scaling,
-                                     validate_index=False)
-                out[:, idx["ret_q"]] = o[:, :, None]
+                out[:, idx["ret_q"]] = whole_cache_decode(q_ret, self.dense.keys, self.dense.values, scaling,
+                                                          self.row_start)
             else:
                 out[:, idx["ret_q"]] = dense_causal_attention(q_ret, self.dense.keys, self.dense.values, scaling,
                                                               q_start=q_start, row_start=self.row_start)

@@ -414,17 +414,17 @@ def test_dense_prefill_calibration_learns_only_from_the_answer_queries(llama):
 def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
     """Decode steps: retrieval heads attend their whole buffer and streaming heads their visible
     slots through ``kvpress.kernels.sparse_decode``; the prompt does not."""
+    import kvpress.kernels
     import kvpress.layers
-    import kvpress.policies.duo as duo_mod
 
     calls = []
-    real = duo_mod.sparse_decode
+    real = kvpress.kernels.sparse_decode  # retrieval heads: kvpress.attention.whole_cache_decode calls it
 
     def counting(q, k, v, index, **kw):
         calls.append((tuple(q.shape), index.dense_tail, index.max_blocks))
         return real(q, k, v, index, **kw)
 
-    monkeypatch.setattr(duo_mod, "sparse_decode", counting)
+    monkeypatch.setattr(kvpress.kernels, "sparse_decode", counting)
     monkeypatch.setattr(kvpress.layers, "sparse_decode", counting)
     policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
     ids = random_ids(30, seed=25)
@@ -435,7 +435,7 @@ def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
     assert len(calls) == 3 * (with_ret + with_str)
     assert all(q[0] == 1 and q[1] > 0 for q, _, _ in calls)
     calls.clear()
-    monkeypatch.setattr(duo_mod, "sparse_decode", real)
+    monkeypatch.setattr(kvpress.kernels, "sparse_decode", real)
     monkeypatch.setattr(kvpress.layers, "sparse_decode", real)
     assert torch.equal(run(model4, policy, ids).sequences, out.sequences)
 
