@@ -101,6 +101,7 @@ class TidalPolicy(Policy):
     sink_tokens: int = 0
     recent_tokens: int = 1
     score_reduction: str = "softmax_max"
+    shared_selection: bool = False
 
     name = "tidal"
     description = "full-attention layers pick top tokens reused by the others (TidalDecode)"
@@ -212,6 +213,7 @@ class TidalLayer(SelectiveLayer):
             # every reusing layer a read of the ids
             cand = probs[..., lo:hi]
             scores = (cand / cand.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)).amax(dim=2)
+            scores = self._share(scores)
             return out, range_topk_index(scores, keep, lo, self.seen, block_size=1, sinks=p.sink_tokens,
                                          dense_tail=p.recent_tokens)
         candidates = self._candidates(B, q.device)  # (B, T)
@@ -221,11 +223,16 @@ class TidalLayer(SelectiveLayer):
             scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, T)
         else:
             scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
-        ids, count = select_pages(scores, keep, candidates)
+        ids, count = select_pages(self._share(scores), keep, candidates)
         lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
         starts = None if self.row_start is None else self.row_start.to(torch.int32)
         index = SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts, p.sink_tokens, p.recent_tokens)
         return out, index
+
+
+    def _share(self, scores: torch.Tensor) -> torch.Tensor:
+        """``shared_selection``: every KV head gets the best score any head gave a token ``(B, H_kv, T)``."""
+        return scores.amax(dim=1, keepdim=True).expand_as(scores) if self.policy.shared_selection else scores
 
 
 def _configure(parser) -> None:

@@ -80,9 +80,26 @@ def test_selected_tokens_are_the_top_exact_scores(model):
         assert set(index.block_idx[0, h, : int(index.block_cnt[0, h])].tolist()) == want
 
 
+def test_shared_selection_gives_every_kv_head_the_tokens_any_head_ranks_highest(model):
+    cache = make_cache(model, reselection_layer=-1, sink_tokens=0, recent_tokens=1, budget=9, shared_selection=True)
+    prefill(cache, 50)
+    layer = cache.layers[1]
+    q = torch.randn(1, 4, 1, 16)
+    layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
+    index = cache.shared["tidal_index"][1]
+    keys = layer.buffer.keys[0]  # (H_kv, 51, D)
+    probs = torch.stack([torch.softmax(q[0, 2 * h : 2 * h + 2, 0] @ keys[h, :50].T * 0.25, -1).amax(0)
+                         for h in range(2)]).amax(0)  # group softmax-max, then max over the KV heads
+    want = set(torch.topk(probs, 8).indices.tolist())
+    for h in range(2):
+        assert set(index.block_idx[0, h, : int(index.block_cnt[0, h])].tolist()) == want
+
+
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("sinks,recent", [(0, 1), (2, 3)])
-def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, recent):
-    cache = make_cache(model, reselection_layer=-1, sink_tokens=sinks, recent_tokens=recent, budget=17)
+def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, recent, shared):
+    cache = make_cache(model, reselection_layer=-1, sink_tokens=sinks, recent_tokens=recent, budget=17,
+                       shared_selection=shared)
     prefill(cache, 90, seed=5)
     layer = cache.layers[1]
     layer.buffer.append(torch.randn(2, 2, 1, 16)[:1], torch.randn(2, 2, 1, 16)[:1])  # the step's token
