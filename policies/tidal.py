@@ -237,7 +237,6 @@ class TidalLayer(SelectiveLayer):
         index = SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts, p.sink_tokens, p.recent_tokens)
         return out, index
 
-
     def _share(self, scores: torch.Tensor) -> torch.Tensor:
         """``shared_selection``: every KV head gets the best score any head gave a token ``(B, H_kv, T)``."""
         return scores.amax(dim=1, keepdim=True).expand_as(scores) if self.policy.shared_selection else scores
