@@ -75,9 +75,10 @@ class TidalPolicy(Policy):
     that any head of the selection layer ranks highest (its per-KV-head scores, maxed over the
     heads). The default (False) is the paper's per-head reuse: KV head ``h`` of a later layer
     attends what KV head ``h`` of the selection layer chose, although the two heads share only
-    an index. On SmolLM2 (3 KV heads) sharing answers 23 of 32 niah_single samples at 4k and
-    budget 256 against 11 (every sample the default answers, plus 12; BENCHMARKS "Session 10"),
-    but at 8k it answers 1 of ``full``'s 13 needles, as the default does.
+    an index. On SmolLM2 (3 KV heads), 32 niah_single samples at 4k, sharing keeps 62 / 72 /
+    84 / 97% of ``full``'s needles at budgets 128 / 256 / 512 / 1024 against the default's
+    19 / 34 / 53 / 75% (BENCHMARKS "Session 10"), but at 8k and budget 256 it answers 1 of
+    ``full``'s 13 needles, as the default does.
 
     Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
     tokens, ``recent_tokens`` most recent (the current token at least) and the top
