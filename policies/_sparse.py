@@ -16,6 +16,8 @@ Small on purpose; other policies may import it:
     Top-k pages per KV head among candidate pages, and the `SparseIndex` that attends them.
 ``range_topk_index``
     The unpadded decode hot path: top-k over one candidate range shared by every row.
+``token_topk_index``
+    Sinks + window + top tokens in between, hot path or masked (``double_sparsity``, ``exact_topk``).
 
 Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
 ``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
@@ -27,7 +29,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.layers import DenseLayer
-from kvpress.kernels import SparseIndex, sparse_decode
+from kvpress.kernels import SparseIndex, select_topk, sparse_decode
 
 
 class SelectiveLayer(DenseLayer):
@@ -223,6 +225,28 @@ def range_topk_index(scores: torch.Tensor, k: int, lo: int, seq_len: int, *, blo
     count = torch.full((B, H), k, dtype=torch.int32, device=scores.device)
     lens = torch.full((B,), seq_len, dtype=torch.int32, device=scores.device)
     return SparseIndex(block_size, ids, count, lens, None, sinks, dense_tail, id_range=(lo, lo + n - 1))
+
+
+def token_topk_index(scores_for, batch: int, seq_len: int, row_start: torch.Tensor | None, device, *,
+                     keep: int, sinks: int, window: int) -> SparseIndex:
+    """Token-level index: ``sinks`` first tokens + ``window`` most recent + the ``keep`` best in between.
+
+    ``scores_for(lo, hi, mask)`` returns ``(B, H_kv, n)`` token scores: of tokens ``[lo, hi)``
+    when ``mask`` is None (the unpadded hot path: one candidate range for every row, no masks,
+    `range_topk_index`), else of all ``seq_len`` tokens with ``mask`` (B, T) marking each row's
+    candidates ``[row_start + sinks, seq_len - window)`` (left padding, or rows shorter than the
+    budget). Used by ``double_sparsity`` (label scores) and ``exact_topk`` (exact scores).
+    """
+    lo, hi = sinks, seq_len - window  # candidates: between the sinks and the window
+    if row_start is None and hi - lo >= keep:
+        return range_topk_index(scores_for(lo, hi, None), keep, lo, seq_len, block_size=1, sinks=sinks,
+                                dense_tail=window)
+    start = torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start
+    pos = torch.arange(seq_len, device=device)[None, :]  # (1, T)
+    mask = (pos >= start[:, None] + sinks) & (pos < hi)  # (B, T)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    return select_topk(scores_for(0, seq_len, mask), keep, block_size=1, seq_lens=seq_lens,
+                       seq_starts=start.to(torch.int32), sinks=sinks, dense_tail=window)
 
 
 def page_index(ids: torch.Tensor, count: torch.Tensor, page_size: int, seq_len: int,

@@ -12,10 +12,10 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.calibration import register_calibrator, shipped_artifact
-from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, select_topk, sparse_decode
+from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, sparse_decode
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
-from kvpress.policies._sparse import range_topk_index
+from kvpress.policies._sparse import token_topk_index
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 LABEL_BITS = (4, 16)
@@ -318,26 +318,18 @@ class DoubleSparsityLayer(DenseLayer):
         per (row, KV head) wherever the row is long enough, so each attends exactly ``budget``.
         """
         p = self.policy
-        batch, seq = q0.shape[0], self.seen
-        keep = p.budget - p.sink_tokens - p.window_size
-        lo, hi = p.sink_tokens, seq - p.window_size  # candidates: between the sinks and the window
-        if row_start is None and hi - lo >= keep:
-            # Hot path (no padding): score only the candidates, top-k, no masks, ~8 torch calls
-            # (each costs tens of us on CPU once a layer's MLP has evicted the caches).
-            scores = self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
-            # ascending ids (the kernel's gather then walks the cache forward, ~2x faster on CPU)
-            # and a trusted id_range: see range_topk_index
-            return range_topk_index(scores, keep, lo, seq, block_size=1, sinks=p.sink_tokens,
-                                    dense_tail=p.window_size)
-        # Padded rows: the same candidates per row ([start + sinks, seq - window)), masked.
-        start = torch.zeros(batch, dtype=torch.long, device=q0.device) if row_start is None else row_start
-        pos = torch.arange(seq, device=q0.device)[None, :]  # (1, T)
-        mask = (pos >= start[:, None] + p.sink_tokens) & (pos < hi)  # (B, T)
-        scores = label_scores(q0, self.label_view(), self.channels, scale=scaling,
-                              reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
-        seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=q0.device)
-        return select_topk(scores, keep, block_size=1, seq_lens=seq_lens, seq_starts=start.to(torch.int32),
-                           sinks=p.sink_tokens, dense_tail=p.window_size)
+
+        def scores_for(lo, hi, mask):
+            if mask is None:
+                # Hot path (no padding): score only the candidates, ~8 torch calls (each costs
+                # tens of us on CPU once a layer's MLP has evicted the caches)
+                return self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
+            return label_scores(q0, self.label_view(), self.channels, scale=scaling,
+                                reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
+
+        return token_topk_index(scores_for, q0.shape[0], self.seen, row_start, q0.device,
+                                keep=p.budget - p.sink_tokens - p.window_size, sinks=p.sink_tokens,
+                                window=p.window_size)
 
     def _const(self, name: str, build):
         """Per-layer constant that depends only on the batch size (rebuilt when it changes)."""
