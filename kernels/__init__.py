@@ -26,3 +26,8 @@ from .quant import (ALLOWED_BITS, ALLOWED_GROUP_SIZES, dequantize_per_channel, d
 
 __all__ += ["ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "dequantize_per_channel", "dequantize_per_token", "pack_codes",
             "quant_decode", "quantize_per_channel", "quantize_per_token", "reference_quant_decode", "unpack_codes"]
+
+# chunk-mean estimate of the tokens a sparse step leaves out (``tail_chunk`` of the selection policies)
+from .tail import reference_tail_estimate, tail_estimate  # noqa: E402
+
+__all__ += ["reference_tail_estimate", "tail_estimate"]

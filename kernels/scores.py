@@ -16,7 +16,7 @@ import math
 
 import torch
 
-REDUCTIONS = ("softmax_max", "max", "mean")
+REDUCTIONS = ("softmax_max", "softmax_mean", "max", "mean")
 
 
 def _group(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -45,8 +45,9 @@ def reduce_over_group(scores: torch.Tensor, num_kv_heads: int, *, reduction: str
         ``(B, H_q, N)``, already multiplied by the attention scale.
     num_kv_heads : int
         H_kv; query head ``h`` belongs to group ``h // (H_q // H_kv)``.
-    reduction : {"softmax_max", "max", "mean"}
-        See the module docstring for why ``"softmax_max"`` is the default.
+    reduction : {"softmax_max", "softmax_mean", "max", "mean"}
+        See the module docstring for why ``"softmax_max"`` is the default. ``"softmax_mean"``
+        ranks by the group's total attention probability (the mass a selection keeps).
     mask : torch.Tensor, optional
         bool ``(B, N)``; False candidates get -inf (kept out of the softmax normaliser).
 
@@ -64,11 +65,10 @@ def reduce_over_group(scores: torch.Tensor, num_kv_heads: int, *, reduction: str
             raise ValueError(f"mask must have shape (B, N) = {(B, N)}, got {tuple(mask.shape)}")
         s = s.masked_fill(~mask[:, None, :], float("-inf"))
     s = s.reshape(B, num_kv_heads, H_q // num_kv_heads, N)  # (B, H_kv, G, N)
-    if reduction == "softmax_max":
+    if reduction in ("softmax_max", "softmax_mean"):
         s = torch.softmax(s, dim=-1).nan_to_num(0.0)  # an all-masked row gives NaN -> 0
-        if mask is not None:
-            s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
-        return s.amax(dim=2)
+        s = s.amax(dim=2) if reduction == "softmax_max" else s.mean(dim=2)
+        return s if mask is None else s.masked_fill(~mask[:, None, :], float("-inf"))
     return s.amax(dim=2) if reduction == "max" else s.mean(dim=2)
 
 

@@ -18,6 +18,9 @@ Small on purpose; other policies may import it:
     The unpadded decode hot path: top-k over one candidate range shared by every row.
 ``token_topk_index``
     Sinks + window + top tokens in between, hot path or masked (``double_sparsity``, ``exact_topk``).
+``ChunkTail``
+    Running per-chunk key / value sums that estimate the attention of the tokens a step leaves
+    out (``tail_chunk`` of the selection policies; `kvpress.kernels.tail_estimate`).
 
 Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
 ``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
@@ -29,7 +32,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.layers import DenseLayer
-from kvpress.kernels import SparseIndex, select_topk, sparse_decode
+from kvpress.kernels import SparseIndex, merge_states, select_topk, sparse_decode, tail_estimate
 
 
 class SelectiveLayer(DenseLayer):
@@ -42,11 +45,15 @@ class SelectiveLayer(DenseLayer):
     budget : int
         Tokens attended per row and KV head in a sparse decode step; a step whose rows are all
         at most ``budget`` tokens long attends densely (identical to ``full``).
+    tail_chunk : int
+        0: a sparse step attends the budget only. ``n > 0``: it also adds a `ChunkTail`
+        estimate of the tokens left out, from ``n``-token chunk means.
     """
 
-    def __init__(self, cache, layer_idx: int, budget: int):
+    def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
         self.budget = budget
+        self.tail = ChunkTail(tail_chunk) if tail_chunk else None
         self._validated = False  # sparse_decode checks the first index against the cache only
 
     # ------------------------------------------------------------------ hooks
@@ -64,6 +71,8 @@ class SelectiveLayer(DenseLayer):
         self.buffer.append(k_new, v_new)
         self.seen += n
         self.on_append(q_start, n)
+        if self.tail is not None:
+            self.tail.append(k_new, v_new, q_start, self.row_start)
         lengths = self.lengths()
         if n > 1 or self.dense_step(lengths):
             return dense_causal_attention(
@@ -79,18 +88,30 @@ class SelectiveLayer(DenseLayer):
         """Whether this decode step attends densely: every row fits in the budget."""
         return self.seen - self.min_row_start() <= self.budget
 
-    def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
-        """``sparse_decode`` of q [B, H_q, 1, D] over the buffer; returns [B, H_q, 1, D]."""
-        out, _ = sparse_decode(
-            q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling, validate_index=not self._validated
-        )
+    def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float, backend: str = "auto"
+                      ) -> torch.Tensor:
+        """``sparse_decode`` of q [B, H_q, 1, D] over the buffer (+ the tail estimate); returns [B, H_q, 1, D]."""
+        out, lse = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling, backend=backend,
+                                 validate_index=not self._validated)
         self._validated = True
+        if self.tail is not None:
+            out = self.tail.merge(q[:, :, 0], out, lse, self.buffer, index, scaling)
         return out[:, :, None]
 
     def ingest_prefill(self, k, v):
         start = self.seen
         super().ingest_prefill(k, v)
         self.on_append(start, k.shape[2])
+        if self.tail is not None:
+            self.tail.append(k, v, start, self.row_start)
+
+    def state_tensors(self):
+        return {**super().state_tensors(), **({} if self.tail is None else self.tail.state_tensors())}
+
+    def batch_select(self, indices):
+        super().batch_select(indices)
+        if self.tail is not None:
+            self.tail.batch_select(indices)
 
     # ------------------------------------------------------------------ helpers
     def min_row_start(self) -> int:
@@ -102,6 +123,87 @@ class SelectiveLayer(DenseLayer):
         row_start = self.row_start
         full = torch.full((self.batch_size,), self.seen, dtype=torch.long, device=self.device)
         return full if row_start is None else full - row_start
+
+
+class ChunkTail:
+    """Running fp32 key / value sums per ``chunk_size``-token chunk, for the tail estimate.
+
+    Chunk ``c`` of row ``b`` covers sequence indices ``row_start[b] + [c * chunk_size,
+    (c + 1) * chunk_size)`` (as `PageStats` counts pages), so a left-padded row is chunked as
+    if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk). A decode step adds its
+    token to one chunk in place, so upkeep is O(D) per head and step. :meth:`merge` folds the
+    estimate of the tokens a `SparseIndex` leaves out into the exact part's output
+    (`kvpress.kernels.tail_estimate`; RetroInfer's estimation zone, arXiv 2505.02922).
+    Resident bytes: ``2 * 4 / chunk_size`` bytes per cached K/V element pair (fp32 sums), i.e.
+    3.1% of a bf16 cache at ``chunk_size = 64``; they are counted in ``cache_stats``.
+    """
+
+    def __init__(self, chunk_size: int, grow_chunks: int = 16):
+        self.chunk_size = chunk_size
+        self.grow_chunks = grow_chunks
+        self.tail_k_sum: torch.Tensor | None = None  # (B, H_kv, N_cap, D) fp32
+        self.tail_v_sum: torch.Tensor | None = None
+        self.tail_count: torch.Tensor | None = None  # (B, N_cap) fp32
+        self.chunks = 0  # chunks holding at least one stored token
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
+        """Add keys / values [B, H_kv, n, D] at sequence indices ``start ..`` to their chunks."""
+        B, H, n, D = k.shape
+        if n == 0:
+            return
+        cs = self.chunk_size
+        self.chunks = -(-(start + n) // cs)
+        self._ensure(B, H, D, self.chunks, k.device)
+        if n == 1 and row_start is None:  # a decode step without padding: one chunk, in place
+            c = start // cs
+            self.tail_k_sum[:, :, c] += k[:, :, 0].float()
+            self.tail_v_sum[:, :, c] += v[:, :, 0].float()
+            self.tail_count[:, c] += 1.0
+            return
+        idx = torch.arange(start, start + n, device=k.device)  # (n,)
+        if row_start is None:
+            chunk = idx // cs
+            self.tail_k_sum.index_add_(2, chunk, k.float())
+            self.tail_v_sum.index_add_(2, chunk, v.float())
+            self.tail_count[:, chunk[0]: chunk[-1] + 1] += torch.bincount(chunk - chunk[0]).float()
+            return
+        rel = idx[None, :] - row_start[:, None]  # (B, n)
+        real = rel >= 0
+        chunk = rel.clamp(min=0) // cs  # (B, n)
+        w = real.float()
+        at = chunk[:, None, :, None].expand(B, H, n, D)
+        self.tail_k_sum.scatter_add_(2, at, k.float() * w[:, None, :, None])
+        self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
+        self.tail_count.scatter_add_(1, chunk, w)
+
+    def _ensure(self, B: int, H: int, D: int, chunks: int, device) -> None:
+        if self.tail_k_sum is not None and self.tail_k_sum.shape[2] >= chunks:
+            return
+        cap = -(-chunks // self.grow_chunks) * self.grow_chunks
+        ks = torch.zeros(B, H, cap, D, dtype=torch.float32, device=device)
+        vs, cnt = torch.zeros_like(ks), torch.zeros(B, cap, dtype=torch.float32, device=device)
+        if self.tail_k_sum is not None:
+            old = self.tail_k_sum.shape[2]
+            ks[:, :, :old], vs[:, :, :old], cnt[:, :old] = self.tail_k_sum, self.tail_v_sum, self.tail_count
+        self.tail_k_sum, self.tail_v_sum, self.tail_count = ks, vs, cnt
+
+    def merge(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, buffer, index: SparseIndex,
+              scaling: float) -> torch.Tensor:
+        """The exact part ``(out, lse)`` (B, H_q, D) / (B, H_q) merged with the estimate of the rest."""
+        n = self.chunks
+        t_out, t_lse = tail_estimate(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n],
+                                     self.tail_v_sum[:, :, :n], self.tail_count[:, :n],
+                                     chunk_size=self.chunk_size, scale=scaling)
+        merged, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
+        return merged
+
+    def state_tensors(self) -> dict:
+        return {"tail_k_sum": self.tail_k_sum, "tail_v_sum": self.tail_v_sum, "tail_count": self.tail_count}
+
+    def batch_select(self, indices: torch.Tensor) -> None:
+        for name, t in self.state_tensors().items():
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))
 
 
 class PageStats:

@@ -15,7 +15,7 @@ from kvpress.calibration import register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, sparse_decode
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
-from kvpress.policies._sparse import token_topk_index
+from kvpress.policies._sparse import ChunkTail, token_topk_index
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 LABEL_BITS = (4, 16)
@@ -106,6 +106,7 @@ class DoubleSparsityPolicy(Policy):
     group_reduction: str = "max"
     artifact: str | None = None
     backend: str = "auto"
+    tail_chunk: int = 0
 
     name = "double_sparsity"
     description = "label cache of calibrated key channels scores tokens; top tokens attended exactly"
@@ -128,6 +129,7 @@ class DoubleSparsityPolicy(Policy):
         check_choice("label_bits", self.label_bits, LABEL_BITS)
         check_choice("group_reduction", self.group_reduction, REDUCTIONS)
         check_choice("backend", self.backend, ("auto", "torch", "triton"))
+        check_int("tail_chunk", self.tail_chunk, 0)
 
     def channels_for(self, head_dim: int) -> int:
         """``r``, the label channels per key (default ``min(16, head_dim // 4)``).
@@ -226,6 +228,7 @@ class DoubleSparsityLayer(DenseLayer):
         self.channels = None  # on the cache's device, set on first use
         self.labels = self.label_codes = self.label_scale = self.label_zero = None
         self.label_len = 0
+        self.tail = ChunkTail(policy.tail_chunk) if policy.tail_chunk else None
         self._validated = False
         self._consts: dict = {}  # small per-batch-size constants of the decode hot path
 
@@ -270,17 +273,23 @@ class DoubleSparsityLayer(DenseLayer):
                                  self.channels.shape[1])
 
     def ingest_prefill(self, k, v):
+        start = self.seen
         super().ingest_prefill(k, v)
         self._append_labels(k)
+        if self.tail is not None:
+            self.tail.append(k, v, start, self.row_start)
 
     def state_tensors(self):
         consts = {f"select_{name}": t for (name, _), t in self._consts.items()}  # small, but kept: counted
         return {**super().state_tensors(), "channels": self.channels, "labels": self.labels, "label_codes": self.label_codes,
-                "label_scale": self.label_scale, "label_zero": self.label_zero, **consts}
+                "label_scale": self.label_scale, "label_zero": self.label_zero, **consts,
+                **({} if self.tail is None else self.tail.state_tensors())}
 
     def batch_select(self, indices):
         super().batch_select(indices)
         self._consts.clear()
+        if self.tail is not None:
+            self.tail.batch_select(indices)
         for name in ("labels", "label_codes", "label_scale", "label_zero"):
             t = getattr(self, name)
             if t is not None:
@@ -293,6 +302,8 @@ class DoubleSparsityLayer(DenseLayer):
         self._append_labels(k_new)
         self.seen += k_new.shape[2]
         row_start = self.row_start
+        if self.tail is not None:
+            self.tail.append(k_new, v_new, q_start, row_start)
         if q.shape[2] > 1 or self._budget_covers(row_start):
             # prefill (full attention, as the paper), or every real token fits in the budget
             return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
@@ -358,17 +369,19 @@ class DoubleSparsityLayer(DenseLayer):
         labels = self.labels[:, :, :, lo:hi].view(B * H, r, hi - lo)  # a view of the label cache
         zero = self._const("zero", lambda: q0.new_zeros(1, 1, 1))
         s = torch.baddbmm(zero, q_sel, labels, beta=0, alpha=scaling)  # (B * H_kv, G, T)
-        if p.group_reduction == "softmax_max":
+        if p.group_reduction.startswith("softmax"):
             s = torch.softmax(s, dim=-1)  # no -inf here: no NaN to clean up
-        s = s.mean(1) if p.group_reduction == "mean" else s.amax(1)
+        s = s.mean(1) if p.group_reduction.endswith("mean") else s.amax(1)
         return s.view(B, H, hi - lo)
 
     def _sparse_step(self, q, scaling, row_start):
         q0 = q[:, :, 0]  # (B, H_q, D)
         index = self.select(q0, scaling, row_start)
-        out, _ = sparse_decode(q0, self.buffer.k, self.buffer.v, index, scale=scaling, backend=self.policy.backend,
-                               validate_index=not self._validated)
+        out, lse = sparse_decode(q0, self.buffer.k, self.buffer.v, index, scale=scaling, backend=self.policy.backend,
+                                 validate_index=not self._validated)
         self._validated = True  # every step builds its index the same way: check the values once
+        if self.tail is not None:
+            out = self.tail.merge(q0, out, lse, self.buffer, index, scaling)
         return out[:, :, None]  # (B, H_q, 1, D)
 
 

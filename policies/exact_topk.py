@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpress.layers import DenseLayer
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.policies._sparse import SelectiveLayer, check_budget, token_topk_index
 from kvpress.registry import Policy, check_choice, check_int, register_policy
@@ -56,6 +57,8 @@ class ExactTopKPolicy(Policy):
     sink_tokens: int = 4
     window_size: int = 32
     group_reduction: str = "max"
+    dense_layers: int = 0
+    tail_chunk: int = 0
 
     name = "exact_topk"
     description = "exact q.k top-k tokens per KV head each step (selection ceiling; no speed or memory gain)"
@@ -68,22 +71,29 @@ class ExactTopKPolicy(Policy):
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("window_size", self.window_size, 1)
         check_choice("group_reduction", self.group_reduction, REDUCTIONS)
+        check_int("dense_layers", self.dense_layers, 0)
+        check_int("tail_chunk", self.tail_chunk, 0)
         always = self.sink_tokens + self.window_size
         check_budget(self.budget, always + 1, f"sink_tokens={self.sink_tokens} + window_size={self.window_size} + 1")
 
+    def check_model(self, adapter):
+        check_int("dense_layers", self.dense_layers, 0, adapter.num_layers)
+
     def make_layer(self, cache, layer_idx):
+        if layer_idx < self.dense_layers:
+            return DenseLayer(cache, layer_idx)
         return ExactTopKLayer(cache, layer_idx, self)
 
     @classmethod
     def example(cls, adapter):
-        return cls(budget=24, sink_tokens=2, window_size=6)
+        return cls(budget=24, sink_tokens=2, window_size=6, tail_chunk=8)  # the contract tests cover the tail too
 
 
 class ExactTopKLayer(SelectiveLayer):
     """Dense K/V; a decode step attends sinks + window + the top exact-score tokens in between."""
 
     def __init__(self, cache, layer_idx: int, policy: ExactTopKPolicy):
-        super().__init__(cache, layer_idx, policy.budget)
+        super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
 
     def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:

@@ -57,6 +57,7 @@ class QuestPolicy(Policy):
     dense_layers: int = 2
     sink_tokens: int = 0
     score_reduction: str = "softmax_max"
+    tail_chunk: int = 0
 
     name = "quest"
     description = "query-aware page selection by per-page key min/max bounds (Quest)"
@@ -69,6 +70,7 @@ class QuestPolicy(Policy):
         check_int("dense_layers", self.dense_layers, 0)
         check_int("sink_tokens", self.sink_tokens, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
+        check_int("tail_chunk", self.tail_chunk, 0)
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens={self.sink_tokens} must be a multiple of page_size={self.page_size} "
                              "(so selected pages never straddle the sinks and the budget is exact)")
@@ -102,7 +104,7 @@ class QuestLayer(SelectiveLayer):
     """Dense K/V plus incrementally maintained page bounds; decode attends the top pages."""
 
     def __init__(self, cache, layer_idx: int, policy: QuestPolicy):
-        super().__init__(cache, layer_idx, policy.budget)
+        super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
         self.pages = PageStats(policy.page_size)
 

@@ -342,9 +342,9 @@ class ShadowKVLayer(CacheLayer):
         logits = (q0.float().view(B, H, G, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
         tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
         logits = logits.masked_fill(~tok_ok, float("-inf"))
-        if p.score_reduction == "softmax_max":  # normalise per query head before the group max
+        if p.score_reduction.startswith("softmax"):  # normalise per query head before the group reduction
             logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
-        tok = logits.mean(2) if p.score_reduction == "mean" else logits.amax(2)  # (B, H, M*cs)
+        tok = logits.mean(2) if p.score_reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
         exact = tok.view(B, H, n_cand, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
         exact = exact.masked_fill(cand < 0, float("-inf"))
         top, slot = torch.topk(exact, k_sel, dim=-1)  # (B, H, k)

@@ -111,6 +111,7 @@ class TidalPolicy(Policy):
     recent_tokens: int = 1
     score_reduction: str = "softmax_max"
     shared_selection: bool = False
+    tail_chunk: int = 0
 
     name = "tidal"
     description = "full-attention layers pick top tokens reused by the others (TidalDecode)"
@@ -127,6 +128,7 @@ class TidalPolicy(Policy):
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("recent_tokens", self.recent_tokens, 1)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
+        check_int("tail_chunk", self.tail_chunk, 0)
         check_budget(self.budget, self.sink_tokens + self.recent_tokens,
                      f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
 
@@ -173,7 +175,7 @@ class TidalLayer(SelectiveLayer):
     """A sparse layer: selects (full attention + top-k) or reuses the latest selection."""
 
     def __init__(self, cache, layer_idx: int, policy: TidalPolicy, selects: bool):
-        super().__init__(cache, layer_idx, policy.budget)
+        super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
         self.selects = selects
 

@@ -49,6 +49,12 @@ def test_reduce_over_group_semantics():
     s = torch.tensor([[[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]]])  # (B=1, H_q=2, N=3), one group
     assert reduce_over_group(s, 1, reduction="max").tolist() == [[[3.0, 5.0, 1.0]]]
     assert reduce_over_group(s, 1, reduction="mean").tolist() == [[[1.5, 2.5, 0.5]]]
+    # softmax_mean: the group's mean attention probability (the mass a selection keeps)
+    want = torch.softmax(s[0], -1).mean(0)
+    torch.testing.assert_close(reduce_over_group(s, 1, reduction="softmax_mean")[0, 0], want)
+    masked_mean = reduce_over_group(s, 1, reduction="softmax_mean", mask=torch.tensor([[True, False, True]]))
+    torch.testing.assert_close(masked_mean[0, 0, [0, 2]], torch.softmax(s[0][:, [0, 2]], -1).mean(0))
+    assert torch.isneginf(masked_mean[0, 0, 1])
     sm = reduce_over_group(s, 1)
     assert sm.argmax().item() == 1 and math.isclose(sm[0, 0, 0].item(), torch.softmax(s[0, 1], 0)[0].item())
     masked = reduce_over_group(s, 1, mask=torch.tensor([[True, False, True]]))

@@ -305,7 +305,7 @@ def test_smollm2_cli_calibration_agrees_with_shipped_artifact(tmp_path, capsys):
     assert sum(overlap) / len(overlap) > 0.7
 
 
-@pytest.mark.parametrize("reduction", ["softmax_max", "max", "mean"])
+@pytest.mark.parametrize("reduction", ["softmax_max", "max", "mean", "softmax_mean"])
 def test_hot_path_scores_equal_label_scores(model, artifact, reduction):
     """The decode hot path's fused candidate scoring equals `kvpress.kernels.label_scores`."""
     from kvpress.kernels import label_scores

@@ -30,7 +30,7 @@ def filled(layer, length, batch, seed):
     return k, v
 
 
-@pytest.mark.parametrize("reduction", ["max", "softmax_max", "mean"])
+@pytest.mark.parametrize("reduction", ["max", "softmax_max", "mean", "softmax_mean"])
 def test_selection_is_the_brute_force_top_k_of_exact_scores(model, reduction):
     sinks, window, budget = 4, 8, 40
     layer = topk_layer(model, budget=budget, sink_tokens=sinks, window_size=window, group_reduction=reduction)
@@ -40,11 +40,11 @@ def test_selection_is_the_brute_force_top_k_of_exact_scores(model, reduction):
     mask = index.token_mask(157)  # (B, H_kv, T)
     # brute force: per (row, KV head) reduce the group's scaled logits, top-k among the candidates
     logits = torch.einsum("bhgd,bhtd->bhgt", q.view(2, 2, 2, 16), k) * 0.25
-    if reduction == "softmax_max":
+    if reduction.startswith("softmax"):
         logits = torch.softmax(logits[..., sinks : 157 - window], -1)
     else:
         logits = logits[..., sinks : 157 - window]
-    scores = logits.mean(2) if reduction == "mean" else logits.amax(2)
+    scores = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)
     want = torch.zeros(2, 2, 157, dtype=torch.bool)
     want[..., :sinks] = True
     want[..., 157 - window :] = True

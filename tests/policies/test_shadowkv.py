@@ -177,7 +177,7 @@ def _chosen_chunks(layer, q0, k_sel, scaling):
     return layer.sel_idx
 
 
-@pytest.mark.parametrize("reduction", ["max", "softmax_max"])
+@pytest.mark.parametrize("reduction", ["max", "softmax_max", "softmax_mean"])
 def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduction):
     """A chunk whose mean key points away from the query but holds one matching key (a needle in
     filler) is missed by landmark scores alone; re-ranking the shortlist by rebuilt keys finds it,

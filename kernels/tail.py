@@ -1,0 +1,117 @@
+"""Estimate the attention of the tokens a sparse decode step leaves out (the *tail*).
+
+A query-aware policy attends ``budget`` tokens exactly and drops the rest; when the rest still
+holds a sizeable share of the softmax mass (a diffuse head at long context), the renormalised
+output over the budget drifts from the dense one. RetroInfer (Chen et al., "RetroInfer: A
+Vector-Storage Approach for Scalable Long-Context LLM Inference", arXiv 2505.02922) splits
+tokens into an exactly attended zone and an *estimation zone* whose contribution it
+approximates from cluster centroids. Here the clusters are contiguous chunks of
+``chunk_size`` tokens, summarised by running fp32 sums of their keys and values:
+
+for chunk ``c`` with ``n_c`` tokens not attended exactly, mean key ``k_c`` and mean value
+``v_c`` (of those tokens only), the chunk stands for ``n_c`` tokens of score ``q . k_c``::
+
+    out_tail = sum_c w_c v_c,  w_c = softmax_c(scale * q . k_c + log n_c),
+    lse_tail = logsumexp_c(scale * q . k_c + log n_c)
+
+and `merge_states` combines ``(out_tail, lse_tail)`` with the exact part. The means exclude
+the attended tokens by subtracting their keys / values from the chunk sums (O(budget) work,
+no pass over the cache), so no token is counted twice. ``exp`` of a mean key under-estimates
+the mean of ``exp`` (Jensen), so the tail is weighted conservatively; with ``chunk_size = 1``
+the estimate is exact and the merged step equals dense attention.
+"""
+from __future__ import annotations
+
+import torch
+
+from .index import SparseIndex
+from .torch_decode import selected_positions
+
+
+def _check(q: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor, count: torch.Tensor) -> None:
+    if q.dim() != 3 or k_sum.dim() != 4 or k_sum.shape != v_sum.shape or k_sum.shape[0] != q.shape[0]:
+        raise ValueError(f"tail estimate needs q (B, H_q, D) and k_sum / v_sum (B, H_kv, N, D) of one shape, got "
+                         f"q {tuple(q.shape)}, k_sum {tuple(k_sum.shape)}, v_sum {tuple(v_sum.shape)}")
+    if tuple(count.shape) != (k_sum.shape[0], k_sum.shape[2]):
+        raise ValueError(f"count must have shape (B, N) = {(k_sum.shape[0], k_sum.shape[2])}, got {tuple(count.shape)}")
+    if q.shape[1] % k_sum.shape[1] or q.shape[2] != k_sum.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not match {k_sum.shape[1]} KV heads of dim {k_sum.shape[3]}")
+
+
+def _chunk_attention(q: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, n: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (B, H_q, D) over chunk means (B, H_kv, N, D) standing for ``n`` (B, H_kv, N) tokens each."""
+    B, H_q, D = q.shape
+    H = k_mean.shape[1]
+    qg = q.float().reshape(B, H, H_q // H, D) * scale  # (B, H_kv, G, D)
+    logits = qg @ k_mean.transpose(-1, -2) + n.clamp(min=1).log()[:, :, None]  # (B, H_kv, G, N)
+    logits = logits.masked_fill((n < 0.5)[:, :, None], float("-inf"))  # empty chunks stand for nothing
+    lse = torch.logsumexp(logits, dim=-1)  # (B, H_kv, G); -inf when every chunk is empty
+    out = torch.softmax(logits, dim=-1).nan_to_num(0.0) @ v_mean  # (B, H_kv, G, D)
+    return out.reshape(B, H_q, D), lse.reshape(B, H_q)
+
+
+def tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
+                  k_sum: torch.Tensor, v_sum: torch.Tensor, count: torch.Tensor, *, chunk_size: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-mean estimate of the attention over the tokens ``index`` does not attend.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, D)`` decode queries.
+    k_cache, v_cache : torch.Tensor
+        ``(B, H_kv, T_cap, D)``: the attended tokens' keys / values are read from here (only those).
+    index : SparseIndex
+        The exactly attended tokens (sinks, dense tail, selected blocks).
+    k_sum, v_sum : torch.Tensor
+        fp32 ``(B, H_kv, N, D)``: sums of the keys / values of chunk ``c`` = tokens
+        ``[seq_start + c * chunk_size, seq_start + (c + 1) * chunk_size)`` of each row (chunks
+        counted from the row's first real token, so left padding does not shift them), up to
+        ``seq_len``.
+    count : torch.Tensor
+        fp32 ``(B, N)``: real tokens summed into each chunk.
+    chunk_size, scale : int, float
+
+    Returns
+    -------
+    out : torch.Tensor
+        fp32 ``(B, H_q, D)``, the estimated attention output over the unattended tokens.
+    lse : torch.Tensor
+        fp32 ``(B, H_q)``, its estimated log-sum-exp; ``-inf`` when nothing is left out.
+    """
+    _check(q, k_sum, v_sum, count)
+    B, H, N, D = k_sum.shape
+    pos, valid = selected_positions(index)  # (B, H_kv, V) attended positions, each real token once
+    gather = pos[..., None].expand(-1, -1, -1, D)
+    w = valid.float()
+    k_att = torch.gather(k_cache, 2, gather).float() * w[..., None]  # (B, H_kv, V, D)
+    v_att = torch.gather(v_cache, 2, gather).float() * w[..., None]
+    rel = pos if index.seq_starts is None else (pos - index.seq_starts.long()[:, None, None]).clamp_(min=0)
+    chunk = torch.div(rel, chunk_size, rounding_mode="floor").clamp_(max=N - 1)  # (B, H_kv, V)
+    at = chunk[..., None].expand(-1, -1, -1, D)
+    k_rest = k_sum.scatter_add(2, at, -k_att)  # sums over the chunk's unattended tokens
+    v_rest = v_sum.scatter_add(2, at, -v_att)
+    n_rest = count[:, None, :].repeat(1, H, 1).scatter_add_(2, chunk, -w)  # (B, H_kv, N)
+    inv = 1.0 / n_rest.clamp(min=1)[..., None]
+    return _chunk_attention(q, k_rest * inv, v_rest * inv, n_rest, scale)
+
+
+def reference_tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
+                            *, chunk_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Brute-force `tail_estimate`: chunk means taken directly over every unattended real token."""
+    B, H, T, D = k_cache.shape
+    attended = index.token_mask(T)  # (B, H_kv, T)
+    pos = torch.arange(T, device=q.device)[None, :]
+    starts = torch.zeros(B, dtype=torch.long, device=q.device) if index.seq_starts is None else index.seq_starts.long()
+    real = (pos >= starts[:, None]) & (pos < index.seq_lens.long()[:, None])  # (B, T)
+    rest = (real[:, None, :] & ~attended).float()  # (B, H_kv, T)
+    N = -(-T // chunk_size)
+    chunk = ((pos - starts[:, None]).clamp(min=0) // chunk_size)  # (B, T), counted from each row's start
+    one_hot = torch.nn.functional.one_hot(chunk, N).float()[:, None] * rest[..., None]  # (B, H_kv, T, N)
+    n = one_hot.sum(2)  # (B, H_kv, N)
+
+    def means(x):
+        return (one_hot.transpose(-1, -2) @ x.float()) / n.clamp(min=1)[..., None]  # (B, H_kv, N, D)
+
+    return _chunk_attention(q, means(k_cache), means(v_cache), n, scale)

@@ -1,0 +1,91 @@
+"""tail_estimate (chunk-mean estimate of the unattended tokens) against its brute-force reference."""
+import pytest
+import torch
+
+from kvpress.kernels import (merge_states, reference_sparse_decode, reference_tail_estimate, sparse_decode,
+                             tail_estimate)
+from kvpress_kernel_cases import build, case
+
+
+def chunk_sums(k, v, lens, starts, chunk):
+    """Sums of real tokens' keys / values per chunk, as a policy's running sums hold them."""
+    B, H, T, D = k.shape
+    n = -(-int(lens.max()) // chunk)
+    pos = torch.arange(T)
+    first = torch.zeros(B, dtype=torch.long) if starts is None else starts.long()
+    real = ((pos[None] >= first[:, None]) & (pos[None] < lens.long()[:, None])).float()  # (B, T)
+    ks, vs, cnt = torch.zeros(B, H, n, D), torch.zeros(B, H, n, D), torch.zeros(B, n)
+    for b in range(B):  # chunks counted from each row's first real token
+        c = ((pos - first[b]).clamp(min=0) // chunk).clamp(max=n - 1)
+        ks[b].index_add_(1, c, k[b].float() * real[b, None, :, None])
+        vs[b].index_add_(1, c, v[b].float() * real[b, None, :, None])
+        cnt[b].index_add_(0, c, real[b])
+    return ks, vs, cnt
+
+
+CASES = [
+    case(B=2, H_kv=2, G=3, T_cap=70, block_size=1, mode="topk", budget=9, sinks=2, tail=3),
+    case(B=2, H_kv=2, G=2, T_cap=67, block_size=8, mode="random", budget=3, sinks=1, tail=5,
+         lens=[67, 50], starts=[0, 6]),
+    case(B=1, H_kv=3, G=3, T_cap=64, block_size=16, mode="topk", budget=2, sinks=0, tail=16),
+    case(B=2, H_kv=1, G=4, T_cap=40, block_size=1, mode="none", sinks=4, tail=4, lens=[40, 33], starts=[0, 3]),
+]
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: f"bs{c['block_size']}-{c['mode']}-B{c['B']}")
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_estimate_equals_brute_force_chunk_means(c, chunk):
+    q, k, v, index = build(c)
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, chunk)
+    out, lse = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=chunk, scale=0.125)
+    ref_out, ref_lse = reference_tail_estimate(q, k, v, index, chunk_size=chunk, scale=0.125)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("c", CASES[:3], ids=lambda c: f"bs{c['block_size']}-{c['mode']}-B{c['B']}")
+def test_chunk_of_one_token_makes_the_merged_step_dense_attention(c):
+    q, k, v, index = build(c)
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, 1)
+    out, lse = sparse_decode(q, k, v, index, scale=0.125)
+    t_out, t_lse = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=1, scale=0.125)
+    merged, merged_lse = merge_states(out, lse, t_out, t_lse)
+    dense = type(index).dense(index.seq_lens, k.shape[1], block_size=1, seq_starts=index.seq_starts)
+    ref_out, ref_lse = reference_sparse_decode(q, k, v, dense, scale=0.125)
+    torch.testing.assert_close(merged, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_everything_attended_leaves_an_empty_tail():
+    c = case(B=1, H_kv=2, G=2, T_cap=32, block_size=8, mode="all")
+    q, k, v, index = build(c)
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, None, 8)
+    out, lse = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=8, scale=0.125)
+    assert torch.isneginf(lse).all() and not out.isnan().any()
+
+
+def test_coarse_chunks_estimate_a_diffuse_tail_closer_than_dropping_it():
+    # a flat attention over 512 tokens: the top 32 alone miss most of the mass
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 512, 64, generator=gen) * 0.2
+    v = torch.randn(1, 1, 512, 64, generator=gen) + 1.0
+    q = torch.randn(1, 1, 64, generator=gen)
+    c = case(B=1, H_kv=1, G=1, T_cap=512, block_size=1, mode="topk", budget=32)
+    _, _, _, index = build(c)
+    lens = index.seq_lens
+    ks, vs, cnt = chunk_sums(k, v, lens, None, 64)
+    dense = type(index).dense(lens, 1, block_size=64)
+    ref, _ = reference_sparse_decode(q, k, v, dense, scale=0.125)
+    out, lse = sparse_decode(q, k, v, index, scale=0.125)
+    t_out, t_lse = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=64, scale=0.125)
+    merged, _ = merge_states(out, lse, t_out, t_lse)
+    assert (merged - ref).norm() < 0.2 * (out - ref).norm()
+
+
+def test_shape_errors_name_the_shapes():
+    q, k, v, index = build(case(B=1, H_kv=2, G=2, T_cap=32, block_size=8, mode="all"))
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, None, 8)
+    with pytest.raises(ValueError, match="count must have shape"):
+        tail_estimate(q, k, v, index, ks, vs, cnt[:, :2], chunk_size=8, scale=1.0)
+    with pytest.raises(ValueError, match="k_sum / v_sum"):
+        tail_estimate(q, k, v, index, ks, vs[:, :1], cnt, chunk_size=8, scale=1.0)
