@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .index import SparseIndex
-from .torch_decode import selected_positions
+from .torch_decode import _cache_rows, _gather, selected_positions
 
 
 def _check(q: torch.Tensor, k_sum: torch.Tensor, v_sum: torch.Tensor, count: torch.Tensor) -> None:
@@ -51,9 +51,32 @@ def _chunk_attention(q: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor
     return out.reshape(B, H_q, D), lse.reshape(B, H_q)
 
 
+def _positions(index: SparseIndex, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attended positions ``(B, H_kv, V)`` and their validity (each real token once).
+
+    The unpadded token index of the decode hot path (`range_topk_index`: ``block_size`` 1, no
+    ``seq_starts``, a trusted ``id_range`` inside ``[sinks, seq_len - dense_tail)``) is laid out
+    directly as sinks + ids + tail; anything else goes through `selected_positions`.
+    """
+    r = index.id_range
+    if (seq_len is None or index.block_size != 1 or index.seq_starts is not None or r is None
+            or r[0] < index.sinks or r[1] >= seq_len - index.dense_tail):
+        return selected_positions(index)
+    B, H, K = index.block_idx.shape
+    dev = index.device
+    S, W = index.sinks, index.dense_tail
+    pos = torch.empty(B, H, S + K + W, dtype=torch.long, device=dev)
+    pos[..., :S] = torch.arange(S, device=dev)
+    pos[..., S:S + K] = index.block_idx
+    pos[..., S + K:] = torch.arange(seq_len - W, seq_len, device=dev)
+    valid = torch.ones(B, H, S + K + W, dtype=torch.bool, device=dev)
+    valid[..., S:S + K] = torch.arange(K, device=dev) < index.block_cnt[..., None]
+    return pos.masked_fill_(~valid, 0), valid
+
+
 def tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
                   k_sum: torch.Tensor, v_sum: torch.Tensor, count: torch.Tensor, *, chunk_size: int,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-mean estimate of the attention over the tokens ``index`` does not attend.
 
     Parameters
@@ -72,6 +95,9 @@ def tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     count : torch.Tensor
         fp32 ``(B, N)``: real tokens summed into each chunk.
     chunk_size, scale : int, float
+    seq_len : int, optional
+        Tokens in every row (the caller's count, so no device read): lets the unpadded token
+        index of the decode hot path skip the general slot table.
 
     Returns
     -------
@@ -82,19 +108,39 @@ def tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     _check(q, k_sum, v_sum, count)
     B, H, N, D = k_sum.shape
-    pos, valid = selected_positions(index)  # (B, H_kv, V) attended positions, each real token once
-    gather = pos[..., None].expand(-1, -1, -1, D)
-    w = valid.float()
-    k_att = torch.gather(k_cache, 2, gather).float() * w[..., None]  # (B, H_kv, V, D)
-    v_att = torch.gather(v_cache, 2, gather).float() * w[..., None]
+    G = q.shape[1] // H
+    pos, valid = _positions(index, seq_len)  # (B, H_kv, V) attended positions, each real token once
+    V = pos.shape[-1]
     rel = pos if index.seq_starts is None else (pos - index.seq_starts.long()[:, None, None]).clamp_(min=0)
     chunk = torch.div(rel, chunk_size, rounding_mode="floor").clamp_(max=N - 1)  # (B, H_kv, V)
-    at = chunk[..., None].expand(-1, -1, -1, D)
-    k_rest = k_sum.scatter_add(2, at, -k_att)  # sums over the chunk's unattended tokens
-    v_rest = v_sum.scatter_add(2, at, -v_att)
-    n_rest = count[:, None, :].repeat(1, H, 1).scatter_add_(2, chunk, -w)  # (B, H_kv, N)
-    inv = 1.0 / n_rest.clamp(min=1)[..., None]
-    return _chunk_attention(q, k_rest * inv, v_rest * inv, n_rest, scale)
+
+    def attended(cache, slot):  # the attended tokens' rows, fp32 (B * H_kv, V, D), gathered as the decode does
+        rows, flat = _cache_rows(cache, pos)
+        return _gather(rows, flat, slot)
+
+    # Linear in the chunk sums, so the attended tokens come out of the scores and the output
+    # instead of out of the (N, D) sums: q . mean_c = (q . S_c - sum_{j in c} q . k_j) / n_c and
+    # out = (p / n) @ S_v - sum_j (p / n)_{c(j)} v_j. Per-chunk sums of the attended tokens' scores
+    # and counts are one index_add over (V, G + 1) values; uncounted slots go to a spare chunk N.
+    qg = q.float().reshape(B * H, G, D) * scale
+    s_att = torch.bmm(qg, attended(k_cache, "tail_k").transpose(1, 2))  # (B * H_kv, G, V)
+    per_slot = torch.cat([s_att.transpose(1, 2), valid.view(B * H, V, 1).float()], 2)  # (B * H_kv, V, G + 1)
+    target = (torch.arange(B * H, device=pos.device).view(B, H, 1) * (N + 1) + torch.where(valid, chunk, N)).view(-1)
+    removed = per_slot.new_zeros(B * H * (N + 1), G + 1).index_add_(0, target, per_slot.view(-1, G + 1))
+    removed = removed.view(B * H, N + 1, G + 1)[:, :N]  # (B * H_kv, N, G + 1)
+    n_rest = count[:, None, :].expand(B, H, N).reshape(B * H, 1, N) - removed[:, None, :, G]  # (B * H_kv, 1, N)
+    inv = 1.0 / n_rest.clamp(min=1)
+    logits = (torch.bmm(qg, k_sum.reshape(B * H, N, D).transpose(1, 2)) - removed[..., :G].transpose(1, 2)) * inv
+    logits = (logits + n_rest.clamp(min=1).log()).masked_fill(n_rest < 0.5, float("-inf"))  # (B * H_kv, G, N)
+    # softmax and log-sum-exp from one exp (torch.logsumexp costs more than the rest on CPU)
+    top = logits.amax(-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)  # finite when all -inf
+    e = (logits - top).exp_()
+    total = e.sum(-1, keepdim=True)  # 0 when every chunk is empty
+    lse = (top + total.log()).squeeze(-1)  # -inf when every chunk is empty
+    w = e.mul_(inv).div_(total.clamp(min=torch.finfo(torch.float32).tiny))  # (B * H_kv, G, N): per unit of value sum
+    w_att = torch.gather(w, 2, chunk.view(B * H, 1, V).expand(B * H, G, V)) * valid.view(B * H, 1, V)
+    out = torch.bmm(w, v_sum.reshape(B * H, N, D)) - torch.bmm(w_att, attended(v_cache, "tail_v"))  # (B * H_kv, G, D)
+    return out.view(B, H * G, D), lse.view(B, H * G)
 
 
 def reference_tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,

@@ -193,7 +193,7 @@ class ChunkTail:
         n = self.chunks
         t_out, t_lse = tail_estimate(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n],
                                      self.tail_v_sum[:, :, :n], self.tail_count[:, :n],
-                                     chunk_size=self.chunk_size, scale=scaling)
+                                     chunk_size=self.chunk_size, scale=scaling, seq_len=buffer.length)
         merged, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
         return merged
 

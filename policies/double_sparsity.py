@@ -96,6 +96,15 @@ class DoubleSparsityPolicy(Policy):
     22x (batch 8) faster than dense SDPA, but a whole decode step there is host-bound (label
     scoring, top-k and ~75 µs per Triton launch per layer), so end to end it is slower than
     ``full`` (92.5 vs 79.4 ms/token with the per-layer attention timer, attention 59.7 vs 44.5).
+
+    ``tail_chunk=N`` (off by default; session 11, BENCHMARKS "Session 11") adds an estimate of
+    the tokens left out, from running N-token chunk means (`kvpress.kernels.tail_estimate`, see
+    ``exact_topk``). At 8k / 256 over 24 niah_single samples it scores 0.50 against ``full``'s
+    0.54 (92.3%, against 77% without: it keeps 11 of full's 13 needles and answers #10, which
+    full misses), but on niah_multivalue at 4k it lost 4 of the first 7
+    samples (run stopped there), and at 8k it costs 1.15x ``full``'s decode speed instead of
+    1.59x: with label-chosen tokens the estimate hurts as often as it helps (with exact
+    selection it keeps every needle), so it is not the way to the issue's 90% for this policy.
     """
 
     budget: int = 256

@@ -51,6 +51,21 @@ class ExactTopKPolicy(Policy):
     (#18, #20, #22, #30, #46 at 256; #20, #22, #30 at 1024) include #22 and #46, the ones
     ``kivi`` 4-bit and ``duo`` lose there: those answers break under any change to attention.
     On niah_multivalue at 4k ``double_sparsity@256`` keeps 89.5%, 4.7 points under this ceiling.
+
+    Why exact selection loses at 8k (session 11, samples #18, #20, #22): every failing answer
+    goes wrong at its first sparse step (the first digit), and neither the group reduction
+    (``max`` / ``softmax_max`` / ``softmax_mean``), ``dense_layers=2`` or ``6``, a 128-token
+    window nor 64 sinks at the same budget recovers any of them; budget 2048 recovers all
+    three. At 8k this small model's answer depends on the diffuse attention mass outside any
+    1024 tokens, so renormalising over the budget changes it. ``tail_chunk=64`` adds an
+    estimate of that mass (`kvpress.kernels.tail_estimate`: 64-token chunk means of the tokens
+    not attended, after RetroInfer's estimation zone, arXiv 2505.02922) and keeps all 13 of
+    ``full``'s needles over the 24 samples at budget 256 (BENCHMARKS "Session 11")::
+
+        kvpress eval --model smollm2 --policies full,double_sparsity,double_sparsity:tail_chunk=64,exact_topk:tail_chunk=64,quest:tail_chunk=64,tidal:tail_chunk=64 --budgets 256 --tasks niah_single --lengths 8192 --samples 24
+
+    ``dense_layers`` leaves the first layers dense (as ``quest`` does); ``tail_chunk=0`` (the
+    default) attends the budget only.
     """
 
     budget: int = 256

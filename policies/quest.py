@@ -50,6 +50,10 @@ class QuestPolicy(Policy):
     whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
     end to end it is not faster than ``full`` yet (sync-timed attention 39.6 vs 44.5 ms/token
     for quest; unsynchronised steps 85-90 vs 44-45 ms).
+
+    ``tail_chunk`` (off by default) adds the chunk-mean estimate of the pages left out (see
+    ``exact_topk``); it does not bring back what the bound misses: it keeps 1 of ``full``'s 13 needles
+    at 8k / 256 (BENCHMARKS "Session 11"), since a needle diluted in a chunk mean is not retrieved.
     """
 
     budget: int = 256

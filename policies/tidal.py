@@ -102,6 +102,10 @@ class TidalPolicy(Policy):
     whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
     end to end it is slower than ``full`` (97.3 vs 79.4 ms/token with the per-layer attention
     timer, attention 60.1 vs 44.5 ms).
+
+    ``tail_chunk`` (off by default) adds the chunk-mean estimate of the tokens left out in the
+    reusing layers (see ``exact_topk``); at 8k / 256 it answers 1 of ``full``'s 13 needles
+    (BENCHMARKS "Session 11"): the reused selection, not the tail, loses them.
     """
 
     budget: int = 256

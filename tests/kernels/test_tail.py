@@ -89,3 +89,23 @@ def test_shape_errors_name_the_shapes():
         tail_estimate(q, k, v, index, ks, vs, cnt[:, :2], chunk_size=8, scale=1.0)
     with pytest.raises(ValueError, match="k_sum / v_sum"):
         tail_estimate(q, k, v, index, ks, vs[:, :1], cnt, chunk_size=8, scale=1.0)
+
+
+@pytest.mark.parametrize("full_counts", [True, False])
+def test_hot_path_positions_equal_the_general_slot_table(full_counts):
+    from kvpress.policies._sparse import range_topk_index
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(2, 6, 32, generator=gen), torch.randn(2, 3, 90, 32, generator=gen), torch.randn(2, 3, 90, 32, generator=gen)
+    index = range_topk_index(torch.randn(2, 3, 90 - 4 - 6, generator=gen), 11, 4, 90, block_size=1, sinks=4, dense_tail=6)
+    if not full_counts:  # fewer valid ids in some rows: the rest are -1
+        cnt = torch.tensor([[11, 5, 0], [3, 11, 7]], dtype=torch.int32)
+        ids = torch.where(torch.arange(11) < cnt[..., None], index.block_idx, -1).to(torch.int32)
+        index = type(index)(1, ids, cnt, index.seq_lens, None, 4, 6, id_range=(-1, 89))
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, None, 8)
+    fast = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=8, scale=0.2, seq_len=90)
+    general = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=8, scale=0.2)
+    ref = reference_tail_estimate(q, k, v, index, chunk_size=8, scale=0.2)
+    for a, b, c in zip(fast, general, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
