@@ -88,10 +88,9 @@ class SelectiveLayer(DenseLayer):
         """Whether this decode step attends densely: every row fits in the budget."""
         return self.seen - self.min_row_start() <= self.budget
 
-    def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float, backend: str = "auto"
-                      ) -> torch.Tensor:
+    def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
         """``sparse_decode`` of q [B, H_q, 1, D] over the buffer (+ the tail estimate); returns [B, H_q, 1, D]."""
-        out, lse = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling, backend=backend,
+        out, lse = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling,
                                  validate_index=not self._validated)
         self._validated = True
         if self.tail is not None:
@@ -130,8 +129,8 @@ class ChunkTail:
 
     Chunk ``c`` of row ``b`` covers sequence indices ``row_start[b] + [c * chunk_size,
     (c + 1) * chunk_size)`` (as `PageStats` counts pages), so a left-padded row is chunked as
-    if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk). A decode step adds its
-    token to one chunk in place, so upkeep is O(D) per head and step. :meth:`merge` folds the
+    if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk).
+    A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`merge` folds the
     estimate of the tokens a `SparseIndex` leaves out into the exact part's output
     (`kvpress.kernels.tail_estimate`; RetroInfer's estimation zone, arXiv 2505.02922).
     Resident bytes: ``2 * 4 / chunk_size`` bytes per cached K/V element pair (fp32 sums), i.e.
