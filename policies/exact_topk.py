@@ -61,8 +61,9 @@ class ExactTopKPolicy(Policy):
     estimate of that mass (`kvpress.kernels.tail_estimate`: 64-token chunk means of the tokens
     not attended, after RetroInfer's estimation zone, arXiv 2505.02922) and keeps all 13 of
     ``full``'s needles over the 24 samples at budget 256 (28 of 29 over 48: 96.6%, against
-    82.8% without), and 101.2% of ``full`` on 4k niah_multivalue (32 samples; 88.7% without)
-    (BENCHMARKS "Session 11", which lists the command for samples 24-47)::
+    82.8% without), still 13 of 13 at budget 128, and 101.2% of ``full`` on 4k niah_multivalue
+    (32 samples; 88.7% without) (BENCHMARKS "Session 11", which lists the commands for samples
+    24-47 and budget 128)::
 
         kvpress eval --model smollm2 --policies full,double_sparsity,double_sparsity:tail_chunk=64,exact_topk:tail_chunk=64,quest:tail_chunk=64,tidal:tail_chunk=64 --budgets 256 --tasks niah_single --lengths 8192 --samples 24
         kvpress eval --model smollm2 --policies full,exact_topk,exact_topk:tail_chunk=64 --budgets 256 --tasks niah_multivalue --lengths 4096 --samples 32
