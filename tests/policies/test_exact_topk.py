@@ -93,3 +93,15 @@ def test_a_planted_key_is_attended_wherever_it_sits(model):
 def test_bad_fields_are_clear_errors(fields, allowed):
     with pytest.raises(ValueError, match=allowed):
         kvpress.get_policy("exact_topk", **fields)
+
+
+def test_dense_layers_attend_densely_and_are_checked_against_the_model(model):
+    from kvpress.layers import DenseLayer
+    from kvpress.policies.exact_topk import ExactTopKLayer
+
+    cache = PolicyCache(kvpress.get_policy("exact_topk", dense_layers=1), kvpress.get_adapter(model))
+    assert type(cache.layers[0]) is DenseLayer and isinstance(cache.layers[1], ExactTopKLayer)
+    with pytest.raises(ValueError, match="dense_layers"), kvpress.apply(model, kvpress.get_policy("exact_topk", dense_layers=3)):
+        pass  # 2 layers: apply() checks the field against the model
+    with pytest.raises(ValueError, match="dense_layers"):
+        kvpress.get_policy("exact_topk", dense_layers=-1)
