@@ -133,8 +133,8 @@ class ChunkTail:
     A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`merge` folds the
     estimate of the tokens a `SparseIndex` leaves out into the exact part's output
     (`kvpress.kernels.tail_estimate`; RetroInfer's estimation zone, arXiv 2505.02922).
-    Resident bytes: ``2 * 4 / chunk_size`` bytes per cached K/V element pair (fp32 sums), i.e.
-    3.1% of a bf16 cache at ``chunk_size = 64``; they are counted in ``cache_stats``.
+    Resident bytes: ``4 / chunk_size`` per cached K or V element (fp32 sums), i.e. 1/32 of a
+    bf16 cache's bytes at ``chunk_size = 64``; they are counted in ``cache_stats``.
     """
 
     def __init__(self, chunk_size: int, grow_chunks: int = 16):
@@ -164,7 +164,7 @@ class ChunkTail:
             chunk = idx // cs
             self.tail_k_sum.index_add_(2, chunk, k.float())
             self.tail_v_sum.index_add_(2, chunk, v.float())
-            self.tail_count[:, chunk[0]: chunk[-1] + 1] += torch.bincount(chunk - chunk[0]).float()
+            self.tail_count.index_add_(1, chunk, k.new_ones(B, n, dtype=torch.float32))
             return
         rel = idx[None, :] - row_start[:, None]  # (B, n)
         real = rel >= 0
