@@ -22,7 +22,10 @@ the estimate is exact and the merged step equals dense attention.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from .index import SparseIndex
 from .torch_decode import _cache_rows, _gather, selected_positions
@@ -161,3 +164,66 @@ def reference_tail_estimate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return (one_hot.transpose(-1, -2) @ x.float()) / n.clamp(min=1)[..., None]  # (B, H_kv, N, D)
 
     return _chunk_attention(q, means(k_cache), means(v_cache), n, scale)
+
+
+def landmark_tail_estimate(q: torch.Tensor, landmarks: torch.Tensor, keep: torch.Tensor, v_sum: torch.Tensor, *,
+                           chunk_size: int, group: int, scale: float,
+                           offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tail estimate from chunk landmarks (ShadowKV's ``tail_chunk``): one mean key / value per group.
+
+    The kept chunks (``keep[b, h, c]``, ``chunk_size`` real tokens each) fall into groups
+    ``g = (c + offset) // group`` (``offset`` lets groups align with the end of a prompt, as
+    ShadowKV's chunks do, so a left-padded row groups its chunks as when run alone). Group ``g``
+    stands for its kept tokens: ``n_g = chunk_size * (kept chunks)`` tokens of key the mean of
+    their landmarks (= the mean of their keys) and value ``v_sum[g] / n_g`` — the estimate of
+    `tail_estimate` over ``group * chunk_size``-token chunks, with keys taken from the landmarks
+    already on the device instead of running key sums.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, D)`` decode queries.
+    landmarks : torch.Tensor
+        ``(B, H_kv, C, D)`` mean post-RoPE key of each chunk.
+    keep : torch.Tensor
+        bool ``(B, H_kv, C)``: the chunks the estimate stands for (not attended exactly).
+    v_sum : torch.Tensor
+        fp32 ``(B, H_kv, N, D)``, ``N = ceil((C + offset) / group)``: value sums of each group's kept chunks.
+
+    Returns
+    -------
+    out, lse : torch.Tensor
+        fp32 ``(B, H_q, D)`` / ``(B, H_q)``, as `tail_estimate` (``lse`` is ``-inf`` when no chunk is kept).
+    """
+    B, H, C, D = landmarks.shape
+    N = v_sum.shape[2]
+    if q.dim() != 3 or q.shape[1] % H or q.shape[2] != D or tuple(keep.shape) != (B, H, C):
+        raise ValueError(f"q {tuple(q.shape)}, landmarks {tuple(landmarks.shape)} and keep {tuple(keep.shape)} "
+                         "must be (B, H_q, D), (B, H_kv, C, D) and (B, H_kv, C)")
+    if not 0 <= offset < group:
+        raise ValueError(f"offset={offset} must be in [0, group={group})")
+    if N != -(-(C + offset) // group) or tuple(v_sum.shape) != (B, H, N, D):
+        raise ValueError(f"v_sum {tuple(v_sum.shape)} must hold ceil((C + offset) / group) = "
+                         f"{-(-(C + offset) // group)} groups of {H} KV heads")
+    pad = (offset, N * group - C - offset)
+    kept = F.pad(keep.float(), pad).view(B, H, N, group).sum(-1)  # (B, H_kv, N) kept chunks per group
+    k_sum = F.pad(landmarks.float() * keep[..., None], (0, 0) + pad).view(B, H, N, group, D).sum(3)
+    k_mean = k_sum / kept.clamp(min=1)[..., None]
+    n = kept * chunk_size
+    return _chunk_attention(q, k_mean, v_sum.float() / n.clamp(min=1)[..., None], n, scale)
+
+
+def reference_landmark_tail_estimate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, *,
+                                     chunk_size: int, group: int, scale: float,
+                                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`landmark_tail_estimate` from the tokens: ``k`` / ``v`` ``(B, H_kv, C * chunk_size, D)``, means taken here."""
+    B, H, C = keep.shape
+    tok_group = (torch.arange(C * chunk_size, device=k.device) // chunk_size + offset) // group
+    N = -(-(C + offset) // group)
+    one_hot = F.one_hot(tok_group, N).float()[None, None] * keep.repeat_interleave(chunk_size, -1)[..., None]
+    n = one_hot.sum(2)  # (B, H, N) kept tokens per group
+
+    def means(x):
+        return (one_hot.transpose(-1, -2) @ x.float()) / n.clamp(min=1)[..., None]
+
+    return _chunk_attention(q, means(k), means(v), n, scale)

@@ -117,6 +117,7 @@ class DoubleSparsityPolicy(Policy):
     artifact: str | None = None
     backend: str = "auto"
     tail_chunk: int = 0
+    rerank: int = 1
 
     name = "double_sparsity"
     description = "label cache of calibrated key channels scores tokens; top tokens attended exactly"
@@ -140,6 +141,7 @@ class DoubleSparsityPolicy(Policy):
         check_choice("group_reduction", self.group_reduction, REDUCTIONS)
         check_choice("backend", self.backend, ("auto", "torch", "triton"))
         check_int("tail_chunk", self.tail_chunk, 0)
+        check_int("rerank", self.rerank, 1)
 
     def channels_for(self, head_dim: int) -> int:
         """``r``, the label channels per key (default ``min(16, head_dim // 4)``).
@@ -340,17 +342,41 @@ class DoubleSparsityLayer(DenseLayer):
         """
         p = self.policy
 
+        keep = p.budget - p.sink_tokens - p.window_size
+
         def scores_for(lo, hi, mask):
             if mask is None:
                 # Hot path (no padding): score only the candidates, ~8 torch calls (each costs
                 # tens of us on CPU once a layer's MLP has evicted the caches)
-                return self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
-            return label_scores(q0, self.label_view(), self.channels, scale=scaling,
-                                reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
+                s = self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
+            else:
+                s = label_scores(q0, self.label_view(), self.channels, scale=scaling,
+                                 reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
+                lo = 0
+            return s if p.rerank == 1 else self._rerank(q0, scaling, s, lo, keep * p.rerank)
 
         return token_topk_index(scores_for, q0.shape[0], self.seen, row_start, q0.device,
-                                keep=p.budget - p.sink_tokens - p.window_size, sinks=p.sink_tokens,
-                                window=p.window_size)
+                                keep=keep, sinks=p.sink_tokens, window=p.window_size)
+
+    def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
+        """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.
+
+        ``s`` (B, H_kv, n) scores tokens ``lo .. lo + n - 1``; the shortlist's keys are read from
+        the cache (``m * head_dim`` elements per KV head) and reduced over the GQA group as the
+        labels are, the softmax taken over the shortlist.
+        """
+        B, H, n = s.shape
+        G, D = q0.shape[1] // H, q0.shape[2]
+        top, cand = torch.topk(s, min(m, n), dim=-1, sorted=False)  # (B, H, m)
+        keys = torch.gather(self.buffer.k, 2, (cand + lo)[..., None].expand(-1, -1, -1, D))  # (B, H, m, D)
+        exact = (q0.float().view(B, H, G, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, m)
+        bad = ~torch.isfinite(top)[:, :, None]  # masked candidates (padding) stay out
+        exact = exact.masked_fill(bad, float("-inf"))
+        reduction = self.policy.group_reduction
+        if reduction.startswith("softmax"):
+            exact = torch.softmax(exact, dim=-1).nan_to_num(0.0).masked_fill(bad, float("-inf"))
+        exact = exact.mean(2) if reduction.endswith("mean") else exact.amax(2)  # (B, H, m)
+        return torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
 
     def _const(self, name: str, build):
         """Per-layer constant that depends only on the batch size (rebuilt when it changes)."""

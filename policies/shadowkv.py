@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
-from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, landmark_scores, merge_states, sparse_decode
+from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_scores, landmark_tail_estimate,
+                             merge_states, sparse_decode)
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -99,6 +100,7 @@ class ShadowKVPolicy(Policy):
     local_window: int = 32
     score_reduction: str = "softmax_max"
     rerank: int = 8
+    tail_chunk: int = 0
     backend: str = "auto"
 
     name = "shadowkv"
@@ -116,6 +118,10 @@ class ShadowKVPolicy(Policy):
         check_int("local_window", self.local_window, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
         check_int("rerank", self.rerank, 1)
+        check_int("tail_chunk", self.tail_chunk, 0)
+        if self.tail_chunk % self.chunk_size:
+            raise ValueError(f"tail_chunk={self.tail_chunk} must be 0 (off) or a multiple of chunk_size="
+                             f"{self.chunk_size}: its value sums cover whole chunks")
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):
@@ -154,7 +160,7 @@ class ShadowKVLayer(CacheLayer):
     """
 
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "exact_k", "exact_v", "exact_idx",
-              "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values")
+              "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
         super().__init__(cache, layer_idx)
@@ -254,7 +260,47 @@ class ShadowKVLayer(CacheLayer):
             rank = default_rank(H * D) if p.rank is None else p.rank
             self.factor, self.basis = _low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
+            if p.tail_chunk:
+                self._ingest_tail(vp.view(B, H, C, cs, D), selectable)
         self.seen += T
+
+    def _ingest_tail(self, v: torch.Tensor, selectable: torch.Tensor) -> None:
+        """fp32 value sums of the selectable chunks per ``tail_chunk`` group (device).
+
+        Groups align with the end of the prompt, as the chunks do: chunk ``c`` is in group
+        ``(c + offset) // m`` with ``offset = (-C) % m``.
+        """
+        B, H, C, cs, D = v.shape
+        m = self.policy.tail_chunk // cs
+        off = (-C) % m
+        N = (C + off) // m
+        sums = v.float().sum(3) * selectable[..., None]  # (B, H, C, D)
+        self.tail_v_sum = F.pad(sums, (0, 0, off, 0)).view(B, H, N, m, D).sum(3)
+
+    def _tail(self, q0: torch.Tensor, ids: torch.Tensor | None, values: torch.Tensor | None,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Estimate of the selectable chunks this step does not attend (`landmark_tail_estimate`).
+
+        ``ids`` (B, H, k) are the chunks attended exactly (-1 empty) and ``values`` (B, H, k, cs, D)
+        their fetched values: they leave the estimate, their values subtracted from their group's sum.
+        """
+        B, H, C, D = self.landmarks.shape
+        cs = self.policy.chunk_size
+        m = self.policy.tail_chunk // cs
+        N = self.tail_v_sum.shape[2]
+        off = N * m - C
+        keep, v_sum = self.selectable, self.tail_v_sum
+        if ids is not None:
+            ok = ids >= 0
+            chunk = torch.where(ok, ids.long(), C)  # empty slots to a spare chunk C
+            keep = torch.ones(B, H, C + 1, dtype=torch.bool, device=q0.device).scatter_(2, chunk, False)[..., :C]
+            keep = keep & self.selectable
+            grp = torch.where(ok, (ids.long() + off) // m, N)  # (B, H, k); spare group N
+            sel = values.float().sum(3) * ok[..., None]  # (B, H, k, D)
+            v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
+                2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
+        return landmark_tail_estimate(q0, self.landmarks, keep, v_sum, chunk_size=cs, group=m,
+                                      scale=scaling, offset=off)
 
     # ------------------------------------------------------------------ decode
     def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -291,9 +337,13 @@ class ShadowKVLayer(CacheLayer):
         allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
         allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
         k_sel = int(allow.max()) if allow.numel() else 0
+        ids = values = None
         if k_sel:
-            o, l = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
+            o, l, ids, values = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
             out, lse = merge_states(out, lse, o, l)
+        if p.tail_chunk and self.max_selectable:
+            o, l = self._tail(q0, ids, values, scaling)
+            out, lse = merge_states(out, lse, o.to(out.dtype), l)
         attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
         self.max_attended = max(self.max_attended, attended + self.gen_len)
         return out[:, :, None]
@@ -321,8 +371,9 @@ class ShadowKVLayer(CacheLayer):
         slots = torch.arange(k_sel, device=dev, dtype=torch.int32)
         index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
                             torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
-        return sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
-                             backend=self._decode_backend, validate_index=False)
+        out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
+                                 backend=self._decode_backend, validate_index=False)
+        return out, lse, ids, values
 
     def _rerank(self, q0, scores, n_cand, k_sel, allow, scaling, inv_freq):
         """Landmarks shortlist ``n_cand`` chunks; their rebuilt keys' exact scores pick the top ``allow``.

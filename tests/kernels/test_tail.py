@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from kvpress.kernels import (merge_states, reference_sparse_decode, reference_tail_estimate, sparse_decode,
-                             tail_estimate)
+from kvpress.kernels import (SparseIndex, chunk_landmarks, landmark_tail_estimate, merge_states,
+                             reference_landmark_tail_estimate, reference_sparse_decode, reference_tail_estimate,
+                             sparse_decode, tail_estimate)
 from kvpress_kernel_cases import build, case
 
 
@@ -109,3 +110,56 @@ def test_hot_path_positions_equal_the_general_slot_table(full_counts):
     for a, b, c in zip(fast, general, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a, c, atol=1e-4, rtol=1e-4)
+
+
+def landmark_inputs(B=2, H=2, G=3, C=13, cs=8, D=16, group=4, p_keep=0.6, seed=0, offset=0):
+    gen = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, C * cs, D, generator=gen), torch.randn(B, H, C * cs, D, generator=gen)
+    q = torch.randn(B, H * G, D, generator=gen)
+    keep = torch.rand(B, H, C, generator=gen) < p_keep
+    N = -(-(C + offset) // group)
+    one_hot = torch.nn.functional.one_hot((torch.arange(C) + offset) // group, N).float()  # (C, N): group of each chunk
+    v_sum = one_hot.T @ (v.view(B, H, C, cs, D).sum(3) * keep[..., None])  # kept chunks' values per group
+    return q, k, v, keep, chunk_landmarks(k, cs), v_sum
+
+
+@pytest.mark.parametrize("group, offset", [(1, 0), (3, 0), (4, 0), (4, 3), (13, 0), (13, 12)])
+def test_landmark_estimate_equals_token_level_reference(group, offset):
+    q, k, v, keep, landmarks, v_sum = landmark_inputs(group=group, offset=offset)
+    out, lse = landmark_tail_estimate(q, landmarks, keep, v_sum, chunk_size=8, group=group, scale=0.25, offset=offset)
+    ref_out, ref_lse = reference_landmark_tail_estimate(q, k, v, keep, chunk_size=8, group=group, scale=0.25,
+                                                        offset=offset)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def test_landmark_estimate_of_constant_groups_is_exact_attention():
+    """Keys and values equal within each group of chunks: the estimate is exact attention."""
+    gen = torch.Generator().manual_seed(1)
+    B, H, G, C, cs, D, group = 1, 2, 2, 8, 8, 16, 2
+    k = torch.randn(B, H, C // group, 1, D, generator=gen).expand(B, H, C // group, group * cs, D)
+    v = torch.randn(B, H, C // group, 1, D, generator=gen).expand(B, H, C // group, group * cs, D)
+    k, v = k.reshape(B, H, C * cs, D), v.reshape(B, H, C * cs, D)
+    q, keep = torch.randn(B, H * G, D, generator=gen), torch.ones(B, H, C, dtype=torch.bool)
+    v_sum = v.reshape(B, H, C // group, group * cs, D).sum(3)
+    out, lse = landmark_tail_estimate(q, chunk_landmarks(k, cs), keep, v_sum, chunk_size=cs, group=group, scale=0.25)
+    dense = SparseIndex.dense(torch.tensor([C * cs]), H, block_size=8)
+    ref_out, ref_lse = reference_sparse_decode(q, k, v, dense, scale=0.25)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_landmark_estimate_with_nothing_kept_is_empty():
+    q, _, _, keep, landmarks, v_sum = landmark_inputs(p_keep=0.0)
+    out, lse = landmark_tail_estimate(q, landmarks, keep, v_sum, chunk_size=8, group=4, scale=0.25)
+    assert torch.isneginf(lse).all() and torch.equal(out, torch.zeros_like(out))
+
+
+def test_landmark_estimate_shape_errors_name_the_shapes():
+    q, _, _, keep, landmarks, v_sum = landmark_inputs()
+    with pytest.raises(ValueError, match="ceil"):
+        landmark_tail_estimate(q, landmarks, keep, v_sum, chunk_size=8, group=3, scale=1.0)
+    with pytest.raises(ValueError, match=r"offset=4 must be in \[0, group=4\)"):
+        landmark_tail_estimate(q, landmarks, keep, v_sum, chunk_size=8, group=4, scale=1.0, offset=4)
+    with pytest.raises(ValueError, match="keep"):
+        landmark_tail_estimate(q, landmarks, keep[:, :1], v_sum, chunk_size=8, group=4, scale=1.0)

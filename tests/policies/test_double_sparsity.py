@@ -111,6 +111,8 @@ def test_bad_config_values(model, artifact):
         policy(artifact, label_bits=8)
     with pytest.raises(ValueError, match=r"1 <= label_channels <= 4"):  # head_dim 16: r in 16/16 .. 16/4
         kvpress.make_cache(model, policy(artifact, label_channels=5))
+    with pytest.raises(ValueError, match="rerank=0 is out of range"):
+        policy(artifact, rerank=0)
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -205,6 +207,33 @@ def test_selection_prefers_high_label_scores(model, artifact):
         want = set((scores[h, mid].topk(k).indices + pol.sink_tokens).tolist())
         got = set(index.block_idx[0, h, : index.block_cnt[0, h]].tolist())
         assert got == want
+
+
+@pytest.mark.parametrize("reduction", ["max", "softmax_max", "softmax_mean"])
+@pytest.mark.parametrize("batch_pad", [False, True])
+def test_rerank_of_every_candidate_is_exact_top_k(model, artifact, reduction, batch_pad):
+    """Labels shortlist ``rerank`` x the kept tokens, exact keys choose among them; a shortlist of
+    every candidate is exact top-k selection (the same sinks, window and group reduction)."""
+    ids = torch.cat([random_ids(40, seed=9), torch.cat([torch.zeros(1, 10, dtype=torch.long), random_ids(30, seed=10)], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    if not batch_pad:
+        ids, mask = ids[:1], mask[:1]
+    q = torch.randn(ids.shape[0], 4, 16, generator=torch.Generator().manual_seed(0))
+    chosen = {}
+    for name, kw in [("exact_topk", {}), ("double_sparsity", dict(label_channels=2, rerank=100)),
+                     ("double_sparsity", dict(label_channels=2, rerank=2)),
+                     ("double_sparsity", dict(label_channels=2))]:
+        pol = kvpress.get_policy(name, budget=20, sink_tokens=2, window_size=4, group_reduction=reduction,
+                                 **({"artifact": artifact} if name == "double_sparsity" else {}), **kw)
+        with torch.no_grad(), kvpress.apply(model, pol):
+            cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        layer = cache.layers[1]
+        chosen[(name, kw.get("rerank"))] = layer.select(q, 0.25, layer.row_start).token_mask(layer.seen)
+    exact = chosen[("exact_topk", None)]
+    assert torch.equal(chosen[("double_sparsity", 100)], exact)
+    assert not torch.equal(chosen[("double_sparsity", None)], exact)  # labels alone choose otherwise here
+    assert chosen[("double_sparsity", 2)].sum() == exact.sum()  # the budget holds with a short list too
 
 
 @pytest.mark.parametrize("bits", [16, 4])

@@ -35,7 +35,9 @@ def generate(model, pol, ids, new=6):
 @pytest.mark.parametrize("kw, match", [(dict(chunk_size=12), "chunk_size=12 is not supported"),
                                        (dict(rank=0), "rank=0 is out of range"),
                                        (dict(backend="cuda"), "backend='cuda' is not supported"),
-                                       (dict(rerank=0), "rerank=0 is out of range")])
+                                       (dict(rerank=0), "rerank=0 is out of range"),
+                                       (dict(tail_chunk=12), "multiple of chunk_size=8"),
+                                       (dict(tail_chunk=-8), "tail_chunk=-8 is out of range")])
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
@@ -208,7 +210,6 @@ def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduc
     assert target in picks[32][0, 0].tolist()
 
 
-
 def test_default_rank_is_a_quarter_of_the_key_dimension(model):
     """rank=None keeps num_kv_heads * head_dim / 4 components (8 of the tiny model's 32)."""
     _, dense = dense_prefill(model, random_ids(PROMPT, seed=13))
@@ -223,3 +224,89 @@ def test_smollm2_4k_needle_at_depth_0_is_found_at_a_3_percent_budget():
     score, stats = needle_run(kvpress.get_policy("shadowkv", budget=232))
     assert score == 1.0
     assert stats.resident_bytes < 0.3 * stats.dense_bytes
+
+
+@pytest.mark.parametrize("tail_chunk", [8, 32])
+def test_tail_is_the_landmark_estimate_of_the_chunks_left_out(model, tail_chunk):
+    """`_tail` stands for exactly the selectable chunks a step does not select: their mean keys and
+    the mean value of their group's remaining tokens, as computed from the prompt's own keys / values."""
+    from kvpress.kernels import reference_landmark_tail_estimate
+
+    ids = random_ids(PROMPT - 3, seed=17)  # chunks shifted by 3: the row-start partial chunk is exact
+    _, dense = dense_prefill(model, ids)
+    layer = cache_from_dense(model, policy(tail_chunk=tail_chunk), dense).layers[1]
+    B, H, C, D = layer.landmarks.shape
+    gen = torch.Generator().manual_seed(0)
+    q0 = torch.randn(B, 4, D, generator=gen)
+    selectable = [layer.selectable[0, h].nonzero().flatten() for h in range(H)]
+    ids_sel = torch.full((B, H, 3), -1, dtype=torch.int32)
+    ids_sel[0, 0, :2] = selectable[0][[1, -1]].int()  # two chunks for head 0, one (of another group) for head 1
+    ids_sel[0, 1, :1] = selectable[1][2].int()
+    values = fetch_chunks(layer.v_host, ids_sel, None, None, TransferCounters(), torch.device("cpu"))
+    out, lse = layer._tail(q0, ids_sel, values, 0.25)
+
+    shift = (-ids.shape[1]) % 8
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, shift, 0))  # noqa: E731
+    keep = layer.selectable.clone()
+    for h in range(H):
+        keep[0, h, ids_sel[0, h][ids_sel[0, h] >= 0].long()] = False
+    m = tail_chunk // 8
+    ref_out, ref_lse = reference_landmark_tail_estimate(q0, pad(dense.layers[1].keys), pad(dense.layers[1].values),
+                                                        keep, chunk_size=8, group=m, scale=0.25, offset=(-C) % m)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+def decode_logits(model, pol, ids, steps=6):
+    logits = []
+    with torch.no_grad(), kvpress.apply(model, pol):
+        out = model(ids, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+    return out.past_key_values, torch.stack(logits, 1)
+
+
+def test_tail_estimate_brings_a_diffuse_model_back_to_full(model):
+    """The tiny random model attends diffusely: dropping the unselected chunks moves the logits far
+    from `full`, their landmark estimate (exact keys: full rank) brings them back close."""
+    ids = random_ids(200, seed=1)
+    _, full = decode_logits(model, kvpress.get_policy("full"), ids)
+    _, plain = decode_logits(model, policy(rank=32), ids)
+    cache, tail = decode_logits(model, policy(rank=32, tail_chunk=16), ids)
+    assert cache.layers[0].counters.steps > 0  # chunks really were selected and fetched
+    err_plain, err_tail = (plain[:, 1:] - full[:, 1:]).abs().max(), (tail[:, 1:] - full[:, 1:]).abs().max()
+    assert err_plain > 0.1 and err_tail < 0.05 * err_plain
+
+
+def test_tail_value_sums_are_device_state_counted_in_cache_stats(model):
+    ids = random_ids(200, seed=2)
+    plain, _ = decode_logits(model, policy(), ids)
+    cache, _ = decode_logits(model, policy(tail_chunk=32), ids)
+    extra = 0
+    for layer, base in zip(cache.layers, plain.layers):
+        B, H, C, D = layer.landmarks.shape
+        assert layer.tail_v_sum.shape == (B, H, -(-C // 4), D) and layer.tail_v_sum.dtype == torch.float32
+        extra += layer.tail_v_sum.nbytes
+    stats, base_stats = kvpress.cache_stats(cache), kvpress.cache_stats(plain)
+    assert stats.resident_bytes == base_stats.resident_bytes + extra
+    assert stats.offloaded_bytes == base_stats.offloaded_bytes
+
+
+def test_tail_left_padded_rows_estimate_as_when_run_alone(model):
+    pol = policy(tail_chunk=16)
+    long, short = random_ids(PROMPT, seed=3), random_ids(PROMPT - 13, seed=4)
+    batch = torch.zeros(2, PROMPT, dtype=torch.long)
+    mask = torch.zeros(2, PROMPT, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, 13:], mask[1, 13:] = short[0], 1
+
+    def scores(ids, attention_mask=None):
+        with torch.no_grad(), kvpress.apply(model, pol):
+            out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False,
+                                 return_dict_in_generate=True, output_scores=True)
+        return torch.stack(out.scores, 1)
+
+    both = scores(batch, mask)
+    torch.testing.assert_close(both[0], scores(long)[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(both[1], scores(short)[0], atol=1e-4, rtol=1e-4)
