@@ -106,6 +106,13 @@ class DoubleSparsityPolicy(Policy):
     at 1.15x ``full``'s speed instead of 1.59x. With label-chosen tokens the estimate hurts as
     often as it helps (with exact selection it keeps 96.6% over the same 48), so it is not the
     way to the issue's 90% for this policy.
+
+    ``rerank=M`` (default 1: the labels choose, as the paper) shortlists ``M`` times the kept
+    tokens by label score and chooses among them by exact ``q . k`` on their keys, read from
+    the resident cache (``M * keep * head_dim`` elements per KV head and step beside the labels'
+    ``T * r``), reduced over the GQA group as the labels are; a shortlist of every candidate is
+    ``exact_topk``'s selection (tested). With the tail (session 12, BENCHMARKS "Session 12")
+    the label shortlist is what the estimate needed: DS_RERANK_RESULTS
     """
 
     budget: int = 256
@@ -187,9 +194,10 @@ class DoubleSparsityPolicy(Policy):
 
     @classmethod
     def example(cls, adapter) -> "DoubleSparsityPolicy":
-        """A small instance with a synthetic artifact calibrated on random ids of the (tiny) model."""
+        """A small instance with a synthetic artifact calibrated on random ids of the (tiny) model;
+        the labels shortlist twice the kept tokens for exact re-scoring."""
         return cls(budget=24, sink_tokens=2, window_size=6, label_channels=max(1, adapter.head_dim // 8),
-                   artifact=str(synthetic_artifact(adapter)))
+                   artifact=str(synthetic_artifact(adapter)), rerank=2)
 
 
 def synthetic_artifact(adapter, num_tokens: int = 96, seed: int = 0) -> pathlib.Path:

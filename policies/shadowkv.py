@@ -91,6 +91,16 @@ class ShadowKVPolicy(Policy):
     against ``full``'s 58.1 at batch 4): 61 MiB of values fetched per row per step from pinned
     host memory with a reuse rate of 0.03 (random weights pick new chunks every step) and many
     small launches per layer.
+
+    ``tail_chunk=N`` (0 = off, the default; a multiple of ``chunk_size``) adds an estimate of the
+    selectable chunks a step leaves out, merged by `merge_states` (RetroInfer's estimation zone,
+    arXiv 2505.02922; the same idea as the selection policies' ``tail_chunk``, see
+    ``exact_topk``): each N-token group of them stands for its tokens with the mean of their
+    landmarks as key and their mean value as value (`kvpress.kernels.landmark_tail_estimate`).
+    Keys come from the landmarks already on the device; the values' fp32 sums per group are new
+    device bytes (``4 / N`` per value element: 0.8% of ``full`` at N = 64 on fp32 SmolLM2), and
+    the chunks attended exactly are subtracted with the values they fetched.
+    TAIL_RESULTS
     """
 
     budget: int = 2048
@@ -139,8 +149,9 @@ class ShadowKVPolicy(Policy):
     def example(cls, adapter):
         # Tiny test models: 2 KV heads * head_dim 16 = 32-dim keys, 48-token prompts = 6 chunks of
         # 8. One outlier + one window chunk exact, rank 8 of 32, budget 32: about two of the four
-        # remaining chunks per step, so selection, rebuild and host fetches all run.
-        return cls(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8)
+        # remaining chunks per step, so selection, rebuild and host fetches all run; the tail
+        # estimate (groups of two chunks) covers the chunks left out.
+        return cls(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8, tail_chunk=16)
 
 
 class ShadowKVLayer(CacheLayer):
@@ -155,7 +166,8 @@ class ShadowKVLayer(CacheLayer):
     Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
     (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
     with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
-    the previous step's fetched chunks ``sel_idx``/``sel_values``. Host tier: ``v_host``
+    the previous step's fetched chunks ``sel_idx``/``sel_values``, and with ``tail_chunk`` the
+    value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier: ``v_host``
     (B, H_kv, C, chunk_size, D). Transfers: ``counters`` (:class:`TransferCounters`).
     """
 
