@@ -3,7 +3,7 @@
 Triton is optional: it is imported only when the triton backend runs.
 """
 from .decode import BACKENDS, sparse_decode, triton_available
-from .index import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk
+from .index import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk, topk_ids
 from .merge import merge_states
 from .reference import reference_sparse_decode
 from .scores import (REDUCTIONS, build_labels, chunk_landmarks, exact_scores, label_scores, landmark_scores,
@@ -11,7 +11,7 @@ from .scores import (REDUCTIONS, build_labels, chunk_landmarks, exact_scores, la
 
 __all__ = [
     "ALLOWED_BLOCK_SIZES", "BACKENDS", "SparseIndex", "merge_states", "reference_sparse_decode",
-    "select_topk", "sparse_decode", "triton_available",
+    "select_topk", "sparse_decode", "topk_ids", "triton_available",
     "REDUCTIONS", "build_labels", "chunk_landmarks", "exact_scores", "label_scores", "landmark_scores",
     "page_min_max", "pool_blocks", "quest_scores", "reduce_over_group",
 ]
@@ -29,6 +29,7 @@ __all__ += ["ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "dequantize_per_channel", "de
 
 # chunk-mean estimate of the tokens a sparse step leaves out (``tail_chunk`` of the selection policies)
 from .tail import (landmark_tail_estimate, reference_landmark_tail_estimate, reference_tail_estimate,  # noqa: E402
-                   tail_estimate)
+                   sparse_decode_tail, tail_estimate)
 
-__all__ += ["landmark_tail_estimate", "reference_landmark_tail_estimate", "reference_tail_estimate", "tail_estimate"]
+__all__ += ["landmark_tail_estimate", "reference_landmark_tail_estimate", "reference_tail_estimate",
+            "sparse_decode_tail", "tail_estimate"]

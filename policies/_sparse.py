@@ -14,13 +14,14 @@ Small on purpose; other policies may import it:
     like the same prompt run alone.
 ``select_pages`` / ``page_index``
     Top-k pages per KV head among candidate pages, and the `SparseIndex` that attends them.
-``range_topk_index``
-    The unpadded decode hot path: top-k over one candidate range shared by every row.
+``range_topk_index`` / ``range_index``
+    The unpadded decode hot path: top-k over one candidate range shared by every row (or
+    given ids in that range).
 ``token_topk_index``
     Sinks + window + top tokens in between, hot path or masked (``double_sparsity``, ``exact_topk``).
 ``ChunkTail``
     Running per-chunk key / value sums that estimate the attention of the tokens a step leaves
-    out (``tail_chunk`` of the selection policies; `kvpress.kernels.tail_estimate`).
+    out (``tail_chunk`` of the selection policies; `kvpress.kernels.sparse_decode_tail`).
 
 Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
 ``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
@@ -32,7 +33,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.layers import DenseLayer
-from kvpress.kernels import SparseIndex, merge_states, select_topk, sparse_decode, tail_estimate
+from kvpress.kernels import SparseIndex, select_topk, sparse_decode, sparse_decode_tail, topk_ids
 
 
 class SelectiveLayer(DenseLayer):
@@ -90,11 +91,12 @@ class SelectiveLayer(DenseLayer):
 
     def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
         """``sparse_decode`` of q [B, H_q, 1, D] over the buffer (+ the tail estimate); returns [B, H_q, 1, D]."""
-        out, lse = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling,
-                                 validate_index=not self._validated)
-        self._validated = True
         if self.tail is not None:
-            out = self.tail.merge(q[:, :, 0], out, lse, self.buffer, index, scaling)
+            out = self.tail.attend(q[:, :, 0], self.buffer, index, scaling, validate_index=not self._validated)
+        else:
+            out, _ = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling,
+                                   validate_index=not self._validated)
+        self._validated = True
         return out[:, :, None]
 
     def ingest_prefill(self, k, v):
@@ -130,9 +132,9 @@ class ChunkTail:
     Chunk ``c`` of row ``b`` covers sequence indices ``row_start[b] + [c * chunk_size,
     (c + 1) * chunk_size)`` (as `PageStats` counts pages), so a left-padded row is chunked as
     if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk).
-    A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`merge` folds the
-    estimate of the tokens a `SparseIndex` leaves out into the exact part's output
-    (`kvpress.kernels.tail_estimate`; RetroInfer's estimation zone, arXiv 2505.02922).
+    A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`attend`
+    attends a `SparseIndex` exactly and adds the estimate of the tokens it leaves out
+    (`kvpress.kernels.sparse_decode_tail`; RetroInfer's estimation zone, arXiv 2505.02922).
     Resident bytes: ``4 / chunk_size`` per cached K or V element (fp32 sums), i.e. 1/32 of a
     bf16 cache's bytes at ``chunk_size = 64``; they are counted in ``cache_stats``.
     """
@@ -186,15 +188,17 @@ class ChunkTail:
             ks[:, :, :old], vs[:, :, :old], cnt[:, :old] = self.tail_k_sum, self.tail_v_sum, self.tail_count
         self.tail_k_sum, self.tail_v_sum, self.tail_count = ks, vs, cnt
 
-    def merge(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, buffer, index: SparseIndex,
-              scaling: float) -> torch.Tensor:
-        """The exact part ``(out, lse)`` (B, H_q, D) / (B, H_q) merged with the estimate of the rest."""
+    def attend(self, q: torch.Tensor, buffer, index: SparseIndex, scaling: float, *, backend: str = "auto",
+               validate_index: bool = True) -> torch.Tensor:
+        """Exact attention of q (B, H_q, D) over ``index`` merged with the estimate of the rest (B, H_q, D).
+
+        One pass (`kvpress.kernels.sparse_decode_tail`): the attended rows serve both parts.
+        """
         n = self.chunks
-        t_out, t_lse = tail_estimate(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n],
-                                     self.tail_v_sum[:, :, :n], self.tail_count[:, :n],
-                                     chunk_size=self.chunk_size, scale=scaling, seq_len=buffer.length)
-        merged, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
-        return merged
+        out, _ = sparse_decode_tail(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n], self.tail_v_sum[:, :, :n],
+                                    self.tail_count[:, :n], chunk_size=self.chunk_size, scale=scaling,
+                                    seq_len=buffer.length, backend=backend, validate_index=validate_index)
+        return out
 
     def state_tensors(self) -> dict:
         return {"tail_k_sum": self.tail_k_sum, "tail_v_sum": self.tail_v_sum, "tail_count": self.tail_count}
@@ -317,15 +321,25 @@ def range_topk_index(scores: torch.Tensor, k: int, lo: int, seq_len: int, *, blo
 
     The decode hot path of an unpadded batch: ``scores`` (B, H_kv, n) score blocks
     ``lo .. lo + n - 1`` (tokens when ``block_size`` is 1), the same for every row, so no mask is
-    needed. Ids come out ascending (the kernel's gather then walks the cache forward), as int32,
-    with a trusted ``id_range`` so the kernel need not read them.
+    needed (`range_index` builds the index).
     """
-    B, H, n = scores.shape
-    top = torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
-    ids = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=scores.device))
-    count = torch.full((B, H), k, dtype=torch.int32, device=scores.device)
-    lens = torch.full((B,), seq_len, dtype=torch.int32, device=scores.device)
-    return SparseIndex(block_size, ids, count, lens, None, sinks, dense_tail, id_range=(lo, lo + n - 1))
+    return range_index(topk_ids(scores, k), lo, seq_len, scores.shape[-1], block_size=block_size, sinks=sinks,
+                       dense_tail=dense_tail)
+
+
+def range_index(ids: torch.Tensor, lo: int, seq_len: int, n: int, *, block_size: int, sinks: int,
+                dense_tail: int) -> SparseIndex:
+    """`SparseIndex` attending candidates ``ids`` (B, H_kv, k), distinct, in ``[0, n)``, of blocks ``lo ..``.
+
+    Ids come out ascending (the kernel's gather then walks the cache forward), as int32, with a
+    trusted ``id_range`` ``(lo, lo + n - 1)`` so the kernel need not read them.
+    """
+    B, H, k = ids.shape
+    top = ids.sort(dim=-1).values
+    out = torch.add(top, lo, out=torch.empty(top.shape, dtype=torch.int32, device=ids.device))
+    count = torch.full((B, H), k, dtype=torch.int32, device=ids.device)
+    lens = torch.full((B,), seq_len, dtype=torch.int32, device=ids.device)
+    return SparseIndex(block_size, out, count, lens, None, sinks, dense_tail, id_range=(lo, lo + n - 1))
 
 
 def token_topk_index(scores_for, batch: int, seq_len: int, row_start: torch.Tensor | None, device, *,

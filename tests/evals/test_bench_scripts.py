@@ -94,7 +94,17 @@ def test_double_sparsity_artifact_of_a_random_model_names_it(tmp_path):
 def test_bench_layer_decode_smoke(capsys):
     from kvpress.evals.bench_layer_decode import main
 
-    assert main(["--contexts", "256", "--policies", "full,window:64", "--steps", "3"]) == 0
+    assert main(["--contexts", "256", "--policies", "full,window:64,quest:dense_layers=0:tail_chunk=16@96", "--steps", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2].split()[0] == "full" and lines[-1].split()[0] == "window:64"
-    assert float(lines[-1].split()[1]) > 0
+    assert [line.split()[0] for line in lines[-3:]] == ["full", "window:64", "quest:dense_layers=0:tail_chunk=16@96"]
+    assert all(float(line.split()[1]) > 0 for line in lines[-3:])
+
+
+def test_bench_layer_decode_reads_policy_specs():
+    from kvpress.evals.bench_layer_decode import parse_spec
+
+    assert parse_spec("window:64") == parse_spec("window@64")  # the older name:budget form
+    policy = parse_spec("double_sparsity:rerank=8:tail_chunk=64@256")
+    assert (policy.name, policy.budget, policy.rerank, policy.tail_chunk) == ("double_sparsity", 256, 8, 64)
+    with pytest.raises(ValueError, match="rerank"):
+        parse_spec("double_sparsity:rerank=0@256")

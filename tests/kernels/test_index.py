@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvpress.kernels import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk
+from kvpress.kernels import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk, topk_ids
 from kvpress_kernel_cases import build, case
 
 
@@ -104,3 +104,26 @@ def test_constructor_rejects(kw, match):
 def test_validate_rejects(kw, vkw, match):
     with pytest.raises(ValueError, match=match):
         _index(**kw).validate(**vkw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 7, 199, 200])
+def test_topk_ids_is_the_set_torch_topk_picks(dtype, k):
+    """numpy's selection on CPU fp32 / fp64, torch.topk otherwise: the same ids (distinct scores)."""
+    scores = torch.randperm(2 * 3 * 200, generator=torch.Generator().manual_seed(k)).view(2, 3, 200).to(dtype)
+    scores = scores.transpose(0, 1)  # a non-contiguous view
+    ids = topk_ids(scores, k)
+    ref = torch.topk(scores.float(), k, dim=-1).indices
+    assert ids.dtype == torch.int64 and ids.shape == (3, 2, k)
+    assert torch.equal(ids.sort(-1).values, ref.sort(-1).values)
+
+
+def test_topk_ids_ranks_nan_first_and_neg_inf_last_like_torch_topk():
+    scores = torch.tensor([[0.5, float("nan"), float("-inf"), 2.0, float("-inf"), 1.0]])
+    assert sorted(topk_ids(scores, 2)[0].tolist()) == [1, 3]
+    assert sorted(topk_ids(scores, 4)[0].tolist()) == [0, 1, 3, 5]
+
+
+def test_topk_ids_rejects_k_out_of_range():
+    with pytest.raises(ValueError, match=r"k=5 must be in \[0, 4\]"):
+        topk_ids(torch.zeros(2, 4), 5)

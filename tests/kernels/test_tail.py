@@ -4,7 +4,7 @@ import torch
 
 from kvpress.kernels import (SparseIndex, chunk_landmarks, landmark_tail_estimate, merge_states,
                              reference_landmark_tail_estimate, reference_sparse_decode, reference_tail_estimate,
-                             sparse_decode, tail_estimate)
+                             sparse_decode, sparse_decode_tail, tail_estimate)
 from kvpress_kernel_cases import build, case
 
 
@@ -55,6 +55,65 @@ def test_chunk_of_one_token_makes_the_merged_step_dense_attention(c):
     ref_out, ref_lse = reference_sparse_decode(q, k, v, dense, scale=0.125)
     torch.testing.assert_close(merged, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("c", CASES, ids=lambda c: f"bs{c['block_size']}-{c['mode']}-B{c['B']}")
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_fused_decode_and_tail_equals_the_references_merged(c, chunk):
+    """One pass (`sparse_decode_tail`) == exact attention (reference) merged with the brute-force estimate."""
+    q, k, v, index = build(c)
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, chunk)
+    out, lse = sparse_decode_tail(q, k, v, index, ks, vs, cnt, chunk_size=chunk, scale=0.125, backend="torch")
+    e_out, e_lse = reference_sparse_decode(q, k, v, index, scale=0.125)
+    t_out, t_lse = reference_tail_estimate(q, k, v, index, chunk_size=chunk, scale=0.125)
+    ref_out, ref_lse = merge_states(e_out, e_lse, t_out, t_lse)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("full_counts", [True, False])
+def test_fused_decode_and_tail_on_the_hot_path_index(full_counts):
+    """The unpadded token index of the decode hot path (and one with unused slots), with ``seq_len``."""
+    from kvpress.policies._sparse import range_topk_index
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 6, 32, generator=gen), torch.randn(2, 3, 96, 32, generator=gen), torch.randn(2, 3, 96, 32, generator=gen)
+    index = range_topk_index(torch.randn(2, 3, 90 - 4 - 6, generator=gen), 11, 4, 90, block_size=1, sinks=4, dense_tail=6)
+    if not full_counts:
+        cnt = torch.tensor([[11, 5, 0], [3, 11, 7]], dtype=torch.int32)
+        ids = torch.where(torch.arange(11) < cnt[..., None], index.block_idx, -1).to(torch.int32)
+        index = type(index)(1, ids, cnt, index.seq_lens, None, 4, 6, id_range=(-1, 89))
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, None, 8)
+    out, lse = sparse_decode_tail(q, k, v, index, ks, vs, cnt, chunk_size=8, scale=0.2, seq_len=90)
+    e_out, e_lse = sparse_decode(q, k, v, index, scale=0.2)
+    t_out, t_lse = tail_estimate(q, k, v, index, ks, vs, cnt, chunk_size=8, scale=0.2, seq_len=90)
+    ref_out, ref_lse = merge_states(e_out, e_lse, t_out, t_lse)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_decode_and_tail_in_half_precision(dtype):
+    """Half-precision caches: fp32 math inside, out in q's dtype, within rounding of the fp32 run."""
+    q, k, v, index = build(CASES[1])
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, 5)
+    out32, lse32 = sparse_decode_tail(q, k, v, index, ks, vs, cnt, chunk_size=5, scale=0.125)
+    out, lse = sparse_decode_tail(q.to(dtype), k.to(dtype), v.to(dtype), index, ks, vs, cnt, chunk_size=5,
+                                  scale=0.125)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), out32, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse, lse32, atol=3e-2, rtol=3e-2)
+
+
+def test_fused_decode_and_tail_rejects_bad_input():
+    q, k, v, index = build(CASES[0])
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, 8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sparse_decode_tail(q, k, v, index, ks, vs, cnt, chunk_size=8, backend="cuda")
+    with pytest.raises(ValueError, match="count must have shape"):
+        sparse_decode_tail(q, k, v, index, ks, vs, cnt[:, :2], chunk_size=8)
+    with pytest.raises(ValueError):
+        sparse_decode_tail(q, k[:, :, :10], v[:, :, :10], index, ks, vs, cnt, chunk_size=8)  # ids past the cache
 
 
 def test_everything_attended_leaves_an_empty_tail():
