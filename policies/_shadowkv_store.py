@@ -5,7 +5,8 @@ back only the chunks a decode step selects. Consecutive steps select mostly the 
 so chunks fetched for the previous step are kept on the device and reused; only the missing
 ones cross the host link. On CUDA the store is pinned host memory (asynchronous copies); on
 CPU it is a separate tensor, and the copies are counted the same way so the traffic is
-measurable without a GPU.
+measurable without a GPU. Also here: the truncated SVD of the pre-RoPE keys that stays on the
+device (`low_rank`) and the traffic summed over a cache's layers (`transfer_summary`).
 """
 from __future__ import annotations
 
@@ -111,3 +112,40 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
     counters.fetched_bytes += fetched_bytes
     counters.last_fetched_bytes = fetched_bytes
     return out
+
+
+def transfer_summary(cache) -> dict:
+    """Host-tier traffic summed over a ShadowKV cache's layers (fetched bytes per step, reuse rate)."""
+    total = TransferCounters()
+    for layer in cache.layers:
+        c = getattr(layer, "counters", None)
+        if isinstance(c, TransferCounters):
+            total.steps = max(total.steps, c.steps)
+            total.requested_chunks += c.requested_chunks
+            total.reused_chunks += c.reused_chunks
+            total.fetched_bytes += c.fetched_bytes
+            total.last_fetched_bytes += c.last_fetched_bytes
+    out = total.as_dict()
+    out["max_attended"] = max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)
+    return out
+
+
+def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):
+    """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
+
+    Each row is factored on its own real tokens only (padding rows excluded, not just zeroed) and
+    short rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the
+    same factors as the same prompt run alone.
+    """
+    B, T_pad, HD = k_pre.shape
+    factor = k_pre.new_zeros(B, T_pad, rank)
+    basis = k_pre.new_zeros(B, rank, HD)
+    starts = rope_start.tolist()
+    groups = [list(range(B))] if len(set(starts)) == 1 else [[b] for b in range(B)]
+    for rows in groups:
+        first = starts[rows[0]]
+        u, s, vh = torch.linalg.svd(k_pre[rows, first:], full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
+        r = min(rank, s.shape[-1])
+        factor[rows, first:, :r] = u[..., :r] * s[:, None, :r]
+        basis[rows, :r] = vh[:, :r]
+    return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)

@@ -14,7 +14,7 @@ from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
-from ._shadowkv_store import TransferCounters, fetch_chunks, to_host
+from ._shadowkv_store import TransferCounters, fetch_chunks, low_rank, to_host, transfer_summary  # noqa: F401 (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -276,7 +276,7 @@ class ShadowKVLayer(CacheLayer):
             k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
             k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
             rank = default_rank(H * D) if p.rank is None else p.rank
-            self.factor, self.basis = _low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
+            self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
             if p.tail_chunk:
                 self._ingest_tail(vp.view(B, H, C, cs, D), selectable)
@@ -482,40 +482,3 @@ def _top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tens
     ok = torch.isfinite(top) & (torch.arange(k, device=scores.device) < allow[..., None])
     ids = torch.where(ok, ids, C).sort(dim=-1).values
     return torch.where(ids < C, ids, -1).to(torch.int32)
-
-
-def _low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):
-    """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
-
-    Each row is factored on its own real tokens only (padding rows excluded, not just zeroed) and
-    short rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the
-    same factors as the same prompt run alone.
-    """
-    B, T_pad, HD = k_pre.shape
-    factor = k_pre.new_zeros(B, T_pad, rank)
-    basis = k_pre.new_zeros(B, rank, HD)
-    starts = rope_start.tolist()
-    groups = [list(range(B))] if len(set(starts)) == 1 else [[b] for b in range(B)]
-    for rows in groups:
-        first = starts[rows[0]]
-        u, s, vh = torch.linalg.svd(k_pre[rows, first:], full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
-        r = min(rank, s.shape[-1])
-        factor[rows, first:, :r] = u[..., :r] * s[:, None, :r]
-        basis[rows, :r] = vh[:, :r]
-    return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)
-
-
-def transfer_summary(cache) -> dict:
-    """Host-tier traffic summed over a ShadowKV cache's layers (fetched bytes per step, reuse rate)."""
-    total = TransferCounters()
-    for layer in cache.layers:
-        c = getattr(layer, "counters", None)
-        if isinstance(c, TransferCounters):
-            total.steps = max(total.steps, c.steps)
-            total.requested_chunks += c.requested_chunks
-            total.reused_chunks += c.reused_chunks
-            total.fetched_bytes += c.fetched_bytes
-            total.last_fetched_bytes += c.last_fetched_bytes
-    out = total.as_dict()
-    out["max_attended"] = max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)
-    return out
