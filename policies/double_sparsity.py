@@ -116,9 +116,11 @@ class DoubleSparsityPolicy(Policy):
     keeps 89.7% of ``full`` over 48 niah_single samples at 8k (26 of 29 needles) and 93.8% on 32
     niah_multivalue samples at 4k; ``rerank=8, tail_chunk=64`` keeps all 29 needles over the 48 at 8k
     (100%), 97.5% on the 32 multivalue samples and 10 of 10 on 4k niah_single (first 10 of
-    32). The cost is speed: at 8k on CPU the default decodes at 1.59x ``full``'s speed,
-    ``rerank=8`` at 1.23x and ``rerank=8, tail_chunk=64`` at 0.94x (BENCHMARKS "Session 12").
-    Defaults stay the paper's method.
+    32). The cost is speed: at 8k on CPU the default decodes at 1.62x ``full``'s speed,
+    ``rerank=8`` at 1.35x and ``rerank=8, tail_chunk=64`` at 1.13x (session 13, after the
+    shortlist's final top-k moved inside the shortlist and the exact part and the estimate
+    became one pass, `kvpress.kernels.sparse_decode_tail`; session 12: 1.59x / 1.23x / 0.94x;
+    BENCHMARKS "Session 13"). Defaults stay the paper's method.
     """
 
     budget: int = 256
