@@ -161,6 +161,22 @@ class QuantWindowLayer(CacheLayer):
             return None
         return torch.arange(start, start + n, device=device)[None, :] < rs[:, None]
 
+    def sink_positions(self, count: int, batch: int, device) -> torch.Tensor:
+        """(B, count) sequence index of each row's first ``count`` real tokens (attention sinks)."""
+        pos = torch.arange(count, device=device)[None].expand(batch, count)
+        rs = self.row_start
+        return pos if rs is None else pos + rs[:, None]
+
+    def sinks_in_chunk(self, count: int, x: torch.Tensor, start: int):
+        """The sinks among sequence indices ``start .. start + n - 1`` of a chunk ``x`` (B, H, n, D):
+        ``(index inside the chunk (B, count) clamped into range, inside (B, count) bool)``, or None
+        when the chunk holds none of them."""
+        pos = self.sink_positions(count, x.shape[0], x.device) - start
+        inside = (pos >= 0) & (pos < x.shape[2])
+        if not bool(inside.any()):
+            return None
+        return pos.clamp(0, x.shape[2] - 1), inside
+
     def zero_padding(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """``x`` (B, H, n, D) with left-padding tokens zeroed, so they never widen a group's range."""
         pad = self.padding_mask(start, x.shape[2], x.device)
@@ -183,3 +199,14 @@ class QuantWindowLayer(CacheLayer):
             return 0
         B, H, _, D = self.k_win.shape
         return 2 * B * H * self.seen * D
+
+
+def fill_with_group_median(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Keys ``x`` (B, H, n, D) with the rows ``idx[b, j]`` (where ``inside``) replaced by the
+    median of their per-channel quantization group (``group_size`` tokens), so that a sink key
+    kept exactly elsewhere does not stretch the range its group is quantized over."""
+    B, H, n, D = x.shape
+    rows = torch.zeros(B, n, dtype=torch.bool, device=x.device).scatter_(1, idx, inside)
+    med = x.view(B, H, n // group_size, group_size, D).median(3, keepdim=True).values
+    med = med.expand(-1, -1, -1, group_size, -1).reshape(x.shape)
+    return torch.where(rows[:, None, :, None], med, x)

@@ -10,7 +10,7 @@ from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, deq
                                    token_quant_values)
 from kvpress.registry import Policy, check_int, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens
+from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
 OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time
 
@@ -177,29 +177,15 @@ class GearLayer(QuantWindowLayer):
         self._chunk_ids = None
 
     # ------------------------------------------------------------------ compression
-    def _sink_positions(self, device) -> torch.Tensor:
-        """(B, S) sequence index of each row's first ``sink_tokens`` real tokens."""
-        pos = torch.arange(self.p.sink_tokens, device=device)[None]
-        rs = self.row_start
-        return pos if rs is None else pos + rs[:, None]
-
     def _compress(self, x, start, per_channel: bool):
         """-> codes, scale, zero, left, right, outlier offsets (uint8), outlier corrections (fp16),
         sink corrections (fp16 (B, H, S, D), or None when no sink token is in this chunk)."""
         p = self.p
         x = self.zero_padding(x, start).float()
-        rest, offset, sink = x, None, None
-        if p.sink_tokens:
-            pos = self._sink_positions(x.device) - start  # (B, S) index inside this chunk
-            inside = (pos >= 0) & (pos < x.shape[2])
-            if bool(inside.any()):
-                sink = (pos.clamp(0, x.shape[2] - 1), inside)
-                if per_channel:  # a sink key must not stretch its channel groups: fill with the group median
-                    is_sink = torch.zeros(x.shape[0], x.shape[2], dtype=torch.bool, device=x.device)
-                    is_sink.scatter_(1, sink[0], inside)
-                    med = group_view(x, p.group_size, True).median(3, keepdim=True).values
-                    med = med.expand(-1, -1, -1, p.group_size, -1).reshape(x.shape)
-                    rest = torch.where(is_sink[:, None, :, None], med, x)
+        rest, offset = x, None
+        sink = self.sinks_in_chunk(p.sink_tokens, x, start) if p.sink_tokens else None
+        if sink is not None and per_channel:  # a sink key must not stretch its channel groups
+            rest = fill_with_group_median(x, *sink, p.group_size)
         if p.outliers_per_group:
             rest, offset = split_outliers(rest, p.group_size, per_channel, p.outliers_per_group)
         if per_channel:
@@ -282,7 +268,7 @@ class GearLayer(QuantWindowLayer):
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
-            col = self._sink_positions(q.device).clamp(max=n - 1)[:, None, None]
+            col = self.sink_positions(p.sink_tokens, q.shape[0], q.device).clamp(max=n - 1)[:, None, None]
             col = col.expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
             s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
@@ -305,7 +291,7 @@ class GearLayer(QuantWindowLayer):
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sv is not None:
-            col = self._sink_positions(prob.device).clamp(max=n - 1)[:, None, None]
+            col = self.sink_positions(p.sink_tokens, prob.shape[0], prob.device).clamp(max=n - 1)[:, None, None]
             col = col.expand(-1, prob.shape[1], prob.shape[2], -1)  # (B, H, M, S)
             out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out

@@ -11,7 +11,7 @@ from kvpress.kernels.merge import merge_states
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.registry import Policy, check_int, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens
+from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
 
 @register_policy
@@ -62,6 +62,7 @@ class KiviPolicy(Policy):
     group_size: int = 32
     residual_length: int = 128
     value_group_size: int | None = None
+    sink_tokens: int = 0
 
     name = "kivi"
     description = "2/4-bit KV quantization: keys per channel, values per token, fp recent window (KIVI)"
@@ -74,6 +75,7 @@ class KiviPolicy(Policy):
         if self.value_group_size is not None:
             _check_value_group(self.bits, self.value_group_size)
         check_int("residual_length", self.residual_length, 0)
+        check_int("sink_tokens", self.sink_tokens, 0, 64)
 
     def check_model(self, adapter):
         # keys are grouped over tokens (any head_dim); only the values' channel group divides head_dim
@@ -91,7 +93,7 @@ class KiviPolicy(Policy):
 
     @classmethod
     def example(cls, adapter):
-        return cls(bits=4, group_size=8, residual_length=16)
+        return cls(bits=4, group_size=8, residual_length=16, sink_tokens=2)
 
 
 def _check_value_group(bits: int, group: int, head_dim: int | None = None, field: str = "value_group_size") -> None:
@@ -104,17 +106,33 @@ def _check_value_group(bits: int, group: int, head_dim: int | None = None, field
 class KiviLayer(QuantWindowLayer):
     """Packed store in sequence order: ``kc`` uint8 (B, H, cap, D*bits/8), ``ks`` / ``kz`` fp16
     (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/Gv);
-    G the key token group, Gv the value channel group."""
+    G the key token group, Gv the value channel group. With ``sink_tokens``: ``sk`` / ``sv`` fp16
+    (B, H, S, D), each row's first S real tokens exactly (zero until flushed); their packed
+    columns are never read (their keys enter the codes as their group's median)."""
 
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
         self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
+        self.sink_tokens = policy.sink_tokens
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
+        self.sk = self.sv = None
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
     def _flush(self, k, v, start):
         g = self.group_size
-        kc, ks, kz = quantize_per_channel(self.zero_padding(k, start), self.bits, g)
+        k = self.zero_padding(k, start)
+        sink = self.sinks_in_chunk(self.sink_tokens, k, start) if self.sink_tokens else None
+        if sink is not None:  # a row's sinks may straddle two flushes: keep the ones in this chunk
+            idx, inside = sink
+            gidx = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            if self.sk is None:
+                self.sk = k.new_zeros(*gidx.shape, dtype=torch.float16)
+                self.sv = torch.zeros_like(self.sk)
+            here = inside[:, None, :, None]
+            self.sk = torch.where(here, k.gather(2, gidx).half(), self.sk)
+            self.sv = torch.where(here, v.gather(2, gidx).half(), self.sv)
+            k = fill_with_group_median(k.float(), idx, inside, g).to(k.dtype)
+        kc, ks, kz = quantize_per_channel(k, self.bits, g)
         vc, vs, vz = quantize_per_token(self.zero_padding(v, start), self.bits, self.value_group)
         self.kc = append_tokens(self.kc, start, kc)
         self.vc = append_tokens(self.vc, start, vc)
@@ -123,6 +141,11 @@ class KiviLayer(QuantWindowLayer):
         self.ks = append_tokens(self.ks, start // g, ks, grow=max(1, 256 // g))
         self.kz = append_tokens(self.kz, start // g, kz, grow=max(1, 256 // g))
 
+    def _sink_columns(self, batch: int, device):
+        """Packed column of each sink (B, S), clamped into range, and whether it is flushed (B, S)."""
+        pos = self.sink_positions(self.sink_tokens, batch, device)
+        return pos.clamp(max=self.n_quant - 1), pos < self.n_quant
+
     def _views(self):
         n, g = self.n_quant, self.group_size
         return (self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g],
@@ -130,11 +153,25 @@ class KiviLayer(QuantWindowLayer):
 
     def _quant_scores(self, qg, scaling):
         kc, ks, kz = self._views()[:3]
-        return self.mask_padding_scores(channel_quant_scores(qg * scaling, kc, ks, kz, self.bits, self.group_size))
+        q = qg * scaling
+        s = channel_quant_scores(q, kc, ks, kz, self.bits, self.group_size)
+        if self.sk is not None:  # flushed sink columns: the exact score in place of the codes' one
+            col, flushed = self._sink_columns(q.shape[0], q.device)
+            col = col[:, None, None].expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
+            delta = (q @ self.sk.float().transpose(-1, -2) - s.gather(-1, col)) * flushed[:, None, None]
+            s = s.scatter_add(-1, col, delta)  # unflushed sinks add 0 to whatever column they clamp to
+        return self.mask_padding_scores(s)
 
     def _quant_output(self, p):
         vc, vs, vz = self._views()[3:]
-        return token_quant_values(p, vc, vs, vz, self.bits, self.value_group)
+        p_sink = None
+        if self.sv is not None:  # flushed sink columns read the exact values, not the codes
+            col, flushed = self._sink_columns(p.shape[0], p.device)
+            col = col[:, None, None].expand(-1, p.shape[1], p.shape[2], -1)
+            p_sink = p.gather(-1, col) * flushed[:, None, None]  # (B, H, M, S)
+            p = p.scatter_add(-1, col, -p_sink)
+        out = token_quant_values(p, vc, vs, vz, self.bits, self.value_group)
+        return out if p_sink is None else out + p_sink @ self.sv.float()
 
     def attend(self, q, k_new, v_new, scaling):
         fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= 8 * k_new.shape[1]
@@ -150,11 +187,18 @@ class KiviLayer(QuantWindowLayer):
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += 1
-        rs = self.row_start
-        out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
-                                    seq_starts=rs, scale=scaling, backend=self.decode_backend,
-                                    value_group_size=self.value_group)
+        rs = starts = self.row_start
         qg = q[:, :, 0].float().view(B, H, H_q // H, D)
+        if self.sk is not None:  # the packed part starts after the flushed sinks, which attend exactly
+            pos = self.sink_positions(self.sink_tokens, B, q.device)
+            flushed = pos < self.n_quant
+            starts = pos[:, 0] + flushed.sum(1)
+            s_sink = (qg @ self.sk.float().transpose(-1, -2) * scaling).masked_fill(~flushed[:, None, None], float("-inf"))
+            lse_s = s_sink.logsumexp(-1)  # (B, H, G); -inf for a row with no sink flushed yet
+            out_s = torch.nan_to_num((s_sink - lse_s[..., None]).exp()) @ self.sv.float()
+        out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
+                                    seq_starts=starts, scale=scaling, backend=self.decode_backend,
+                                    value_group_size=self.value_group)
         s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
         if rs is not None:
             k_pos = self.n_quant + torch.arange(self.win_len, device=q.device)
@@ -162,9 +206,12 @@ class KiviLayer(QuantWindowLayer):
         lse_w = s.logsumexp(-1)
         out_w = (s - lse_w[..., None]).exp() @ self.v_win[:, :, : self.win_len].float()
         out, lse = merge_states(out_q.float(), lse_q, out_w.view(B, H_q, D), lse_w.view(B, H_q))
+        if self.sk is not None:
+            out, lse = merge_states(out, lse, out_s.view(B, H_q, D), lse_s.view(B, H_q))
         self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
         self._maybe_flush()
         return out.to(q.dtype)[:, :, None]
 
     def _quant_tensors(self):
-        return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz}
+        return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz,
+                "sk": self.sk, "sv": self.sv}

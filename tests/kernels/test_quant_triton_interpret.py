@@ -60,11 +60,13 @@ def _run_cases():
                                 "scale_equal": torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]),
                                 "max_code_diff": diff.max().item(), "frac_diff": diff.float().mean().item()})
     results["layer"] = _kivi_layer_case()
+    results["layer_sinks"] = _kivi_layer_case(sink_tokens=4, row_start=(0, 70))
     return results
 
 
-def _kivi_layer_case():
-    """The kivi layer's fused decode path (triton kernel + window + merge) vs its torch path."""
+def _kivi_layer_case(sink_tokens=0, row_start=None):
+    """The kivi layer's fused decode path (triton kernel + window + exact sinks + merge) vs its
+    torch path; with ``row_start`` a left-padded batch of two rows."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -73,22 +75,27 @@ def _kivi_layer_case():
     cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     model = LlamaForCausalLM(cfg).eval()
-    policy = kvpress.get_policy("kivi", bits=4, group_size=16, residual_length=16)
+    policy = kvpress.get_policy("kivi", bits=4, group_size=16, residual_length=16, sink_tokens=sink_tokens)
+    B = 1 if row_start is None else len(row_start)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 90, 64, generator=gen), torch.randn(1, 2, 90, 64, generator=gen), \
-        torch.randn(1, 2, 90, 64, generator=gen)
+    q, k, v = torch.randn(B, 4, 100, 64, generator=gen), torch.randn(B, 2, 100, 64, generator=gen), \
+        torch.randn(B, 2, 100, 64, generator=gen)
+    k[:, :, :4] *= 10  # large first keys: sinks the fused path must read exactly
     outs = []
     for backend in ("triton", "torch"):
         layer = kvpress.make_cache(model, policy).layers[0]
+        if row_start is not None:
+            layer.cache._set_row_start(torch.tensor(row_start))
         layer.decode_backend = backend
         layer.update(k[:, :, :80], v[:, :, :80])
         layer.attend(q[:, :, :80], *layer.take_pending(), 0.125)
         steps = []
-        for t in range(80, 90):
+        for t in range(80, 100):
             layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
             steps.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.125))
         outs.append(torch.cat(steps, 2))
-    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant}
+    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant,
+            "sinks": None if layer.sk is None else list(layer.sk.shape)}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +127,13 @@ def test_quantize_pack_matches_torch(results, i):
 def test_kivi_layer_fused_path_matches_torch_path(results):
     r = results["layer"]
     assert r["n_quant"] >= 64 and r["err"] <= 2e-5, r
+
+
+def test_kivi_fused_decode_with_sinks_and_padding_matches_torch_path(results):
+    """Row 1's sinks (70 .. 73) are still in the fp window when decode starts and are flushed
+    during it: the fused path must switch from window to exact sinks without a seam."""
+    r = results["layer_sinks"]
+    assert r["n_quant"] == 80 and r["sinks"] == [2, 2, 4, 64] and r["err"] <= 2e-5, r
 
 
 if __name__ == "__main__":

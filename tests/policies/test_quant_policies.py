@@ -165,6 +165,55 @@ def test_kivi_key_groups_need_not_divide_head_dim(llama):
             pass
 
 
+def _sink_run(model, sink_tokens, bits=2, row_start=(0, 6), steps=8):
+    """A padded batch of two rows through one kivi layer (group 8, no fp window): an 8-token
+    prompt, then ``steps`` decode steps, so row 1's sinks (6 .. 9) are flushed in two parts.
+    Token ``row_start`` of each row is a large sink every query attends to."""
+    layer = kvpress.make_cache(model, kvpress.get_policy("kivi", bits=bits, group_size=8, residual_length=0,
+                                                         sink_tokens=sink_tokens)).layers[0]
+    rs = torch.tensor(row_start)
+    layer.cache._set_row_start(rs)
+    gen = torch.Generator().manual_seed(5)
+    T = 8 + steps
+    k, v = torch.randn(2, 2, T, 16, generator=gen), torch.randn(2, 2, T, 16, generator=gen)
+    for b, r in enumerate(row_start):
+        k[b, :, r] *= 12
+        v[b, :, r] *= 4
+    q = torch.randn(2, 4, T, 16, generator=gen) + k[:, :, None, row_start[1]].expand(2, 2, 2, 16).reshape(2, 4, 1, 16)
+    layer.update(k[:, :, :8], v[:, :, :8])
+    layer.attend(q[:, :, :8], *layer.take_pending(), 0.25)
+    outs, refs = [], []
+    for t in range(8, T):
+        layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        outs.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.25))
+        refs.append(dense_causal_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], 0.25, q_start=t,
+                                           row_start=rs))
+    return layer, k, v, sqnr_db(torch.cat(refs, 2), torch.cat(outs, 2))
+
+
+def test_kivi_sink_tokens_are_kept_exactly(llama):
+    """``sink_tokens``: each row's first real tokens are read back exactly (fp16) from the
+    packed part, across two flushes and left padding, and the rest of the packed part is no
+    worse for it; on data with a dominant sink the decode outputs gain clearly."""
+    from kvpress.evals.bench_quant import _reproduced_kv
+
+    layer, k, v, with_sinks = _sink_run(llama, sink_tokens=4)
+    _, _, _, without = _sink_run(llama, sink_tokens=0)
+    n = layer.n_quant
+    assert n == 16 and layer.sk.shape == (2, 2, 4, 16) and layer.sk.dtype == torch.float16
+    kh, vh = _reproduced_kv(layer)  # what attention reads back for every packed column
+    for b, r in enumerate((0, 6)):
+        sink = slice(r, r + 4)
+        torch.testing.assert_close(kh[b, :, sink], k[b, :, sink].half().float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(vh[b, :, sink], v[b, :, sink].half().float(), atol=1e-5, rtol=0)
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[:r + 4] = False
+        assert sqnr_db(k[b, :, rest], kh[b, :, rest]) > 8, b  # 2-bit keys of the non-sink tokens
+    assert with_sinks > without + 6, (with_sinks, without)
+    stats = kvpress.cache_stats(layer.cache)
+    assert stats.resident_bytes >= layer.sk.numel() * 2 * 2  # the exact sinks are counted
+
+
 def test_codes_are_packed_bytes(llama):
     out = greedy(llama, random_ids(48), kvpress.get_policy("kivi", bits=2, group_size=8, residual_length=16))
     layer = out.past_key_values.layers[0]
@@ -195,6 +244,8 @@ def test_bad_input(llama):
         kvpress.get_policy("zipcache", bits_low=4, bits_high=2)
     with pytest.raises(ValueError, match="flush_size"):
         kvpress.get_policy("gear", group_size=64, flush_size=96)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        kvpress.get_policy("kivi", sink_tokens=-1)
     with pytest.raises(ValueError, match="outliers_per_group"):
         kvpress.get_policy("gear", group_size=8, outliers_per_group=5)
     for name in NAMES:
