@@ -121,6 +121,29 @@ def test_left_padded_batch_matches_single_rows(llama, name):
     assert torch.equal(both[1, 40:], two[0, 27:])
 
 
+def _forward_decode(model, policy, ids, steps=4):
+    """Prefill then greedy steps by plain forward calls with no attention mask (no per-row start
+    is recorded, as in a perplexity loop); the logits of every step."""
+    logits = []
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            logits.append(out.logits[:, -1])
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_unmasked_batch_matches_single_rows(llama, name):
+    """Without a mask there is no per-row start: per-row state (sinks, selections) must still be per row."""
+    policy = example(name, kvpress.get_adapter(llama))
+    rows = [random_ids(36, seed=s) for s in (6, 7)]
+    both = _forward_decode(llama, policy, torch.cat(rows))
+    for i, ids in enumerate(rows):
+        torch.testing.assert_close(both[i], _forward_decode(llama, policy, ids)[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name", POLICIES)
 def test_registry_metadata(name):
     cls = kvpress.policy_class(name)
