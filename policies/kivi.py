@@ -52,6 +52,13 @@ class KiviPolicy(Policy):
     needles over 48 samples (0.542 against 0.604, 89.7%; BENCHMARKS "Session 9"): the 98%
     target holds at 4k with this configuration, not at 8k with either.
 
+    ``sink_tokens`` (default 0, the paper's scheme) keeps each row's first real tokens exactly
+    in fp16 beside the codes (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant keeps the
+    first token in fp16 too): their keys enter the codes as their group's median, so they do not
+    stretch a group's range, and attention reads the exact rows in place of their packed
+    columns (torch and fused paths). On SmolLM2 the first token takes 30-90% of the attention
+    of many heads (see ``gear``), so its 4-bit key error moves every weight of those rows.
+
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).
     On an H100 at 32k, batch 1 (BENCHMARKS "Session 8") it takes 0.056 ms (4-bit) / 0.047 ms
     (2-bit) against bf16 SDPA's 0.052 ms over the dense cache: 0.93x / 1.10x, short of the 2.5x
