@@ -105,8 +105,10 @@ class ShadowKVPolicy(Policy):
     misses chunks; with ``rerank=32`` (11 alone) it keeps all 13 (100%), at 22.6% of ``full``'s
     bytes on the device. On 4k niah_multivalue (32 samples) the tail moves the default from 70.0%
     to 72.5% of ``full``: there the low-rank keys are the loss (see above); ``rerank=32`` with the
-    tail scores 90.0% of ``full`` over all 32 (session 13; 92.2% over the first 22). The 100% configuration is
-    slow on CPU (0.32x ``full``'s decode speed at 8k, the default 0.65x), so defaults stay.
+    tail scores 90.0% of ``full`` over all 32 (session 13; 92.2% over the first 22). At 8k over
+    39 samples that configuration keeps 20 of ``full``'s 22 needles (90.9%; sessions 13-14, two
+    digits dropped in the copy). It is slow on CPU (0.32x ``full``'s decode speed at 8k, the
+    default 0.65x), so defaults stay.
     """
 
     budget: int = 2048
