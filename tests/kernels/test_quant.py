@@ -90,6 +90,27 @@ def test_score_and_value_primitives_match_dequantized():
         torch.testing.assert_close(kq.channel_quant_values(p, *cc, bits, 16), p @ xc, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [8, 32, 64])
+def test_plane_order_unpacking_is_a_permutation_of_the_codes(bits, group):
+    """`unpack_planes` returns every code, in `plane_order`; the fast path's primitives built
+    on it equal the dequantized products for every bit width and group size."""
+    codes = torch.randint(0, 1 << bits, (2, 3, 40, 64), dtype=torch.uint8)
+    packed = kq.pack_codes(codes, bits)
+    order, inverse = kq.plane_order(64, bits, group, packed.device)
+    planes = kq.unpack_planes(packed, bits, group)
+    assert torch.equal(planes, codes.float()[..., order]) and torch.equal(planes[..., inverse], codes.float())
+    assert torch.equal(order[inverse], torch.arange(64))
+    x = torch.randn(1, 2, 2 * group, 64)
+    q, p = torch.randn(1, 2, 3, 64), torch.rand(1, 2, 3, 2 * group)
+    cc, tc = quantize_per_channel(x, bits, group), quantize_per_token(x, bits, group)
+    xc, xt = dequantize_per_channel(*cc, bits, group), dequantize_per_token(*tc, bits, group)
+    torch.testing.assert_close(kq.channel_quant_scores(q, *cc, bits, group), q @ xc.mT, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kq.token_quant_scores(q, *tc, bits, group), q @ xt.mT, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kq.token_quant_values(p, *tc, bits, group), p @ xt, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(kq.channel_quant_values(p, *cc, bits, group), p @ xc, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_input_errors():
     x = torch.randn(1, 1, 32, 64)
     with pytest.raises(ValueError, match=r"bits=3 .*allowed: \[2, 4, 8\]"):
