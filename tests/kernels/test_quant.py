@@ -93,14 +93,23 @@ def test_score_and_value_primitives_match_dequantized():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group", [8, 32, 64])
 def test_plane_order_unpacking_is_a_permutation_of_the_codes(bits, group):
-    """`unpack_planes` returns every code, in `plane_order`; the fast path's primitives built
-    on it equal the dequantized products for every bit width and group size."""
+    """`unpack_planes` returns every code in `plane_order` (through the int32 view, and without
+    it for a buffer that is not 4-byte aligned), `group_channels` a group's codes in the group
+    order; the fast path's primitives built on them equal the dequantized products for every
+    bit width and group size."""
     codes = torch.randint(0, 1 << bits, (2, 3, 40, 64), dtype=torch.uint8)
     packed = kq.pack_codes(codes, bits)
+    shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8)[1:].view(packed.shape)  # offset 1: no int32 view
+    shifted.copy_(packed)
+    full_order, full_inverse = kq.plane_order(64, bits, 64, packed.device)
     order, inverse = kq.plane_order(64, bits, group, packed.device)
-    planes = kq.unpack_planes(packed, bits, group)
-    assert torch.equal(planes, codes.float()[..., order]) and torch.equal(planes[..., inverse], codes.float())
-    assert torch.equal(order[inverse], torch.arange(64))
+    assert torch.equal(order[inverse], torch.arange(64)) and torch.equal(full_order[full_inverse], torch.arange(64))
+    for buf in (packed, shifted):
+        planes = kq.unpack_planes(buf, bits)
+        assert torch.equal(planes, codes.float()[..., full_order])
+        for g in range(64 // group):
+            assert torch.equal(kq.group_channels(planes, bits, g, group),
+                               codes.float()[..., order[g * group : (g + 1) * group]])
     x = torch.randn(1, 2, 2 * group, 64)
     q, p = torch.randn(1, 2, 3, 64), torch.rand(1, 2, 3, 2 * group)
     cc, tc = quantize_per_channel(x, bits, group), quantize_per_token(x, bits, group)
