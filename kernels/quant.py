@@ -93,23 +93,20 @@ def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
 _ORDERS: dict = {}
 
 
-def plane_order(dim: int, bits: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit-plane channel order within groups of ``group_size`` channels: ``(order, inverse)``,
-    long ``(dim,)`` each. Within a group, first the channels of bit plane 0 of the group's bytes
-    (bits ``0 .. bits-1``), then plane 1, ...; position ``i`` holds channel ``order[i]``.
-    ``group_size = dim`` is the order of :func:`unpack_planes`' rows."""
-    key = (dim, bits, group_size, device)
+def plane_order(dim: int, bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The channel order of :func:`unpack_planes`' rows: ``(order, inverse)``, long ``(dim,)``
+    each; position ``i`` holds channel ``order[i]``, channel ``c`` sits at ``inverse[c]``."""
+    key = (dim, bits, device)
     if key not in _ORDERS:
         per = 8 // bits
-        order = torch.arange(dim, device=device).view(dim // group_size, group_size // per, per)
-        order = order.transpose(1, 2).reshape(dim)
+        order = torch.arange(dim, device=device).view(dim // per, per).transpose(0, 1).reshape(dim)
         _ORDERS[key] = order, torch.argsort(order)
     return _ORDERS[key]
 
 
 def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 codes of ``packed`` (..., D * bits / 8) as ``(..., D)`` in bit-plane order
-    (:func:`plane_order` with ``group_size = D``): plane ``i`` of every byte, for ``i`` in
+    (:func:`plane_order`): plane ``i`` of every byte, for ``i`` in
     ``0 .. 8/bits - 1``, one after the other. Each plane is one shift and one mask over the
     bytes, four at a time through an int32 view, then one contiguous conversion: ~3x faster
     on CPU than :func:`unpack_float`, whose lookup goes through a long index per byte. Callers
@@ -125,14 +122,6 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         words = packed
     planes = torch.stack([(words >> (i * bits) if i else words) & mask for i in range(per)], dim=-2)
     return planes.view(torch.uint8).float().view(*packed.shape[:-1], nbytes * per)
-
-
-def group_channels(c: torch.Tensor, bits: int, group: int, group_size: int) -> torch.Tensor:
-    """Channels of group ``group`` (``group_size`` wide) of rows ``c`` (..., D) from
-    :func:`unpack_planes`, in the order ``plane_order(D, bits, group_size)`` gives them."""
-    per, D = 8 // bits, c.shape[-1]
-    w = group_size // per
-    return c.unflatten(-1, (per, D // per))[..., group * w : (group + 1) * w].flatten(-2)
 
 
 def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,7 +215,7 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     B, H, M, D = q.shape
     T = codes.shape[2]
     out = q.new_empty(B, H, M, T)
-    order, _ = plane_order(D, bits, D, q.device)  # keys are grouped over tokens: any channel order
+    order, _ = plane_order(D, bits, q.device)  # keys are grouped over tokens: any channel order
     qo = q[..., order]
     step = _chunk(group_size)
     for t0 in range(0, T, step):
@@ -247,24 +236,42 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     return out
 
 
+def _group_select(dim: int, bits: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows in :func:`unpack_planes`' order: ``(inverse, group, onehot)``: where each channel
+    sits, the value-group of each position (long ``(D,)``) and that as fp32 ``(D / G, 1, D)``."""
+    order, inverse = plane_order(dim, bits, device)
+    group = order // group_size
+    onehot = (torch.arange(dim // group_size, device=device)[:, None] == group[None]).float()[:, None]
+    return inverse, group, onehot
+
+
 def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
-    """``q @ dequant(k)^T`` for per-token-quantized keys: fp32 (B, H, M, T), unscaled."""
+    """``q @ dequant(k)^T`` for per-token-quantized keys: fp32 (B, H, M, T), unscaled.
+
+    Few query rows: the query is split by channel group (zeros elsewhere) so that one matmul
+    scores every group against the unpacked chunk, then each group's scores take their scale;
+    many rows: the chunk is dequantized."""
     B, H, M, D = q.shape
     T = codes.shape[2]
     ng = D // group_size
     out = q.new_empty(B, H, M, T)
-    qsum = q.view(B, H, M, ng, group_size).sum(-1)  # (B, H, M, NGd)
-    qo = q[..., plane_order(D, bits, group_size, q.device)[0]]  # groups stay contiguous in plane order
+    order = plane_order(D, bits, q.device)[0]
+    _, group, onehot = _group_select(D, bits, group_size, q.device)
+    qo = q[..., order]  # positions of the unpacked rows
+    few = M < group_size
+    if few:
+        qsum = q.view(B, H, M, ng, group_size).sum(-1)  # (B, H, M, NGd)
+        q_groups = (qo[:, :, None] * onehot).view(B, H, ng * M, D)  # (B, H, NGd * M, D)
     step = _chunk(group_size)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         c = unpack_planes(codes[:, :, t0:t1], bits)  # (B, H, t, D)
-        s = scale[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, NGd, t)
-        acc = qsum @ zero[:, :, t0:t1].float().transpose(-1, -2)  # (B, H, M, t)
-        for g in range(ng):
-            sl = slice(g * group_size, (g + 1) * group_size)
-            acc += (qo[..., sl] @ group_channels(c, bits, g, group_size).transpose(-1, -2)) * s[:, :, g : g + 1]
-        out[:, :, :, t0:t1] = acc
+        s, z = scale[:, :, t0:t1].float(), zero[:, :, t0:t1].float()  # (B, H, t, NGd)
+        if few:
+            sg = (q_groups @ c.transpose(-1, -2)).view(B, H, ng, M, t1 - t0)
+            out[:, :, :, t0:t1] = (sg * s.transpose(-1, -2)[:, :, :, None]).sum(2) + qsum @ z.transpose(-1, -2)
+        else:
+            out[:, :, :, t0:t1] = qo @ (c * s[..., group] + z[..., group]).transpose(-1, -2)
     return out
 
 
@@ -278,21 +285,32 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     Returns
     -------
     fp32 (B, H, M, D)
+
+    Few rows: the probabilities are scaled once per value group and one matmul applies all of
+    them to the unpacked chunk (each group's block of the result is kept); many rows: the chunk
+    is dequantized.
     """
     B, H, M, T = p.shape
     D = codes.shape[-1] * 8 // bits
     ng = D // group_size
-    out = p.new_zeros(B, H, M, ng, group_size)  # channels in plane order within each group
+    inverse, group, onehot = _group_select(D, bits, group_size, p.device)
+    few = M < group_size
+    acc = p.new_zeros(B, H, ng, M, D) if few else p.new_zeros(B, H, M, D)  # positions of the unpacked rows
+    zacc = p.new_zeros(B, H, M, ng)
     step = _chunk(group_size)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         pc = p[..., t0:t1]
         c = unpack_planes(codes[:, :, t0:t1], bits)  # (B, H, t, D)
-        s = scale[:, :, t0:t1].float()  # (B, H, t, NGd)
-        out += (pc @ zero[:, :, t0:t1].float())[..., None]
-        for g in range(ng):
-            out[:, :, :, g] += (pc * s[:, :, None, :, g]) @ group_channels(c, bits, g, group_size)
-    return out.view(B, H, M, D)[..., plane_order(D, bits, group_size, p.device)[1]]
+        s, z = scale[:, :, t0:t1].float(), zero[:, :, t0:t1].float()  # (B, H, t, NGd)
+        if few:
+            pw = pc[:, :, None] * s.transpose(-1, -2)[:, :, :, None]  # (B, H, NGd, M, t)
+            acc += (pw.reshape(B, H, ng * M, t1 - t0) @ c).view(B, H, ng, M, D)
+            zacc += pc @ z
+        else:
+            acc += pc @ (c * s[..., group] + z[..., group])
+    out = (acc * onehot).sum(2) + zacc[..., group] if few else acc
+    return out[..., inverse]
 
 
 def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
@@ -300,7 +318,7 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
     B, H, M, T = p.shape
     D = codes.shape[-1] * 8 // bits
     out = p.new_zeros(B, H, M, D)  # channels in plane order
-    order, inverse = plane_order(D, bits, D, p.device)
+    order, inverse = plane_order(D, bits, p.device)
     step = _chunk(group_size)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)

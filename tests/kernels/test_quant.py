@@ -92,32 +92,28 @@ def test_score_and_value_primitives_match_dequantized():
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group", [8, 32, 64])
-def test_plane_order_unpacking_is_a_permutation_of_the_codes(bits, group):
+def test_plane_order_unpacking_and_the_primitives_on_it(bits, group):
     """`unpack_planes` returns every code in `plane_order` (through the int32 view, and without
-    it for a buffer that is not 4-byte aligned), `group_channels` a group's codes in the group
-    order; the fast path's primitives built on them equal the dequantized products for every
-    bit width and group size."""
+    it for a buffer that is not 4-byte aligned); the fast path's primitives built on it equal
+    the dequantized products for every bit width and group size, with few query rows (the
+    grouped-matmul branch) and many (the dequantized-chunk branch)."""
     codes = torch.randint(0, 1 << bits, (2, 3, 40, 64), dtype=torch.uint8)
     packed = kq.pack_codes(codes, bits)
     shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8)[1:].view(packed.shape)  # offset 1: no int32 view
     shifted.copy_(packed)
-    full_order, full_inverse = kq.plane_order(64, bits, 64, packed.device)
-    order, inverse = kq.plane_order(64, bits, group, packed.device)
-    assert torch.equal(order[inverse], torch.arange(64)) and torch.equal(full_order[full_inverse], torch.arange(64))
+    order, inverse = kq.plane_order(64, bits, packed.device)
+    assert torch.equal(order[inverse], torch.arange(64))
     for buf in (packed, shifted):
-        planes = kq.unpack_planes(buf, bits)
-        assert torch.equal(planes, codes.float()[..., full_order])
-        for g in range(64 // group):
-            assert torch.equal(kq.group_channels(planes, bits, g, group),
-                               codes.float()[..., order[g * group : (g + 1) * group]])
+        assert torch.equal(kq.unpack_planes(buf, bits), codes.float()[..., order])
     x = torch.randn(1, 2, 2 * group, 64)
-    q, p = torch.randn(1, 2, 3, 64), torch.rand(1, 2, 3, 2 * group)
     cc, tc = quantize_per_channel(x, bits, group), quantize_per_token(x, bits, group)
     xc, xt = dequantize_per_channel(*cc, bits, group), dequantize_per_token(*tc, bits, group)
-    torch.testing.assert_close(kq.channel_quant_scores(q, *cc, bits, group), q @ xc.mT, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kq.token_quant_scores(q, *tc, bits, group), q @ xt.mT, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kq.token_quant_values(p, *tc, bits, group), p @ xt, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kq.channel_quant_values(p, *cc, bits, group), p @ xc, atol=1e-4, rtol=1e-4)
+    for rows in (3, 72):
+        q, p = torch.randn(1, 2, rows, 64), torch.rand(1, 2, rows, 2 * group)
+        torch.testing.assert_close(kq.channel_quant_scores(q, *cc, bits, group), q @ xc.mT, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kq.token_quant_scores(q, *tc, bits, group), q @ xt.mT, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kq.token_quant_values(p, *tc, bits, group), p @ xt, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kq.channel_quant_values(p, *cc, bits, group), p @ xc, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_input_errors():
