@@ -13,7 +13,7 @@ Codes are packed along the channel axis, ``8 / bits`` per byte, channel ``j * (8
 in bits ``[i * bits, (i + 1) * bits)`` of byte ``j``; so codes stay token-major like a dense
 cache and appending tokens is a slice write.
 
-Torch fast path (CPU): attention walks the packed tokens in chunks of ``CHUNK_TOKENS``; only
+Torch fast path (CPU): attention walks the packed tokens in chunks of about ``CHUNK_BYTES`` of fp32; only
 one chunk's codes are unpacked (to fp32) at a time and no dequantized K/V is ever built: the
 scale and zero point are folded into the query / probabilities instead. For per-channel keys
 ``q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd`` (one small matmul per token group plus one
@@ -36,7 +36,7 @@ import torch
 
 ALLOWED_BITS = (2, 4, 8)
 ALLOWED_GROUP_SIZES = (8, 16, 32, 64, 128)
-CHUNK_TOKENS = 1024  # tokens unpacked at a time by the torch path (a few hundred KiB of fp32 per head)
+CHUNK_BYTES = 4 << 20  # fp32 bytes of codes unpacked at a time by the torch path (all rows and heads together)
 
 
 def check_quant_config(bits: int, group_size: int, head_dim: int | None = None) -> None:
@@ -195,8 +195,13 @@ def dequantize_per_token(codes, scale, zero, bits: int, group_size: int) -> torc
 
 
 # ----------------------------------------------------------------------------- torch fast path
-def _chunk(group_size: int) -> int:
-    return max(group_size, CHUNK_TOKENS // group_size * group_size)
+def _chunk(group_size: int, codes: torch.Tensor, bits: int) -> int:
+    """Tokens per chunk: about ``CHUNK_BYTES`` of unpacked fp32 over the batch and heads of
+    ``codes`` (B, H, T, D * bits / 8), a multiple of ``group_size``. Fewer, larger chunks mean
+    fewer small torch calls, which dominate a decode step on CPU."""
+    B, H, _, nbytes = codes.shape
+    row = B * H * nbytes * (8 // bits) * 4
+    return max(group_size, CHUNK_BYTES // row // group_size * group_size)
 
 
 def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
@@ -217,7 +222,7 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     out = q.new_empty(B, H, M, T)
     order, _ = plane_order(D, bits, q.device)  # keys are grouped over tokens: any channel order
     qo = q[..., order]
-    step = _chunk(group_size)
+    step = _chunk(group_size, codes, bits)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         g0, g1 = t0 // group_size, t1 // group_size
@@ -262,7 +267,7 @@ def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_siz
     if few:
         qsum = q.view(B, H, M, ng, group_size).sum(-1)  # (B, H, M, NGd)
         q_groups = (qo[:, :, None] * onehot).view(B, H, ng * M, D)  # (B, H, NGd * M, D)
-    step = _chunk(group_size)
+    step = _chunk(group_size, codes, bits)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         c = unpack_planes(codes[:, :, t0:t1], bits)  # (B, H, t, D)
@@ -297,7 +302,7 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     few = M < group_size
     acc = p.new_zeros(B, H, ng, M, D) if few else p.new_zeros(B, H, M, D)  # positions of the unpacked rows
     zacc = p.new_zeros(B, H, M, ng)
-    step = _chunk(group_size)
+    step = _chunk(group_size, codes, bits)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         pc = p[..., t0:t1]
@@ -319,7 +324,7 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
     D = codes.shape[-1] * 8 // bits
     out = p.new_zeros(B, H, M, D)  # channels in plane order
     order, inverse = plane_order(D, bits, p.device)
-    step = _chunk(group_size)
+    step = _chunk(group_size, codes, bits)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         g0, g1 = t0 // group_size, t1 // group_size

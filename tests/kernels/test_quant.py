@@ -92,11 +92,15 @@ def test_score_and_value_primitives_match_dequantized():
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group", [8, 32, 64])
-def test_plane_order_unpacking_and_the_primitives_on_it(bits, group):
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-chunk", "chunk-per-group"])
+def test_plane_order_unpacking_and_the_primitives_on_it(bits, group, chunk_bytes, monkeypatch):
     """`unpack_planes` returns every code in `plane_order` (through the int32 view, and without
     it for a buffer that is not 4-byte aligned); the fast path's primitives built on it equal
     the dequantized products for every bit width and group size, with few query rows (the
-    grouped-matmul branch) and many (the dequantized-chunk branch)."""
+    grouped-matmul branch) and many (the dequantized-chunk branch), walking the tokens in one
+    chunk or in one chunk per token group."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(kq, "CHUNK_BYTES", chunk_bytes)
     codes = torch.randint(0, 1 << bits, (2, 3, 40, 64), dtype=torch.uint8)
     packed = kq.pack_codes(codes, bits)
     shifted = torch.empty(packed.numel() + 1, dtype=torch.uint8)[1:].view(packed.shape)  # offset 1: no int32 view
