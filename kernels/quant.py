@@ -13,20 +13,20 @@ Codes are packed along the channel axis, ``8 / bits`` per byte, channel ``j * (8
 in bits ``[i * bits, (i + 1) * bits)`` of byte ``j``; so codes stay token-major like a dense
 cache and appending tokens is a slice write.
 
-Torch fast path (CPU): attention walks the packed tokens in chunks of about ``CHUNK_BYTES`` of fp32; only
-one chunk's codes are unpacked (to fp32) at a time and no dequantized K/V is ever built: the
+Torch fast path (CPU): attention walks the packed tokens in chunks of about ``CHUNK_BYTES`` of
+fp32; only one chunk's codes are unpacked at a time and no dequantized K/V is ever built: the
 scale and zero point are folded into the query / probabilities instead. For per-channel keys
-``q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd`` (one small matmul per token group plus one
-bias per group); for per-token values ``sum_t p_t v_td = sum_t (p_t s_tg) c_td + sum_t p_t z_tg``.
-Codes become fp32 in the order cheapest to produce (``unpack_planes``: for 4-bit the low
-nibbles of a group's bytes, then the high ones; 2-bit through a 256-entry lookup table), and
-the query, scales and outputs are permuted to match. Unpacking still dominates on CPU: one
-decode step over 8k tokens (H_q=32, H_kv=8, D=128, one thread) takes 22.4 ms at 4 bits and
-29.7 ms at 2 bits vs 16.8 ms for fp32 SDPA over the dense cache (49.3 ms at 4 bits with the
-lookup table for every width, the same run; ``python -m kvpress.evals.bench_quant kernel
---device cpu --contexts 8k --threads 1 --clock cpu`` on a shared 2-core machine, 2026-11-24):
-on CPU the win is memory, not speed. On GPU the Triton kernel
-(``triton_quant.py``) dequantizes each K/V tile in registers instead.
+``q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd`` (one batched matmul over the chunk's
+token groups plus one bias per group); for per-token values ``sum_t p_t v_td = sum_t (p_t s_tg)
+c_td + sum_t p_t z_tg`` (one matmul for all channel groups). Codes become fp32 in the order
+cheapest to produce (``unpack_planes``: bit plane 0 of every byte of a row, then plane 1, ...;
+shift and mask four bytes at a time), and the query, scales and outputs are permuted to match.
+Unpacking still dominates on CPU: one decode step over 8k tokens (H_q=32, H_kv=8, D=128, one
+thread) takes ~29 ms at 4 or 2 bits vs ~19 ms for fp32 SDPA over the dense cache (~54 ms at 4
+bits with the former lookup-table unpacking; BENCHMARKS "Sessions 13-14", ``python -m
+kvpress.evals.bench_quant kernel --device cpu --contexts 8k --threads 1 --clock cpu``): on CPU
+the win is memory, not speed. On GPU the Triton kernel (``triton_quant.py``) dequantizes each
+K/V tile in registers instead.
 """
 from __future__ import annotations
 
@@ -77,19 +77,6 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(*packed.shape[:-1], -1)
 
 
-_LUTS: dict = {}
-
-
-def unpack_float(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``unpack_codes(packed, bits).float()`` through a 256-entry lookup table (one embedding
-    gather per byte; ~3.5x faster on CPU than shift + mask + convert)."""
-    key = (bits, packed.device)
-    if key not in _LUTS:
-        _LUTS[key] = unpack_codes(torch.arange(256, dtype=torch.uint8, device=packed.device)[:, None], bits).float()
-    out = torch.nn.functional.embedding(packed.long(), _LUTS[key])  # (..., N * bits / 8, 8 / bits)
-    return out.view(*packed.shape[:-1], -1)
-
-
 _ORDERS: dict = {}
 
 
@@ -108,8 +95,9 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 codes of ``packed`` (..., D * bits / 8) as ``(..., D)`` in bit-plane order
     (:func:`plane_order`): plane ``i`` of every byte, for ``i`` in
     ``0 .. 8/bits - 1``, one after the other. Each plane is one shift and one mask over the
-    bytes, four at a time through an int32 view, then one contiguous conversion: ~3x faster
-    on CPU than :func:`unpack_float`, whose lookup goes through a long index per byte. Callers
+    bytes, four at a time through an int32 view, then one contiguous conversion (at 4 bits ~3x
+    faster on CPU than the 256-entry lookup table it replaced, which went through a long index
+    per byte). Callers
     permute the query / scales instead (a dot product does not depend on the order of its
     terms) and un-permute outputs."""
     if bits == 8:
