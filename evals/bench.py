@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 import kvpress
+from kvpress.compat import cache_kwargs, output_cache
 from kvpress.generation import timed_generate
 from kvpress.patching import apply, make_cache
 from kvpress.prefill import cache_from_dense, dense_prefill
@@ -128,7 +129,7 @@ def interleaved_decode(model, ids: torch.Tensor, policies: dict, steps: int) -> 
                 out = model(ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             run["prefill_s"], run["shared_prefill"] = time.perf_counter() - t0, False
-            logits, run["cache"] = out.logits[:, -1], out.past_key_values
+            logits, run["cache"] = out.logits[:, -1], output_cache(out)
         run["next"] = logits.argmax(-1, keepdim=True)
         run["tokens"].append(int(run["next"][0]))
         time_attention(run["cache"], run["attn"])
@@ -141,7 +142,7 @@ def interleaved_decode(model, ids: torch.Tensor, policies: dict, steps: int) -> 
                 run["attn"].append(0.0)
                 _sync(device)
                 t0, c0 = time.perf_counter(), time.thread_time()
-                logits = model(run["next"], past_key_values=run["cache"], use_cache=True).logits
+                logits = model(run["next"], **cache_kwargs(model, run["cache"]), use_cache=True).logits
                 run["next"] = logits[:, -1].argmax(-1, keepdim=True)
                 _sync(device)
                 run["wall"].append(time.perf_counter() - t0)

@@ -92,6 +92,7 @@ def speed(model, tokenizer, args) -> dict:
 @torch.no_grad()
 def _decode(model, tokenizer, policy, logits, dense, steps: int) -> str:
     import kvpress
+    from kvpress.compat import cache_kwargs
     from kvpress.prefill import cache_from_dense
 
     cache = cache_from_dense(model, policy, dense)
@@ -101,7 +102,7 @@ def _decode(model, tokenizer, policy, logits, dense, steps: int) -> str:
         for _ in range(steps - 1):
             if int(nxt) == tokenizer.eos_token_id:
                 break
-            nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            nxt = model(nxt, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             out.append(nxt)
     return tokenizer.decode(torch.cat(out, 1)[0], skip_special_tokens=True)
 

@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvpress.compat import cache_kwargs, output_cache
 from kvpress.evals.bench_kernels import graph_timeit, timeit
 from kvpress.kernels.quant import (quant_decode, quantize_per_channel, quantize_per_token, reference_quant_decode)
 
@@ -164,10 +165,10 @@ def bits_mode(args) -> list[dict]:
     for label in args.policies:
         with torch.no_grad(), kvpress.apply(model, _policy(label)):
             out = model(ids, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = output_cache(out)
             nxt = out.logits[:, -1:].argmax(-1)
             for _ in range(args.decode):  # a few steps, so the window is in its steady state
-                nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                nxt = model(nxt, **cache_kwargs(model, cache), use_cache=True).logits[:, -1:].argmax(-1)
         s = kvpress.cache_stats(cache)
         rows.append({"policy": label, "tokens": s.tokens, "dtype": args.dtype, "bits_per_element": s.bits_per_element,
                      "resident_MB": s.resident_bytes / 1e6, "dense_MB": s.dense_bytes / 1e6})
@@ -199,17 +200,17 @@ def sqnr_mode(args) -> list[dict]:
     model, _ = kvpress.load_model("smollm2", dtype="float32")
     ids = torch.tensor([get_task("ppl").token_ids(tok, args.length)])
     with torch.no_grad(), kvpress.apply(model, kvpress.get_policy("full")):
-        exact = model(ids, use_cache=True).past_key_values
+        exact = output_cache(model(ids, use_cache=True))
         exact = [(layer.keys.float(), layer.values.float()) for layer in exact.layers]
     for label in args.policies:
         policy = _policy(label)
         with torch.no_grad(), kvpress.apply(model16, policy):
-            bits = kvpress.cache_stats(model16(ids, use_cache=True, logits_to_keep=1).past_key_values).bits_per_element
+            bits = kvpress.cache_stats(model16(ids, use_cache=True, logits_to_keep=1)).bits_per_element
         row = {"policy": label, "bits_per_element": bits}
         if label != "full" and all(getattr(layer, "packed_in_sequence_order", False) for layer in
                                    kvpress.make_cache(model, policy).layers):
             with torch.no_grad(), kvpress.apply(model, policy):
-                cache = model(ids, use_cache=True, logits_to_keep=1).past_key_values
+                cache = output_cache(model(ids, use_cache=True, logits_to_keep=1))
                 acc = [0.0, 0.0, 0.0, 0.0]
                 for layer, (k, v) in zip(cache.layers, exact):
                     kh, vh = _reproduced_kv(layer)

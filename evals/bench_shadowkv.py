@@ -151,6 +151,7 @@ def run_memory(args) -> dict:
 def _decode_throughput(model, policy, batch: int, length: int, new_tokens: int) -> dict:
     """Prefill ``batch`` random prompts, then time ``new_tokens`` greedy steps (tokens/s over the batch)."""
     import kvpress
+    from kvpress.compat import cache_kwargs, output_cache
     from kvpress.policies.shadowkv import transfer_summary
 
     device = model.device
@@ -162,13 +163,13 @@ def _decode_throughput(model, policy, batch: int, length: int, new_tokens: int) 
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         sync()
         prefill_s = time.perf_counter() - t0
-        cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, nxt = output_cache(out), out.logits[:, -1].argmax(-1, keepdim=True)
         del out
         times = []
         for step in range(new_tokens):
             t0 = time.perf_counter()
             pos = torch.full((batch, 1), length + step, device=device)
-            out = model(input_ids=nxt, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             sync()
             times.append(time.perf_counter() - t0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import kvpress
+from kvpress.compat import cache_kwargs
 from kvpress.generation import timed_generate
 from kvpress.prefill import cache_from_dense, dense_prefill
 
@@ -109,7 +110,7 @@ def decode_from_cache(model, policy, cache, first_logits: torch.Tensor, prompt_l
             position = torch.tensor([[prompt_length + step - 1]], device=device)
             start = time.perf_counter()
             out = model(input_ids=next_token[:, None], attention_mask=mask, position_ids=position,
-                        past_key_values=cache, use_cache=True)
+                        **cache_kwargs(model, cache), use_cache=True)
             next_token = out.logits[:, -1].argmax(-1)
             _sync(device)
             times.append(time.perf_counter() - start)
@@ -173,7 +174,7 @@ def chunked_logits(model, policy, input_ids: torch.Tensor, chunk_size: int = DEF
             positions = torch.arange(start, end, device=device).expand(batch, -1)
             mask = torch.ones(batch, end, dtype=torch.long, device=device)
             out = model(input_ids=input_ids[:, start:end], attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+                        **cache_kwargs(model, cache), use_cache=True)
             if end > keep_from:
                 pieces.append(out.logits[:, max(keep_from - start, 0):].float())
     logits = torch.cat(pieces, dim=1)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpress.compat import output_cache
 from kvpress.kernels import exact_scores
 from kvpress.layers import DenseLayer
 from kvpress.registry import Policy
@@ -164,7 +165,7 @@ def _recorded(model, ids: torch.Tensor, queries: int) -> list:
     import kvpress
 
     with torch.no_grad(), kvpress.apply(model, _RecordPolicy(queries=queries)):
-        cache = model(ids, use_cache=True).past_key_values
+        cache = output_cache(model(ids, use_cache=True))
     return [layer.record for layer in cache.layers]
 
 

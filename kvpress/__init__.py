@@ -6,7 +6,7 @@ Not NVIDIA's package of the same name; the two must not share an environment.
 >>> model, tok = kvpress.load_model("smollm2")
 >>> with kvpress.apply(model, kvpress.get_policy("streaming", window_size=252)):
 ...     out = model.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
->>> kvpress.cache_stats(out.past_key_values)
+>>> kvpress.cache_stats(out)
 """
 
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import cache_kwargs, output_cache
 from .patching import apply
 from .registry import Policy
 from .stats import CacheStats, cache_stats
@@ -90,7 +91,7 @@ def timed_generate(
         next_token = out.logits[:, -1].argmax(-1)
         _sync(device)
         prefill_s = time.perf_counter() - start
-        cache = out.past_key_values
+        cache = output_cache(out)
         if on_prefill is not None:
             on_prefill(cache)
         tokens = [next_token]
@@ -105,7 +106,7 @@ def timed_generate(
             start = time.perf_counter()
             out = model(
                 input_ids=next_token[:, None], attention_mask=attention_mask, position_ids=last_pos,
-                past_key_values=cache, use_cache=True,
+                **cache_kwargs(model, cache), use_cache=True,
             )
             next_token = out.logits[:, -1].argmax(-1)
             _sync(device)
@@ -152,8 +153,8 @@ def chunked_nll(model, input_ids: torch.Tensor, policy: Policy | None, *, chunk_
         cache = None
         for start in range(0, ids.shape[1], chunk_size):
             piece = ids[:, start : start + chunk_size]
-            out = model(input_ids=piece, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=piece, **cache_kwargs(model, cache), use_cache=True)
+            cache = output_cache(out)
             logits = out.logits[0].float()  # (chunk, V)
             targets = ids[0, start + 1 : start + 1 + piece.shape[1]]
             logits = logits[: targets.shape[0]]

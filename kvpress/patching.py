@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache
 
 from .adapters import ModelAdapter, get_adapter
 from .attention import dense_causal_attention
+from .compat import cache_keyword
 from .cache import PolicyCache, left_padding
 from .registry import Policy
 
@@ -173,12 +174,17 @@ _MISSING = object()
 
 def _make_pre_hook(session: _Session, base):
     params = list(inspect.signature(base.forward).parameters)
+    # transformers >= 5.24 names the decoder stack's cache argument ``cache`` (see kvpress.compat);
+    # the model classes above the stack still accept, and rename, ``past_key_values``
+    cache_arg = cache_keyword(type(base).forward)
 
     def hook(module, args, kwargs):
         if args:  # positional call of the decoder stack: name the arguments
             kwargs = {**dict(zip(params, args)), **kwargs}
             args = ()
-        past = kwargs.get("past_key_values")
+        if cache_arg != "past_key_values" and "past_key_values" in kwargs:  # the old name, straight to the stack
+            kwargs[cache_arg] = kwargs.pop("past_key_values")
+        past = kwargs.get(cache_arg)
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(session.model.config, "use_cache", True)
@@ -201,7 +207,7 @@ def _make_pre_hook(session: _Session, base):
         elif past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
             past = PolicyCache(session.policy, session.adapter)
             past._session = session
-            kwargs["past_key_values"] = past
+            kwargs[cache_arg] = past
         else:
             raise ValueError(
                 f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "

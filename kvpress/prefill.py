@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .compat import output_cache
 from .patching import apply, make_cache
 from .registry import Policy, get_policy
 
@@ -14,7 +15,7 @@ def dense_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     full = get_policy("full")
     with apply(model, full):
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], output_cache(out)
 
 
 def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.Tensor | None = None):

@@ -74,8 +74,8 @@ def cache_stats(cache) -> CacheStats:
 
     Parameters
     ----------
-    cache : PolicyCache
-        E.g. ``model.generate(..., return_dict_in_generate=True).past_key_values`` under apply.
+    cache : PolicyCache, or a model / ``generate(..., return_dict_in_generate=True)`` output holding one
+        E.g. ``kvpress.cache_stats(model.generate(..., return_dict_in_generate=True))`` under apply.
 
     Returns
     -------
@@ -84,7 +84,10 @@ def cache_stats(cache) -> CacheStats:
         ``bits_per_element`` and a per-layer breakdown.
     """
     from .cache import PolicyCache
+    from .compat import output_cache
 
+    if not isinstance(cache, PolicyCache) and hasattr(type(cache), "__dataclass_fields__"):
+        cache = output_cache(cache)  # a model output: its cache field (named per transformers version)
     if not isinstance(cache, PolicyCache):
         raise TypeError(f"cache_stats expects a kvpress PolicyCache, got {type(cache).__name__}")
     adapter = cache.adapter

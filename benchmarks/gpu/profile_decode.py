@@ -8,6 +8,7 @@ DynamicCache, `full` and `quest@1024`. Session 8 ran it on an H100 (BENCHMARKS "
 """
 import contextlib, sys, time, torch, kvpress
 from torch.profiler import profile, ProfilerActivity
+from kvpress.compat import cache_kwargs, output_cache
 from kvpress.evals.models import load_eval_model
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 model, tok = load_eval_model("random-llama3-8b-32l", device="cuda")
@@ -16,9 +17,9 @@ def loop(label, policy, steps=5):
     ctx = kvpress.apply(model, policy) if policy is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         out = model(ids, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values; nxt = out.logits[:, -1:].argmax(-1)
+        cache = output_cache(out); nxt = out.logits[:, -1:].argmax(-1)
         def step(i):
-            return model(nxt, past_key_values=cache, use_cache=True,
+            return model(nxt, **cache_kwargs(model, cache), use_cache=True,
                          position_ids=torch.tensor([[T + i]], device="cuda")).logits[:, -1:].argmax(-1)
         times = []
         for i in range(steps):
