@@ -3,7 +3,7 @@
 * :func:`generate_sample` — greedy decoding of one prompt under a policy, either with the
   policy's own prefill (``kvpress.generation.timed_generate``) or from a dense prefill shared by
   every ``full_prefill`` policy (:func:`shared_prefill` + :func:`decode_from_cache`).
-* :func:`chunked_logits` — a prompt fed in chunks with ``past_key_values`` = the policy cache,
+* :func:`chunked_logits` — a prompt fed in chunks with the policy cache passed in,
   so compression done after each chunk changes the logits of the later tokens (a plain
   ``model(ids)`` forward never reads the cache it writes).
 """

@@ -49,7 +49,10 @@ class ModelAdapter:
 
     @property
     def base_model(self) -> nn.Module:
-        """The decoder stack (``LlamaModel`` etc.) whose forward receives ``past_key_values``."""
+        """The decoder stack (``LlamaModel`` etc.) whose forward receives the cache.
+
+        The argument is ``past_key_values`` before transformers 5.24 and ``cache`` from it on.
+        """
         return self.model.base_model
 
     def decoder_layers(self) -> list[nn.Module]:
