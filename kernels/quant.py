@@ -97,9 +97,8 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     ``0 .. 8/bits - 1``, one after the other. Each plane is one shift and one mask over the
     bytes, four at a time through an int32 view, then one contiguous conversion (at 4 bits ~3x
     faster on CPU than the 256-entry lookup table it replaced, which went through a long index
-    per byte). Callers
-    permute the query / scales instead (a dot product does not depend on the order of its
-    terms) and un-permute outputs."""
+    per byte). Callers permute the query / scales instead (a dot product does not depend on the
+    order of its terms) and un-permute outputs."""
     if bits == 8:
         return packed.float()
     per, nbytes = 8 // bits, packed.shape[-1]
@@ -229,13 +228,20 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     return out
 
 
+_GROUP_SELECTS: dict = {}
+
+
 def _group_select(dim: int, bits: int, group_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For rows in :func:`unpack_planes`' order: ``(inverse, group, onehot)``: where each channel
-    sits, the value-group of each position (long ``(D,)``) and that as fp32 ``(D / G, 1, D)``."""
-    order, inverse = plane_order(dim, bits, device)
-    group = order // group_size
-    onehot = (torch.arange(dim // group_size, device=device)[:, None] == group[None]).float()[:, None]
-    return inverse, group, onehot
+    sits, the value-group of each position (long ``(D,)``) and that as fp32 ``(D / G, 1, D)``.
+    Built once per shape and device (every decode step of every layer asks for it)."""
+    key = (dim, bits, group_size, device)
+    if key not in _GROUP_SELECTS:
+        order, inverse = plane_order(dim, bits, device)
+        group = order // group_size
+        onehot = (torch.arange(dim // group_size, device=device)[:, None] == group[None]).float()[:, None]
+        _GROUP_SELECTS[key] = inverse, group, onehot
+    return _GROUP_SELECTS[key]
 
 
 def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
@@ -249,7 +255,7 @@ def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_siz
     ng = D // group_size
     out = q.new_empty(B, H, M, T)
     order = plane_order(D, bits, q.device)[0]
-    _, group, onehot = _group_select(D, bits, group_size, q.device)
+    group, onehot = _group_select(D, bits, group_size, q.device)[1:]
     qo = q[..., order]  # positions of the unpacked rows
     few = M < group_size
     if few:
