@@ -28,8 +28,8 @@ __all__ += ["ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "dequantize_per_channel", "de
             "quant_decode", "quantize_per_channel", "quantize_per_token", "reference_quant_decode", "unpack_codes"]
 
 # chunk-mean estimate of the tokens a sparse step leaves out (``tail_chunk`` of the selection policies)
-from .tail import (landmark_tail_estimate, reference_landmark_tail_estimate, reference_tail_estimate,  # noqa: E402
+from .tail import (chunk_attention, landmark_tail_estimate, reference_landmark_tail_estimate, reference_tail_estimate,  # noqa: E402
                    sparse_decode_tail, tail_estimate)
 
-__all__ += ["landmark_tail_estimate", "reference_landmark_tail_estimate", "reference_tail_estimate",
+__all__ += ["chunk_attention", "landmark_tail_estimate", "reference_landmark_tail_estimate", "reference_tail_estimate",
             "sparse_decode_tail", "tail_estimate"]

@@ -54,6 +54,38 @@ def _chunk_attention(q: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor
     return out.reshape(B, H_q, D), lse.reshape(B, H_q)
 
 
+def chunk_attention(q: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor, count: torch.Tensor, *,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of decode queries over chunk summaries alone: chunk ``c`` stands for ``count[c]``
+    tokens of key ``k_mean[c]`` and value ``v_mean[c]`` (the estimate `tail_estimate` makes, for
+    chunks whose tokens are none of them attended exactly -- e.g. tokens a sinks + window layer
+    evicted). Merge with the exact part by `merge_states`.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, D)``.
+    k_mean, v_mean : torch.Tensor
+        ``(B, H_kv, N, D)``.
+    count : torch.Tensor
+        ``(B, N)`` or ``(B, H_kv, N)``: tokens per chunk; 0 = an empty chunk (stands for nothing).
+
+    Returns
+    -------
+    out, lse : torch.Tensor
+        fp32 ``(B, H_q, D)`` / ``(B, H_q)``; ``lse`` is ``-inf`` where every chunk is empty.
+    """
+    B, H, N, D = k_mean.shape
+    if q.dim() != 3 or q.shape[0] != B or q.shape[1] % H or q.shape[2] != D or v_mean.shape != k_mean.shape:
+        raise ValueError(f"chunk_attention needs q (B, H_q, D) and k_mean / v_mean (B, H_kv, N, D), got q "
+                         f"{tuple(q.shape)}, k_mean {tuple(k_mean.shape)}, v_mean {tuple(v_mean.shape)}")
+    if count.dim() == 2 and tuple(count.shape) == (B, N):
+        count = count[:, None, :].expand(B, H, N)
+    if tuple(count.shape) != (B, H, N):
+        raise ValueError(f"count must have shape (B, N) or (B, H_kv, N) = {(B, H, N)}, got {tuple(count.shape)}")
+    return _chunk_attention(q, k_mean.float(), v_mean.float(), count.float(), float(scale))
+
+
 def _positions(index: SparseIndex, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attended positions ``(B, H_kv, V)`` and their validity (each real token once).
 

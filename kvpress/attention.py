@@ -125,6 +125,7 @@ def streaming_attention(
     sinks: int,
     window: int,
     sink_query_fn=None,
+    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention where query p sees the first ``sinks`` real tokens and its last ``window`` tokens.
 
@@ -146,6 +147,12 @@ def streaming_attention(
         ``sink_query_fn(q, shift)`` returns ``q`` rotated by RoPE ``shift`` [B, 1, T] positions.
         When given, sink keys are scored as if they sat right before the window (StreamingLLM's
         in-cache positions) instead of at their true distance.
+    tail : (k_mean, v_mean, count) or None
+        Chunk means of tokens every real query of this call has already lost (evicted before
+        ``q_start``): k_mean / v_mean [B, H_kv, N, D], count [B, N] (tokens each chunk stands
+        for; 0 = empty). Each chunk joins every real query's softmax as one key of score
+        ``scale * q . k_mean + log(count)`` and value ``v_mean`` (`kvpress.kernels.tail_estimate`'s
+        estimate, here inside the same softmax). Not combinable with ``sink_query_fn``.
 
     Returns
     -------
@@ -156,6 +163,11 @@ def streaming_attention(
     group = h_q // h_kv
     device = q.device
     rs = row_start.view(batch, 1)
+    if tail is not None:
+        if sink_query_fn is not None:
+            raise ValueError("streaming_attention: a tail estimate cannot be combined with sink_query_fn")
+        t_k, t_v, t_n = (x.to(torch.float32) for x in tail)
+        t_bias = t_n.clamp(min=1).log().masked_fill(t_n < 0.5, float("-inf"))[:, None, None, None, :]  # (B,1,1,1,N)
     outs = []
     step = _query_chunk(batch, h_q, k_cached.shape[2] + sinks + window + 256, t_q)
     step = max(1, min(step, 256))
@@ -203,6 +215,11 @@ def streaming_attention(
             sink_scores = (q_sink @ keys.transpose(-1, -2)).view(batch, h_kv, group, i1 - i0, -1) * scaling
             scores = torch.where(is_sink[:, None, None, None, :], sink_scores, scores)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        if tail is not None:  # the evicted chunks, seen by every real query (not by padding)
+            t_scores = (qg @ t_k.transpose(-1, -2)).view(batch, h_kv, group, i1 - i0, -1) * scaling + t_bias
+            t_scores = t_scores.masked_fill(padded_query[:, None, None, :, None], float("-inf"))
+            scores = torch.cat([scores, t_scores], dim=-1)
+            values = torch.cat([values, t_v], dim=2)
         probs = torch.softmax(scores, dim=-1).view(batch, h_kv, group * (i1 - i0), -1)
         out = (probs @ values).view(batch, h_q, i1 - i0, dim)
         outs.append(out.to(q.dtype))

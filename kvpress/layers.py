@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .attention import dense_causal_attention, streaming_attention
-from .kernels import SparseIndex, sparse_decode
+from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode, sparse_decode_tail
 from .cache import CacheLayer, KVBuffer
 
 
@@ -112,13 +112,26 @@ class SinkWindowLayer(CacheLayer):
     work, and the layer never holds more than one chunk beyond its slots. Only the slots survive
     between forwards, so a caller's own forwards cut the chunks too. ``K=1`` is the per-token
     streaming pattern with one more window slot; ``K=None`` one chunk per forward.
+
+    With ``tail_chunk=N`` (needs ``dense_prefill``, not ``rerotate``) the tokens the ring evicts
+    are not forgotten entirely: each is added, as it leaves, to fp32 key / value sums of its
+    ``N``-token chunk (a :class:`ChunkTail`; sinks are never summed), and every later query also
+    sees each chunk as one key ``mean k`` of value ``mean v`` standing for its token count
+    (`kvpress.kernels.chunk_attention`; RetroInfer's estimation zone, arXiv 2505.02922). A chunked
+    prefill's chunk sees the chunks evicted before it; a decode step those evicted before it.
+    Resident bytes grow by ``2 * 4 * D / N`` per evicted token and head (fp32 sums: 1/N of an
+    fp32 cache, 2/N of a 16-bit one), counted in ``cache_stats``. ``N=1`` keeps every evicted
+    token's key and value (as sums of one), so attention equals dense attention.
     """
 
     def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False,
-                 dense_prefill: bool = False, prefill_chunk: int | None = None):
+                 dense_prefill: bool = False, prefill_chunk: int | None = None, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
         if prefill_chunk is not None and (not dense_prefill or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk={prefill_chunk!r} needs dense_prefill=True and must be >= 1")
+        if tail_chunk and (rerotate or not dense_prefill or tail_chunk < 0):
+            raise ValueError(f"tail_chunk={tail_chunk!r} needs dense_prefill=True, rerotate=False and must be >= 0")
+        self.tail = ChunkTail(tail_chunk, skip=sinks) if tail_chunk else None
         self.sinks = sinks
         self.window = window
         self.rerotate = rerotate
@@ -180,6 +193,7 @@ class SinkWindowLayer(CacheLayer):
                 outs.append(streaming_attention(
                     q_c, self.k, self.v, self._visible_pos(row_start), k_c, v_c, scaling,
                     q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.seen + (b - a),
+                    tail=self.tail.means() if self.tail is not None and self.tail.chunks else None,
                 ))
             self._write(k_c, v_c, row_start)
             self.seen += b - a
@@ -199,6 +213,8 @@ class SinkWindowLayer(CacheLayer):
         """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,
         each row's sink tokens into its sink slots."""
         batch, heads, n_new, dim = k_new.shape
+        if self.tail is not None:
+            self._evict_to_tail(k_new, v_new)
         keep = min(n_new, self.window)
         idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
         slots = self.sinks + idx % self.window
@@ -217,6 +233,31 @@ class SinkWindowLayer(CacheLayer):
                 self.v[:, :, : self.sinks] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, : self.sinks])
                 self.pos[:, : self.sinks] = torch.where(fresh, local + self.seen, self.pos[:, : self.sinks])
 
+    def _evict_to_tail(self, k_new, v_new) -> None:
+        """Add the tokens this write pushes out of the window (sequence indices
+        ``[seen - window, seen + n - window)``, from the ring or from the new tokens) to the tail sums."""
+        n, w = k_new.shape[2], self.window
+        lo, hi = max(0, self.seen - w), self.seen + n - w
+        if hi <= lo:
+            return
+        ks, vs = [], []
+        if lo < self.seen:  # ring slots about to be overwritten (they hold indices lo .. )
+            old_hi = min(self.seen, hi)
+            if old_hi - lo == 1:
+                slot = self.sinks + lo % w
+                ks.append(self.k[:, :, slot:slot + 1])
+                vs.append(self.v[:, :, slot:slot + 1])
+            else:
+                slots = self.sinks + torch.arange(lo, old_hi, device=k_new.device) % w
+                ks.append(self.k[:, :, slots])
+                vs.append(self.v[:, :, slots])
+        if hi > self.seen:  # new tokens that never enter the ring
+            ks.append(k_new[:, :, : hi - self.seen])
+            vs.append(v_new[:, :, : hi - self.seen])
+        k_ev = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
+        v_ev = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
+        self.tail.append(k_ev, v_ev, lo, self.row_start)
+
     def _decode(self, q, k_new, v_new, scaling, row_start):
         """One new token: write it into its ring slot, then attend over the slots in place."""
         self._write(k_new, v_new, row_start)
@@ -229,8 +270,11 @@ class SinkWindowLayer(CacheLayer):
             # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
             # without padding every slot is visible once the sinks and the window are full
             full = self.row_start is None and q_pos >= self.sinks + self.window - 1
-            out, _ = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv, all_visible=full),
-                                   scale=scaling, validate_index=False)
+            out, lse = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv, all_visible=full),
+                                     scale=scaling, validate_index=False)
+            if self.tail is not None and self.tail.chunks:
+                t_out, t_lse = chunk_attention(q[:, :, 0], *self.tail.means(), scale=scaling)
+                out, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
             return out[:, :, None]
         # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
         q_real = (q_pos - row_start).to(torch.float32)  # (B,)
@@ -247,7 +291,16 @@ class SinkWindowLayer(CacheLayer):
         return out.reshape(batch, h_q, 1, dim).to(q.dtype)
 
     def state_tensors(self):
-        return {"k": self.k, "v": self.v, "pos": self.pos}
+        return {"k": self.k, "v": self.v, "pos": self.pos,
+                **({} if self.tail is None else self.tail.state_tensors())}
+
+    def batch_select(self, indices):
+        for name in ("k", "v", "pos"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))
+        if self.tail is not None:
+            self.tail.batch_select(indices)
 
     def stored_tokens(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
@@ -257,3 +310,100 @@ class SinkWindowLayer(CacheLayer):
             return 0
         b, h, t, d = self.k.shape
         return 2 * b * h * t * d
+
+
+class ChunkTail:
+    """Running fp32 key / value sums per ``chunk_size``-token chunk, for the tail estimate.
+
+    Chunk ``c`` of row ``b`` covers sequence indices ``row_start[b] + [c * chunk_size,
+    (c + 1) * chunk_size)`` (as `PageStats` counts pages), so a left-padded row is chunked as
+    if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk).
+    A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`attend`
+    attends a `SparseIndex` exactly and adds the estimate of the tokens it leaves out
+    (`kvpress.kernels.sparse_decode_tail`; RetroInfer's estimation zone, arXiv 2505.02922).
+    Resident bytes: ``4 / chunk_size`` per cached K or V element (fp32 sums), i.e. 1/32 of a
+    bf16 cache's bytes at ``chunk_size = 64``; they are counted in ``cache_stats``.
+
+    ``skip``: the first ``skip`` real tokens of each row are never summed (a `SinkWindowLayer`
+    keeps them exactly: its sinks); chunks are still counted from the row's first real token.
+    """
+
+    def __init__(self, chunk_size: int, grow_chunks: int = 16, skip: int = 0):
+        self.chunk_size = chunk_size
+        self.grow_chunks = grow_chunks
+        self.skip = skip
+        self.tail_k_sum: torch.Tensor | None = None  # (B, H_kv, N_cap, D) fp32
+        self.tail_v_sum: torch.Tensor | None = None
+        self.tail_count: torch.Tensor | None = None  # (B, N_cap) fp32
+        self.chunks = 0  # chunks holding at least one stored token
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
+        """Add keys / values [B, H_kv, n, D] at sequence indices ``start ..`` to their chunks."""
+        B, H, n, D = k.shape
+        if n == 0:
+            return
+        cs = self.chunk_size
+        self.chunks = -(-(start + n) // cs)
+        self._ensure(B, H, D, self.chunks, k.device)
+        if n == 1 and row_start is None:  # a decode step without padding: one chunk, in place
+            if start < self.skip:
+                return
+            c = start // cs
+            self.tail_k_sum[:, :, c] += k[:, :, 0].float()
+            self.tail_v_sum[:, :, c] += v[:, :, 0].float()
+            self.tail_count[:, c] += 1.0
+            return
+        idx = torch.arange(start, start + n, device=k.device)  # (n,)
+        if row_start is None and start >= self.skip:
+            chunk = idx // cs
+            self.tail_k_sum.index_add_(2, chunk, k.float())
+            self.tail_v_sum.index_add_(2, chunk, v.float())
+            self.tail_count.index_add_(1, chunk, k.new_ones(B, n, dtype=torch.float32))
+            return
+        rel = idx[None, :] - (0 if row_start is None else row_start[:, None])  # (B, n) or (1, n)
+        real = (rel >= self.skip).expand(B, n)
+        chunk = (rel.clamp(min=0) // cs).expand(B, n)  # (B, n)
+        w = real.float()
+        at = chunk[:, None, :, None].expand(B, H, n, D)
+        self.tail_k_sum.scatter_add_(2, at, k.float() * w[:, None, :, None])
+        self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
+        self.tail_count.scatter_add_(1, chunk, w)
+
+    def _ensure(self, B: int, H: int, D: int, chunks: int, device) -> None:
+        if self.tail_k_sum is not None and self.tail_k_sum.shape[2] >= chunks:
+            return
+        cap = -(-chunks // self.grow_chunks) * self.grow_chunks
+        ks = torch.zeros(B, H, cap, D, dtype=torch.float32, device=device)
+        vs, cnt = torch.zeros_like(ks), torch.zeros(B, cap, dtype=torch.float32, device=device)
+        if self.tail_k_sum is not None:
+            old = self.tail_k_sum.shape[2]
+            ks[:, :, :old], vs[:, :, :old], cnt[:, :old] = self.tail_k_sum, self.tail_v_sum, self.tail_count
+        self.tail_k_sum, self.tail_v_sum, self.tail_count = ks, vs, cnt
+
+    def attend(self, q: torch.Tensor, buffer, index: SparseIndex, scaling: float, *, backend: str = "auto",
+               validate_index: bool = True) -> torch.Tensor:
+        """Exact attention of q (B, H_q, D) over ``index`` merged with the estimate of the rest (B, H_q, D).
+
+        One pass (`kvpress.kernels.sparse_decode_tail`): the attended rows serve both parts.
+        """
+        n = self.chunks
+        out, _ = sparse_decode_tail(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n], self.tail_v_sum[:, :, :n],
+                                    self.tail_count[:, :n], chunk_size=self.chunk_size, scale=scaling,
+                                    seq_len=buffer.length, backend=backend, validate_index=validate_index)
+        return out
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-chunk mean key / value ``(B, H_kv, N, D)`` and token count ``(B, N)`` (fp32) of the
+        ``N = chunks`` chunks summed so far (a chunk with count 0 holds nothing)."""
+        n = self.chunks
+        count = self.tail_count[:, :n]
+        div = count.clamp(min=1)[:, None, :, None]
+        return self.tail_k_sum[:, :, :n] / div, self.tail_v_sum[:, :, :n] / div, count
+
+    def state_tensors(self) -> dict:
+        return {"tail_k_sum": self.tail_k_sum, "tail_v_sum": self.tail_v_sum, "tail_count": self.tail_count}
+
+    def batch_select(self, indices: torch.Tensor) -> None:
+        for name, t in self.state_tensors().items():
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))

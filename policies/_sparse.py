@@ -19,7 +19,7 @@ Small on purpose; other policies may import it:
     given ids in that range).
 ``token_topk_index``
     Sinks + window + top tokens in between, hot path or masked (``double_sparsity``, ``exact_topk``).
-``ChunkTail``
+``ChunkTail`` (defined in `kvpress.layers`, re-exported here)
     Running per-chunk key / value sums that estimate the attention of the tokens a step leaves
     out (``tail_chunk`` of the selection policies; `kvpress.kernels.sparse_decode_tail`).
 
@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from kvpress.attention import dense_causal_attention
-from kvpress.layers import DenseLayer
-from kvpress.kernels import SparseIndex, select_topk, sparse_decode, sparse_decode_tail, topk_ids
+from kvpress.layers import ChunkTail, DenseLayer
+from kvpress.kernels import SparseIndex, select_topk, sparse_decode, topk_ids
 
 
 class SelectiveLayer(DenseLayer):
@@ -124,89 +124,6 @@ class SelectiveLayer(DenseLayer):
         row_start = self.row_start
         full = torch.full((self.batch_size,), self.seen, dtype=torch.long, device=self.device)
         return full if row_start is None else full - row_start
-
-
-class ChunkTail:
-    """Running fp32 key / value sums per ``chunk_size``-token chunk, for the tail estimate.
-
-    Chunk ``c`` of row ``b`` covers sequence indices ``row_start[b] + [c * chunk_size,
-    (c + 1) * chunk_size)`` (as `PageStats` counts pages), so a left-padded row is chunked as
-    if it ran alone; padding is never summed (``count`` holds real tokens per row and chunk).
-    A decode step adds its token to one chunk in place, so upkeep is O(D) per head and step. :meth:`attend`
-    attends a `SparseIndex` exactly and adds the estimate of the tokens it leaves out
-    (`kvpress.kernels.sparse_decode_tail`; RetroInfer's estimation zone, arXiv 2505.02922).
-    Resident bytes: ``4 / chunk_size`` per cached K or V element (fp32 sums), i.e. 1/32 of a
-    bf16 cache's bytes at ``chunk_size = 64``; they are counted in ``cache_stats``.
-    """
-
-    def __init__(self, chunk_size: int, grow_chunks: int = 16):
-        self.chunk_size = chunk_size
-        self.grow_chunks = grow_chunks
-        self.tail_k_sum: torch.Tensor | None = None  # (B, H_kv, N_cap, D) fp32
-        self.tail_v_sum: torch.Tensor | None = None
-        self.tail_count: torch.Tensor | None = None  # (B, N_cap) fp32
-        self.chunks = 0  # chunks holding at least one stored token
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
-        """Add keys / values [B, H_kv, n, D] at sequence indices ``start ..`` to their chunks."""
-        B, H, n, D = k.shape
-        if n == 0:
-            return
-        cs = self.chunk_size
-        self.chunks = -(-(start + n) // cs)
-        self._ensure(B, H, D, self.chunks, k.device)
-        if n == 1 and row_start is None:  # a decode step without padding: one chunk, in place
-            c = start // cs
-            self.tail_k_sum[:, :, c] += k[:, :, 0].float()
-            self.tail_v_sum[:, :, c] += v[:, :, 0].float()
-            self.tail_count[:, c] += 1.0
-            return
-        idx = torch.arange(start, start + n, device=k.device)  # (n,)
-        if row_start is None:
-            chunk = idx // cs
-            self.tail_k_sum.index_add_(2, chunk, k.float())
-            self.tail_v_sum.index_add_(2, chunk, v.float())
-            self.tail_count.index_add_(1, chunk, k.new_ones(B, n, dtype=torch.float32))
-            return
-        rel = idx[None, :] - row_start[:, None]  # (B, n)
-        real = rel >= 0
-        chunk = rel.clamp(min=0) // cs  # (B, n)
-        w = real.float()
-        at = chunk[:, None, :, None].expand(B, H, n, D)
-        self.tail_k_sum.scatter_add_(2, at, k.float() * w[:, None, :, None])
-        self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
-        self.tail_count.scatter_add_(1, chunk, w)
-
-    def _ensure(self, B: int, H: int, D: int, chunks: int, device) -> None:
-        if self.tail_k_sum is not None and self.tail_k_sum.shape[2] >= chunks:
-            return
-        cap = -(-chunks // self.grow_chunks) * self.grow_chunks
-        ks = torch.zeros(B, H, cap, D, dtype=torch.float32, device=device)
-        vs, cnt = torch.zeros_like(ks), torch.zeros(B, cap, dtype=torch.float32, device=device)
-        if self.tail_k_sum is not None:
-            old = self.tail_k_sum.shape[2]
-            ks[:, :, :old], vs[:, :, :old], cnt[:, :old] = self.tail_k_sum, self.tail_v_sum, self.tail_count
-        self.tail_k_sum, self.tail_v_sum, self.tail_count = ks, vs, cnt
-
-    def attend(self, q: torch.Tensor, buffer, index: SparseIndex, scaling: float, *, backend: str = "auto",
-               validate_index: bool = True) -> torch.Tensor:
-        """Exact attention of q (B, H_q, D) over ``index`` merged with the estimate of the rest (B, H_q, D).
-
-        One pass (`kvpress.kernels.sparse_decode_tail`): the attended rows serve both parts.
-        """
-        n = self.chunks
-        out, _ = sparse_decode_tail(q, buffer.k, buffer.v, index, self.tail_k_sum[:, :, :n], self.tail_v_sum[:, :, :n],
-                                    self.tail_count[:, :n], chunk_size=self.chunk_size, scale=scaling,
-                                    seq_len=buffer.length, backend=backend, validate_index=validate_index)
-        return out
-
-    def state_tensors(self) -> dict:
-        return {"tail_k_sum": self.tail_k_sum, "tail_v_sum": self.tail_v_sum, "tail_count": self.tail_count}
-
-    def batch_select(self, indices: torch.Tensor) -> None:
-        for name, t in self.state_tensors().items():
-            if t is not None:
-                setattr(self, name, t.index_select(0, indices.to(t.device)))
 
 
 class PageStats:

@@ -142,6 +142,13 @@ class DuoPolicy(Policy):
         one dense prefill with this policy).
     prefill_chunk_size : int
         Chunk of ``prefill="chunked"``, counted from the first token of the sequence.
+    tail_chunk : int
+        0 (the default, the paper): a streaming head forgets what leaves its window. ``N > 0``:
+        it also keeps fp32 key / value sums of the tokens it evicted, per ``N``-token chunk, and
+        its queries see each chunk as one mean key standing for its tokens (an estimate of the
+        evicted attention mass; RetroInfer, arXiv 2505.02922). Streaming heads then grow by
+        ``1/N`` of an fp32 head (``2/N`` of a 16-bit one) per token. Needs
+        ``prefill="chunked"`` or ``"dense"``.
     """
 
     artifact: str | None = None
@@ -153,6 +160,7 @@ class DuoPolicy(Policy):
     gates: tuple | None = None
     prefill: str = "chunked"
     prefill_chunk_size: int = 1024
+    tail_chunk: int = 0
 
     name = "duo"
     description = "retrieval heads full KV, streaming heads sinks + window (DuoAttention)"
@@ -165,8 +173,12 @@ class DuoPolicy(Policy):
         check_int("sink_tokens", self.sink_tokens, 0)
         check_int("window_size", self.window_size, 1)
         check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
+        check_int("tail_chunk", self.tail_chunk, 0)
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
+        if self.tail_chunk and self.prefill == "streaming":
+            raise ValueError('tail_chunk needs prefill="chunked" or "dense" (the per-token streaming prefill '
+                             "evicts inside the forward)")
         if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
@@ -233,7 +245,7 @@ class DuoPolicy(Policy):
         if key not in cache.shared:  # one artifact read per generation, shared by all layers
             cache.shared[key] = self.retrieval_mask(cache.adapter)
         return DuoLayer(cache, layer_idx, cache.shared[key][layer_idx], self.sink_tokens, self.window_size,
-                        prefill=self.prefill, prefill_chunk=self.prefill_chunk_size)
+                        prefill=self.prefill, prefill_chunk=self.prefill_chunk_size, tail_chunk=self.tail_chunk)
 
     def with_budget(self, budget: int) -> "DuoPolicy":
         """Budget of the streaming heads (``sink_tokens + window_size``); retrieval heads keep all."""
@@ -298,7 +310,7 @@ class DuoLayer(CacheLayer):
     """
 
     def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
-                 prefill: str = "streaming", prefill_chunk: int | None = None):
+                 prefill: str = "streaming", prefill_chunk: int | None = None, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
         heads = torch.arange(retrieval.numel())
         self.retrieval_heads = heads[retrieval]
@@ -306,7 +318,8 @@ class DuoLayer(CacheLayer):
         self.group = cache.adapter.group_size
         self.dense = KVBuffer(grow=_GROW) if self.retrieval_heads.numel() else None
         self.stream = (SinkWindowLayer(cache, layer_idx, sinks, window, dense_prefill=prefill != "streaming",
-                                       prefill_chunk=prefill_chunk if prefill == "chunked" else None)
+                                       prefill_chunk=prefill_chunk if prefill == "chunked" else None,
+                                       tail_chunk=tail_chunk)
                        if self.streaming_heads.numel() else None)
         self._index: dict | None = None
 
@@ -364,7 +377,7 @@ class DuoLayer(CacheLayer):
         if self.dense is not None:
             out.update(retrieval_k=self.dense.k, retrieval_v=self.dense.v)
         if self.stream is not None:
-            out.update(streaming_k=self.stream.k, streaming_v=self.stream.v, streaming_pos=self.stream.pos)
+            out.update({f"streaming_{name}": t for name, t in self.stream.state_tensors().items()})
         return out
 
     def batch_select(self, indices):

@@ -222,3 +222,25 @@ def test_landmark_estimate_shape_errors_name_the_shapes():
         landmark_tail_estimate(q, landmarks, keep, v_sum, chunk_size=8, group=4, scale=1.0, offset=4)
     with pytest.raises(ValueError, match="keep"):
         landmark_tail_estimate(q, landmarks, keep[:, :1], v_sum, chunk_size=8, group=4, scale=1.0)
+
+
+def test_chunk_attention_is_attention_over_each_mean_repeated_count_times():
+    """A chunk of count n and mean key / value stands for n identical tokens: the same output and
+    lse as plain attention over the means repeated n times; empty chunks stand for nothing."""
+    from kvpress.kernels import chunk_attention
+
+    torch.manual_seed(0)
+    B, H, G, N, D = 2, 2, 3, 5, 16
+    q, k, v = torch.randn(B, H * G, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    count = torch.tensor([[3.0, 0.0, 1.0, 4.0, 2.0], [1.0, 1.0, 0.0, 0.0, 5.0]])
+    out, lse = chunk_attention(q, k, v, count, scale=0.3)
+    for b in range(B):
+        reps = count[b].long()
+        kr, vr = k[b].repeat_interleave(reps, dim=1), v[b].repeat_interleave(reps, dim=1)  # (H, n_tokens, D)
+        s = (q[b].view(H, G, D) @ kr.transpose(-1, -2)) * 0.3
+        torch.testing.assert_close(out[b], (torch.softmax(s, -1) @ vr).reshape(H * G, D), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse[b], torch.logsumexp(s, -1).reshape(H * G), atol=1e-5, rtol=0)
+    _, empty = chunk_attention(q, k, v, torch.zeros(B, N), scale=0.3)
+    assert torch.isinf(empty).all() and (empty < 0).all()
+    with pytest.raises(ValueError, match="count must have shape"):
+        chunk_attention(q, k, v, torch.zeros(B, N + 1), scale=0.3)

@@ -40,13 +40,15 @@ def test_split_heads_sparsity_threshold_and_random():
 
 def test_bad_config_values_are_value_errors():
     for kwargs in (dict(sparsity=1.5), dict(window_size=0), dict(sink_tokens=-1), dict(gates=((0.1,), (0.2, 0.3))),
-                   dict(prefill="sparse"), dict(prefill_chunk_size=0)):
+                   dict(prefill="sparse"), dict(prefill_chunk_size=0), dict(tail_chunk=-1)):
         with pytest.raises(ValueError, match="allowed|rectangular"):
             DuoPolicy(**kwargs)
     with pytest.raises(ValueError, match="either gates or artifact"):
         DuoPolicy(gates=((1.0,),), artifact="x.safetensors")
     with pytest.raises(ValueError, match="exceed sink_tokens"):
         DuoPolicy(sink_tokens=4).with_budget(4)
+    with pytest.raises(ValueError, match='tail_chunk needs prefill="chunked" or "dense"'):
+        DuoPolicy(tail_chunk=64, prefill="streaming")
 
 
 # ------------------------------------------------------------------ storage is split per head
@@ -203,6 +205,86 @@ def test_dense_prefill_in_several_forwards_sees_every_kept_token(model4):
         second = model4(ids[:, 17:], past_key_values=first.past_key_values, use_cache=True)
     torch.testing.assert_close(first.logits, ref[:, :17], atol=1e-5, rtol=0)
     assert (second.logits - ref[:, 17:]).abs().max() > 1e-3  # the middle of the first forward is gone
+
+
+# ------------------------------------------------------------------ tail_chunk
+def _left_padded(long_len=40, short_len=27):
+    long, short = random_ids(long_len, seed=4), random_ids(short_len, seed=5)
+    batch, mask = torch.zeros(2, long_len, dtype=torch.long), torch.zeros(2, long_len, dtype=torch.long)
+    batch[0], mask[0] = long[0], 1
+    batch[1, long_len - short_len:], mask[1, long_len - short_len:] = short[0], 1
+    return long, short, batch, mask
+
+
+@pytest.mark.parametrize("prefill", ["chunked", "dense"])
+def test_tail_of_one_token_chunks_is_full_attention(model4, prefill):
+    """tail_chunk=1 keeps every evicted token as a chunk of one: prefill (in chunks) and decode
+    then equal full attention for every head, left padding included."""
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill=prefill,
+                       prefill_chunk_size=8, tail_chunk=1)
+    _, _, batch, mask = _left_padded()
+    full = run(model4, kvpress.get_policy("full"), batch, attention_mask=mask)
+    got = run(model4, policy, batch, attention_mask=mask)
+    assert torch.equal(full.sequences, got.sequences)
+    for a, b in zip(full.scores, got.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    off = run(model4, policy.replace(tail_chunk=0), batch, attention_mask=mask)
+    assert max((a - b).abs().max().item() for a, b in zip(full.scores, off.scores)) > 1e-2  # the tail is what closed it
+
+
+def test_tail_left_padded_batch_matches_single_rows_and_counts_its_sums(model4):
+    # (prefill="dense": the chunked prefill cuts chunks by sequence index, padding included)
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="dense", tail_chunk=4)
+    long, short, batch, mask = _left_padded()
+    both = run(model4, policy, batch, attention_mask=mask)
+    one_long, one_short = run(model4, policy, long), run(model4, policy, short)
+    assert torch.equal(both.sequences[0, 40:], one_long.sequences[0, 40:])
+    assert torch.equal(both.sequences[1, 40:], one_short.sequences[0, 27:])
+    for a, b, c in zip(both.scores, one_long.scores, one_short.scores):
+        torch.testing.assert_close(a[0], b[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(a[1], c[0], atol=1e-4, rtol=0)
+    # a streaming head's sums hold every evicted real token once: prompt + 3 decoded tokens
+    # (the 4th is generated, not stored) minus 2 sinks and the 6-token window, per row
+    for layer in both.past_key_values.layers:
+        t = layer.state_tensors()
+        if "streaming_tail_count" in t:
+            counts = t["streaming_tail_count"].sum(1)
+            assert counts.tolist() == [40 + 3 - 8, 27 + 3 - 8]
+    plain = kvpress.cache_stats(run(model4, policy.replace(tail_chunk=0), batch, attention_mask=mask).past_key_values)
+    assert kvpress.cache_stats(both.past_key_values).resident_bytes > plain.resident_bytes  # the sums are counted
+
+
+def test_tail_sums_equal_the_evicted_tokens_whatever_the_forwards(model4):
+    """Chunked prefill in one forward, the same prompt in three forwards, or a dense prefill:
+    the sums hold exactly the evicted tokens' keys (checked against full's cache in the first
+    layer, whose keys do not depend on the policy)."""
+    ids = random_ids(45, seed=21)
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill_chunk_size=16, tail_chunk=4)
+    _, full_cache = _prompt_logits(model4, kvpress.get_policy("full"), ids)
+    caches = [_prompt_logits(model4, policy, ids)[1], _prompt_logits(model4, policy, ids, forwards=(10, 33, None))[1],
+              _prompt_logits(model4, policy.replace(prefill="dense"), ids)[1]]
+    for li, layer in enumerate(caches[0].layers[:1]):
+        stream = layer._indices(ids.device)["str"]
+        assert stream.numel()
+        k_all = full_cache.layers[li].state_tensors()["k"][:, stream, :45].float()
+        evicted = k_all[:, :, 2:45 - 6]  # sinks 0-1 exact, window 39-44 exact
+        chunk = torch.arange(2, 39) // 4
+        expect = torch.zeros(1, stream.numel(), 10, k_all.shape[-1]).index_add_(2, chunk, evicted)
+        for cache in caches:
+            got = cache.layers[li].state_tensors()["streaming_tail_k_sum"][:, :, :10]
+            torch.testing.assert_close(got, expect, atol=1e-5, rtol=0)
+
+
+def test_tail_beam_search_reorders_the_sums(model4):
+    policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, tail_chunk=4)
+    out = run(model4, policy, random_ids(30, batch=2, seed=7))
+    layer = next(l for l in out.past_key_values.layers if "streaming_tail_k_sum" in l.state_tensors())
+    before = {k: v.clone() for k, v in layer.state_tensors().items()}
+    layer.batch_select(torch.tensor([1, 1]))
+    for name, tensor in layer.state_tensors().items():
+        assert torch.equal(tensor[0], before[name][1]) and torch.equal(tensor[1], before[name][1])
+    beams = run(model4, policy, random_ids(30, seed=8), num_beams=2)
+    assert beams.sequences.shape == (1, 34)
 
 
 # ------------------------------------------------------------------ prefill="chunked"
