@@ -78,6 +78,18 @@ of full's 5 lost needles, a 496-token window 1, the dense prefill 3 -- no settin
 way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and
 the variants tried (losses, steps, lengths, L1 weights; 38-43 of the same 45 heads each time)
 are in ``_duo_calibrate``; earlier tables in BENCHMARKS "Session 4" and "Session 5".
+
+``tail_chunk=N`` (off by default; session 16, BENCHMARKS "Session 16") lets streaming heads keep
+fp32 key / value sums of the tokens their window evicts, per N-token chunk, and attend each chunk
+as one mean key standing for its tokens (the estimate that brought ``exact_topk@256`` from 83% to
+97% at 8k). For ``duo`` it is worse, not better: over the first 33 of the 48 niah_single samples at
+8k, ``duo:tail_chunk=64`` keeps 13 of ``full``'s 19 needles against plain ``duo``'s 16 (+1 gained),
+losing #7, #18, #20, #23 and #30 that plain ``duo`` answers (run stopped there)::
+
+    kvpress eval --model smollm2 --policies full,duo:tail_chunk=64 --tasks niah_single --lengths 8192 --samples 48 --out OUT
+
+The gates chose heads that work *without* the middle of the context; a blurred chunk-mean of it
+is input they were never calibrated for. Kept as an option for experiments, not a recommendation.
 """
 
 from __future__ import annotations
@@ -148,7 +160,8 @@ class DuoPolicy(Policy):
         its queries see each chunk as one mean key standing for its tokens (an estimate of the
         evicted attention mass; RetroInfer, arXiv 2505.02922). Streaming heads then grow by
         ``1/N`` of an fp32 head (``2/N`` of a 16-bit one) per token. Needs
-        ``prefill="chunked"`` or ``"dense"``.
+        ``prefill="chunked"`` or ``"dense"``. Measured worse than off at 8k on SmolLM2 (module
+        docstring): an experiment knob.
     """
 
     artifact: str | None = None
