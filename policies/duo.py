@@ -82,9 +82,10 @@ are in ``_duo_calibrate``; earlier tables in BENCHMARKS "Session 4" and "Session
 ``tail_chunk=N`` (off by default; session 16, BENCHMARKS "Session 16") lets streaming heads keep
 fp32 key / value sums of the tokens their window evicts, per N-token chunk, and attend each chunk
 as one mean key standing for its tokens (the estimate that brought ``exact_topk@256`` from 83% to
-97% at 8k). For ``duo`` it is worse, not better: over the first 33 of the 48 niah_single samples at
-8k, ``duo:tail_chunk=64`` keeps 13 of ``full``'s 19 needles against plain ``duo``'s 16 (+1 gained),
-losing #7, #18, #20, #23 and #30 that plain ``duo`` answers (run stopped there)::
+97% at 8k). For ``duo`` it is worse, not better: over the 48 niah_single samples at 8k
+``duo:tail_chunk=64`` scores 0.458 (75.9% of ``full``; plain ``duo`` 86%), keeping 21 of ``full``'s
+29 needles against plain ``duo``'s 24; it wins back three of plain ``duo``'s five losses and loses
+six needles plain ``duo`` answers (188.6 against 186 MiB resident)::
 
     kvpress eval --model smollm2 --policies full,duo:tail_chunk=64 --tasks niah_single --lengths 8192 --samples 48 --out OUT
 
