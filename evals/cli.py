@@ -55,7 +55,8 @@ def cmd_eval(args) -> int:
         options=parse_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
     )
-    run_eval(grid, args.out, max_cells=args.max_cells, progress=not args.no_progress, plots=not args.no_plots)
+    run_eval(grid, args.out, max_cells=args.max_cells, progress=not args.no_progress, plots=not args.no_plots,
+             reuse=_csv(args.reuse))
     return 0
 
 
@@ -74,6 +75,9 @@ def configure_eval(p) -> None:
     p.add_argument("-o", "--option", action="append", metavar="POLICY.FIELD=VALUE", help="policy field (repeatable)")
     p.add_argument("--out", default="results", help="output folder (JSONL, CSVs, PNG plots); reruns resume")
     p.add_argument("--max-cells", type=int, default=None, help="stop after this many cells (resume later)")
+    p.add_argument("--reuse", default=None, metavar="DIR[,DIR]",
+                   help="output folders of earlier runs: cells with the same key (model, policy fields, task, length, "
+                        "sample, seed) are copied from there, marked reused_from, instead of computed (e.g. full's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap each answer's token budget")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the ppl task")
     p.add_argument("--no-share-prefill", action="store_true", help="prefill every policy separately")

@@ -229,7 +229,7 @@ def _stats(stats) -> dict:
 
 
 def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: int | None = None,
-             progress: bool = True, plots: bool = True, quiet: bool = False) -> list[dict]:
+             progress: bool = True, plots: bool = True, quiet: bool = False, reuse=()) -> list[dict]:
     """Run ``grid``, appending each finished cell to ``out_dir/results.jsonl``; return all records.
 
     Parameters
@@ -242,11 +242,16 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
         Show a tqdm bar with ETA on stderr.
     plots : bool
         Write the PNG plots (needs matplotlib).
+    reuse : sequence of folders
+        Output folders of earlier runs: a cell of this grid whose key (model, every policy field,
+        task, length, sample, seed) is finished there is copied into ``out_dir`` with a
+        ``reused_from`` field instead of being computed (e.g. ``full``'s cells for a new policy).
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     variants = grid.variants()
     tasks = grid.task_objects()
+    reusable = _reusable_cells(reuse, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     done = {r["key"] for r in res.read_records(out_dir) if "key" in r}
     if model is None:
         model, tokenizer = load_eval_model(grid.model, dtype=grid.dtype, device=grid.device or default_device())
@@ -265,13 +270,26 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
     eos = _eos(tokenizer, model)
 
     plan = []  # (length, task, sample index, pending variants)
+    reused = 0
     for length in grid.lengths:
         for task in tasks:
             for index in range(1) if task.kind == "perplexity" else (grid.sample_ids or range(grid.samples)):
-                pending = [v for v in variants
-                           if res.cell_key(grid.model, v.config, task.spec, length, index, grid.seed) not in done]
+                pending = []
+                for v in variants:
+                    key = res.cell_key(grid.model, v.config, task.spec, length, index, grid.seed)
+                    if key in done:
+                        continue
+                    if key in reusable:
+                        record, folder = reusable[key]
+                        res.append_record(out_dir, {**record, "reused_from": str(folder)})
+                        done.add(key)
+                        reused += 1
+                        continue
+                    pending.append(v)
                 if pending:
                     plan.append((length, task, index, pending))
+    if reused and not quiet:
+        print(f"reused {reused} finished cell(s) from {', '.join(map(str, reuse))}", file=sys.stdout)
     total = sum(len(p[3]) for p in plan)
     if max_cells is not None:
         total = min(total, max_cells)
@@ -334,6 +352,21 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
         if remaining:
             print(f"\n{remaining} cell(s) pending; rerun the same command to resume.", file=sys.stdout)
     return records
+
+
+def _reusable_cells(folders, out_dir: Path) -> dict:
+    """key -> (record, folder) of the finished cells in ``folders`` (the first folder naming a key wins)."""
+    cells: dict = {}
+    for folder in folders:
+        folder = Path(folder)
+        if not (folder / res.RESULTS_FILE).is_file():
+            raise FileNotFoundError(f"reuse: {folder} holds no {res.RESULTS_FILE} (give output folders of kvpress eval)")
+        if folder.resolve() == out_dir.resolve():
+            continue  # its cells are already this run's
+        for record in res.read_records(folder):
+            if "key" in record:
+                cells.setdefault(record["key"], (record, folder))
+    return cells
 
 
 def _progress(total: int, enabled: bool):

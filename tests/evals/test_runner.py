@@ -150,6 +150,26 @@ def test_grid_resumes_and_writes_jsonl_csv_and_plots(tiny, tmp_path, capsys):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+def test_reuse_copies_matching_cells_from_earlier_runs(tiny, tmp_path, capsys):
+    """--reuse: a cell finished in another folder with the same key is copied (marked), not computed;
+    cells whose policy fields differ are computed."""
+    model, tok = tiny
+    earlier = run_eval(_grid(), tmp_path / "a", model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    grid = _grid(policies=("full", "streaming"))
+    records = run_eval(grid, tmp_path / "b", model=model, tokenizer=tok, progress=False, plots=False,
+                       reuse=(tmp_path / "a",))
+    assert "reused 2 finished cell(s)" in capsys.readouterr().out
+    by_key = {r["key"]: r for r in earlier}
+    full = [r for r in records if r["policy_name"] == "full"]
+    assert len(full) == 2 and all(r["reused_from"] == str(tmp_path / "a") for r in full)
+    assert all({k: v for k, v in r.items() if k != "reused_from"} == by_key[r["key"]] for r in full)
+    streaming = [r for r in records if r["policy_name"] == "streaming"]
+    assert len(streaming) == 2 and not any("reused_from" in r for r in streaming)
+    with pytest.raises(FileNotFoundError, match="holds no results.jsonl"):
+        run_eval(grid, tmp_path / "c", model=model, tokenizer=tok, progress=False, plots=False, reuse=(tmp_path / "nope",))
+    assert not (tmp_path / "c").exists()  # nothing written before the check
+
+
 def test_killed_mid_line_results_file_still_resumes(tiny, tmp_path):
     model, tok = tiny
     grid = _grid(policies=("full",), samples=2)
