@@ -10,7 +10,7 @@ from .index import SparseIndex
 from .torch_decode import torch_sparse_decode
 from .triton_decode import TRITON_HEAD_DIMS
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "native")
 
 
 @functools.cache
@@ -39,10 +39,13 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         restricted to ``[seq_start, seq_len)``.
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
-    backend : {"auto", "triton", "torch"}
+    backend : {"auto", "triton", "torch", "native"}
         ``"triton"``: CUDA tensors, head_dim 64 or 128. ``"torch"``: any device (the fast path
-        on CPU: it gathers only the selected rows). ``"auto"``: triton for CUDA tensors with a
-        supported head_dim when triton is importable, else torch.
+        on CPU: it gathers only the selected rows). ``"native"``: fp32 CPU tensors and a clean
+        index (no padding slots), one compiled C call (`kvpress.kernels.native`; an error when
+        it cannot run the inputs). ``"auto"``: triton for CUDA tensors with a supported
+        head_dim when triton is importable; native for inputs it runs when it is built; else
+        torch.
     out : torch.Tensor, optional
         Preallocated ``(B, H_q, D)`` output in q's dtype.
     validate_index : bool
@@ -59,6 +62,11 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "native" or (backend == "auto" and isinstance(q, torch.Tensor) and not q.is_cuda):
+        done = _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, backend == "native")
+        if done is not None:
+            return done
+        backend, validate_index = "torch", False  # validated by _native_decode
     if backend == "auto":
         use_triton = (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 3
                       and q.shape[-1] in TRITON_HEAD_DIMS and triton_available())
@@ -70,3 +78,22 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                     validate_index=validate_index)
     return torch_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out,
                                validate_index=validate_index)
+
+
+def _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, required: bool, tail=None, chunk_size=0):
+    """`kvpress.kernels.native.sparse_decode` when it can run these inputs (validated here), else
+    None (``required``: a ValueError naming why)."""
+    from . import native
+    from .checks import check_decode_inputs
+
+    if not required and not (q.dtype == torch.float32 and native.available()):
+        check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
+        return None
+    check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
+    why = native.decode_unsupported(q, k_cache, v_cache, index, tail)
+    if why is not None:
+        if required:
+            raise ValueError(f"backend='native' cannot run these inputs: {why}; use backend='auto' or 'torch'")
+        return None
+    scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
+    return native.sparse_decode(q, k_cache, v_cache, index, scale=scale, tail=tail, chunk_size=chunk_size, out=out)

@@ -216,8 +216,9 @@ def sparse_decode_tail(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     rows are gathered once and serve both the exact attention and the subtraction of the
     attended tokens from their chunks, and one softmax runs over the attended tokens' scores
     and the chunk summaries together. On CPU that is ~3x fewer torch calls than the three
-    functions in turn. The triton backend (CUDA) runs `sparse_decode`'s kernel and then the
-    estimate and the merge in torch.
+    functions in turn. The native backend (fp32 CPU, a clean index; ``"auto"`` picks it when it
+    is built) does the same math in one compiled call (`kvpress.kernels.native`). The triton
+    backend (CUDA) runs `sparse_decode`'s kernel and then the estimate and the merge in torch.
 
     Arguments as `sparse_decode` and `tail_estimate`. Returns ``out`` ``(B, H_q, D)`` in q's
     dtype and fp32 ``lse`` ``(B, H_q)`` of everything (attended and estimated).
@@ -230,6 +231,14 @@ def sparse_decode_tail(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check(q, k_sum, v_sum, count)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if backend == "native" or (backend == "auto" and not q.is_cuda):
+        from .decode import _native_decode
+
+        done = _native_decode(q, k_cache, v_cache, index, scale, None, validate_index, backend == "native",
+                              tail=(k_sum, v_sum, count), chunk_size=chunk_size)
+        if done is not None:
+            return done
+        validate_index = False  # validated by _native_decode
     if backend != "torch" and q.is_cuda:
         out, lse = sparse_decode(q, k_cache, v_cache, index, scale=scale, backend=backend,
                                  validate_index=validate_index)

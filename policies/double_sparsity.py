@@ -12,7 +12,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.calibration import register_calibrator, shipped_artifact
-from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, sparse_decode, topk_ids
+from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, sparse_decode, topk_ids
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._sparse import ChunkTail, range_index, token_topk_index
@@ -359,6 +359,15 @@ class DoubleSparsityLayer(DenseLayer):
         p = self.policy
         keep = p.budget - p.sink_tokens - p.window_size
         lo, hi = p.sink_tokens, self.seen - p.window_size  # candidates: between the sinks and the window
+        if row_start is None and hi - lo >= keep and self._native_ok(q0):
+            # CPU fp32, no padding: the whole selection in one compiled call (kvpress.kernels.native)
+            ids = native.label_select(q0.contiguous(), self.channels, self.labels, self.buffer.k, lo=lo, hi=hi,
+                                      keep=keep, shortlist=min(keep * p.rerank, hi - lo), scale=scaling,
+                                      reduction=p.group_reduction)
+            B, H = ids.shape[:2]
+            count = self._const("count", lambda: torch.full((B, H), keep, dtype=torch.int32))
+            lens = torch.full((B,), self.seen, dtype=torch.int32)
+            return SparseIndex(1, ids, count, lens, None, p.sink_tokens, p.window_size, id_range=(lo, hi - 1))
         if p.rerank > 1 and row_start is None and hi - lo >= keep:
             # Hot path of the re-ranking (no padding): the final ids are chosen inside the shortlist
             s = self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
@@ -380,6 +389,13 @@ class DoubleSparsityLayer(DenseLayer):
 
         return token_topk_index(scores_for, q0.shape[0], self.seen, row_start, q0.device,
                                 keep=keep, sinks=p.sink_tokens, window=p.window_size)
+
+    def _native_ok(self, q0: torch.Tensor) -> bool:
+        """Whether `select`'s unpadded hot path can run natively: backend ``auto``, fp32 CPU
+        labels and keys in this layer's layout, and the native kernels built."""
+        return (self.policy.backend == "auto" and self.policy.label_bits == 16 and q0.device.type == "cpu"
+                and q0.dtype == torch.float32 and self.labels.dtype == torch.float32
+                and self.buffer.k.dtype == torch.float32 and self.buffer.k.is_contiguous() and native.available())
 
     def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
         """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.

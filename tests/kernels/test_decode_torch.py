@@ -70,7 +70,7 @@ def _inputs():
     (lambda q, k, v, i: (q.repeat(1, 5, 1), k, v, i, {}), r"G in 1\.\.8"),
     (lambda q, k, v, i: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, i, {}), "contiguous last"),
     (lambda q, k, v, i: (q, k, v, "idx", {}), "index must be a SparseIndex"),
-    (lambda q, k, v, i: (q, k, v, i, {"backend": "cuda"}), r"backend must be one of \('auto', 'triton', 'torch'\)"),
+    (lambda q, k, v, i: (q, k, v, i, {"backend": "cuda"}), r"backend must be one of \('auto', 'triton', 'torch', 'native'\)"),
     (lambda q, k, v, i: (q, k, v, i, {"out": torch.empty(1, 4, 64, dtype=torch.float16)}), "out must be"),
     (lambda q, k, v, i: (q, k[:, :, :8], v[:, :, :8], i, {}), "seq_lens must be <= capacity=8"),
     (lambda q, k, v, i: (q, k[:, :, :16], v[:, :, :16],

@@ -5,7 +5,7 @@ import torch
 
 import kvpress
 from kvpress.calibration import CALIBRATORS, save_artifact, shipped_artifact
-from kvpress.kernels import build_labels
+from kvpress.kernels import build_labels, native
 from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies.double_sparsity import dequantize_labels, quantize_labels, synthetic_artifact
 
@@ -143,18 +143,22 @@ def test_quantize_labels_round_trip_odd_r():
     assert bool(((back - x).abs() <= scale.float() / 2 + 1e-3).all())
 
 
-def test_label_bytes_are_counted(model, artifact):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_label_bytes_are_counted(model, artifact, backend):
+    if backend == "auto" and not native.available():
+        pytest.skip("native CPU kernels not built here")
     ids = random_ids(30, seed=8)
     stats = {}
     for bits in (16, 4):
-        cache, _ = prefill_then_decode(model, policy(artifact, label_bits=bits), ids, steps=1)
+        cache, _ = prefill_then_decode(model, policy(artifact, label_bits=bits, backend=backend), ids, steps=1)
         stats[bits] = kvpress.cache_stats(cache).resident_bytes
     full, _ = prefill_then_decode(model, kvpress.get_policy("full"), ids, steps=1)
     dense = kvpress.cache_stats(full).resident_bytes
     # KV buffers (capacity 128) + r=2 fp32 labels per key; 4-bit: 1 code byte + 2+2 bytes scale/zero
     per_layer_tokens = 2 * 128  # batch 1 x 2 KV heads x capacity
-    # + the decode hot path's cached constants: query channel index (B, H_q, r) int64, fp32 zero
-    hot = 1 * 4 * 2 * 8 + 4
+    # + the decode hot path's cached constants: torch: query channel index (B, H_q, r) int64, fp32
+    # zero; native (16-bit labels): the index's per-head count (B, H_kv) int32
+    hot = 1 * 4 * 2 * 8 + 4 if backend == "torch" else 1 * 2 * 4
     assert stats[16] - dense == 2 * (per_layer_tokens * 2 * 4 + 2 * 2 * 8 + hot)  # labels + channels (int64)
     assert stats[4] - dense == 2 * (per_layer_tokens * (1 + 2 + 2) + 2 * 2 * 8)
 
@@ -234,6 +238,24 @@ def test_rerank_of_every_candidate_is_exact_top_k(model, artifact, reduction, ba
     assert torch.equal(chosen[("double_sparsity", 100)], exact)
     assert not torch.equal(chosen[("double_sparsity", None)], exact)  # labels alone choose otherwise here
     assert chosen[("double_sparsity", 2)].sum() == exact.sum()  # the budget holds with a short list too
+
+
+@pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
+@pytest.mark.parametrize("kw", [{}, dict(rerank=3), dict(rerank=3, tail_chunk=8), dict(group_reduction="softmax_max"),
+                                dict(rerank=2, tail_chunk=5, group_reduction="mean")], ids=str)
+def test_native_hot_path_decodes_as_torch(model, artifact, kw, monkeypatch):
+    """backend="auto" on CPU fp32 runs the compiled selection and attention (`kvpress.kernels.native`);
+    the torch backend is its reference: same selections, logits to fp32 rounding."""
+    calls = []
+    for name in ("label_select", "sparse_decode"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _f=real, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    ids = random_ids(48, seed=21)
+    _, ref = prefill_then_decode(model, policy(artifact, backend="torch", **kw), ids, steps=8)
+    assert calls == []
+    _, got = prefill_then_decode(model, policy(artifact, **kw), ids, steps=8)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert calls.count("label_select") == 2 * 8 and calls.count("sparse_decode") == 2 * 8  # 2 layers x 8 steps
 
 
 @pytest.mark.parametrize("bits", [16, 4])

@@ -1,0 +1,257 @@
+"""Compiled CPU decode kernels (``backend="native"``): one C call per layer and decode step.
+
+On a CPU, a query-aware decode step at a small budget is dominated by the fixed cost of ~100
+torch operators per layer (scores, top-k, gathers, softmax, the tail estimate), not by the
+bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in one call:
+
+- `sparse_decode` -- attention over a *clean* `SparseIndex` (no padding slots, every row long
+  enough; `kvpress.kernels.torch_fast.clean_rows`), optionally merged with the chunk-mean
+  estimate of the tokens left out (`kvpress.kernels.sparse_decode_tail`'s math);
+- `label_select` -- Double Sparsity's selection: label scores over a token range, the top
+  ``shortlist`` by label score, re-scored on exact keys when the shortlist is longer than
+  ``keep``, the top ``keep`` returned as ascending token ids.
+
+fp32 only. The torch implementations are the references (`kvpress.kernels.torch_decode`,
+`kvpress.kernels.tail`, `kvpress.kernels.scores`); ``tests/kernels/test_native.py`` compares
+them. The library is built on first use with the system C compiler (``$CC``, else ``cc`` /
+``gcc``; ``-O3 -march=native``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
+compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
+build, or ``KVPRESS_NATIVE=0`` -> `available()` is False and ``backend="auto"`` uses torch;
+``backend="native"`` then raises with the reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from .index import SparseIndex
+
+SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
+ABI_VERSION = 1
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "kvp_abi_version": ([], _INT),
+    "kvp_label_select": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
+                          _I64, _I64, _I64, _I64, _F32, _INT, _P], _INT),
+    "kvp_sparse_decode": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64,
+                           _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P, _P], _INT),
+}
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_key() -> str:
+    """What ``-march=native`` depends on: the CPU model and flags (Linux), else the platform."""
+    info = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info += "".join(sorted({line for line in f if line.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        pass
+    return info
+
+
+def _build_dir(cc: str) -> pathlib.Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
+        SOURCE.read_bytes(), cc, version, " ".join(FLAGS), _cpu_key()))).hexdigest()[:16]
+    from kvpress.smollm2_cache import cache_root
+
+    root = cache_root() / "native"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:  # read-only home: a per-user temp folder
+        root = pathlib.Path(tempfile.gettempdir()) / f"kvpress-native-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    return root / key
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    """The loaded library and '' , or None and why not."""
+    if os.environ.get("KVPRESS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "disabled by KVPRESS_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install gcc)"
+    try:
+        folder = _build_dir(cc)
+        lib = folder / "libkvpress_cpu.so"
+        if not lib.is_file():
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f"libkvpress_cpu.{os.getpid()}.tmp.so"
+            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                return None, f"building {SOURCE.name} with {cc} failed: {done.stderr.strip()[-600:]}"
+            os.replace(tmp, lib)
+        handle = ctypes.CDLL(str(lib))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"could not build or load the native kernels: {exc}"
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(handle, name)
+        fn.argtypes, fn.restype = args, res
+    if handle.kvp_abi_version() != ABI_VERSION:
+        return None, f"{lib} has ABI {handle.kvp_abi_version()}, expected {ABI_VERSION}"
+    return handle, ""
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    return _build()
+
+
+def available() -> bool:
+    """Whether the native CPU kernels are built and loaded (built on the first call)."""
+    return _library()[0] is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"backend='native' is not available: {why}; use backend='torch' (or 'auto')")
+    return lib
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """(B, H, T, D) with rows of D contiguous and consecutive (the last two dims dense)."""
+    return t.stride(3) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3])
+
+
+def decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
+                       tail: tuple | None = None) -> str | None:
+    """Why the native `sparse_decode` cannot run these (validated) inputs, or None when it can."""
+    from .torch_fast import clean_rows
+
+    if not _fp32_cpu(q, k_cache, v_cache):
+        return "it needs fp32 CPU tensors"
+    if not (q.is_contiguous() and _rows_contiguous(k_cache) and _rows_contiguous(v_cache)):
+        return "it needs a contiguous q and caches whose (T, D) dims are dense"
+    if index.block_idx.dtype != torch.int32 or not index.block_idx.is_contiguous():
+        return "it needs int32 contiguous block ids"
+    if index.max_blocks and clean_rows(index) is None:
+        return "it needs a clean index (no padding slots; every row holds its sinks, tail and blocks)"
+    if not index.max_blocks and any(n - s < index.sinks + index.dense_tail for s, n in _row_spans(index)):
+        return "it needs every row to hold its sinks and tail"
+    if tail is not None:
+        k_sum, v_sum, count = tail
+        if not (_fp32_cpu(k_sum, v_sum, count) and _rows_contiguous(k_sum) and v_sum.stride() == k_sum.stride()
+                and count.stride(-1) == 1):
+            return "it needs fp32 chunk sums with dense (N, D) dims"
+    return None
+
+
+def _row_spans(index: SparseIndex) -> list[tuple[int, int]]:
+    lens = index.seq_lens.tolist()
+    starts = [0] * len(lens) if index.seq_starts is None else index.seq_starts.tolist()
+    return list(zip(starts, lens))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex, *,
+                  scale: float, tail: tuple | None = None, chunk_size: int = 0,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Native attention over a clean ``index`` (checked by the caller with `decode_unsupported`),
+    merged with the tail estimate when ``tail = (k_sum, v_sum, count)`` is given.
+
+    Returns fp32 ``out`` (B, H_q, D) (written into ``out`` when that is an fp32 contiguous tensor)
+    and ``lse`` (B, H_q).
+    """
+    lib = _lib()
+    B, H_q, D = q.shape
+    H = k_cache.shape[1]
+    res = out if out is not None and out.dtype == torch.float32 and out.is_contiguous() else torch.empty_like(q)
+    lse = torch.empty(B, H_q, dtype=torch.float32)
+    starts = None if index.seq_starts is None else index.seq_starts.to(torch.int32).contiguous()
+    lens = index.seq_lens.to(torch.int32).contiguous()
+    if tail is None:
+        k_sum = v_sum = count = None
+        s_sb = s_sh = c_sb = n_chunks = 0
+    else:
+        k_sum, v_sum, count = tail
+        s_sb, s_sh, c_sb, n_chunks = k_sum.stride(0), k_sum.stride(1), count.stride(0), k_sum.shape[2]
+    rc = lib.kvp_sparse_decode(
+        q.data_ptr(), B, H_q, H, D,
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1),
+        index.block_idx.data_ptr(), index.max_blocks, index.block_size,
+        lens.data_ptr(), _ptr(starts), index.sinks, index.dense_tail,
+        _ptr(k_sum), _ptr(v_sum), s_sb, s_sh, _ptr(count), c_sb, n_chunks, int(chunk_size),
+        float(scale), res.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_sparse_decode refused its inputs (code {rc})")
+    if out is not None and res is not out:
+        out.copy_(res)
+        res = out
+    return res, lse
+
+
+def label_select(q: torch.Tensor, channels: torch.Tensor, labels: torch.Tensor, k_cache: torch.Tensor | None, *,
+                 lo: int, hi: int, keep: int, shortlist: int, scale: float, reduction: str) -> torch.Tensor:
+    """Double Sparsity's selection of one unpadded decode step (see the module docstring).
+
+    Parameters
+    ----------
+    q : (B, H_q, D) fp32 contiguous
+    channels : (H_kv, r) int64, the label channels of each KV head
+    labels : (B, H_kv, r, T_cap) fp32, token-last, the last dim contiguous
+    k_cache : (B, H_kv, T_cap, D) fp32 with dense (T, D) dims; read only when ``shortlist > keep``
+    lo, hi : the candidate tokens ``[lo, hi)`` (the same for every row)
+    keep, shortlist : ``keep <= shortlist <= hi - lo``
+    reduction : one of ``kvpress.kernels.REDUCTIONS``
+
+    Returns
+    -------
+    int32 (B, H_kv, keep): absolute token ids, ascending per (row, KV head).
+    """
+    lib = _lib()
+    B, H_q, D = q.shape
+    H, r = channels.shape
+    if not (0 < keep <= shortlist <= hi - lo) or lo < 0 or hi > labels.shape[3]:
+        raise ValueError(f"label_select needs 0 < keep <= shortlist <= hi - lo and [lo, hi) inside the labels; got "
+                         f"keep={keep}, shortlist={shortlist}, lo={lo}, hi={hi}, labels {tuple(labels.shape)}")
+    if reduction not in REDUCTION_CODES:
+        raise ValueError(f"reduction must be one of {tuple(REDUCTION_CODES)}, got {reduction!r}")
+    if (not _fp32_cpu(q, labels) or not q.is_contiguous() or labels.stride(3) != 1 or channels.dtype != torch.int64
+            or not channels.is_contiguous() or labels.shape[:3] != (B, H, r)):
+        raise ValueError("label_select needs fp32 CPU q (B, H_q, D) contiguous, labels (B, H_kv, r, T) with a "
+                         "contiguous last dim and int64 contiguous channels (H_kv, r)")
+    rerank = shortlist > keep
+    if rerank and (k_cache is None or not _fp32_cpu(k_cache) or not _rows_contiguous(k_cache)
+                   or k_cache.shape[:2] != (B, H) or k_cache.shape[3] != D or hi > k_cache.shape[2]):
+        raise ValueError("label_select with shortlist > keep needs the fp32 K cache (B, H_kv, T_cap, D) with dense (T, D) dims")
+    ids = torch.empty(B, H, keep, dtype=torch.int32)
+    rc = lib.kvp_label_select(
+        q.data_ptr(), B, H_q, H, D, channels.data_ptr(), r,
+        labels.data_ptr(), labels.stride(0), labels.stride(1), labels.stride(2),
+        _ptr(k_cache) if rerank else None, k_cache.stride(0) if rerank else 0, k_cache.stride(1) if rerank else 0,
+        lo, hi, shortlist, keep, float(scale), REDUCTION_CODES[reduction], ids.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_label_select refused its inputs (code {rc})")
+    return ids
