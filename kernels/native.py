@@ -38,6 +38,7 @@ from .index import SparseIndex
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
 ABI_VERSION = 1
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -98,8 +99,11 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         if not lib.is_file():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f"libkvpress_cpu.{os.getpid()}.tmp.so"
-            done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
+            for flags in (FLAGS, PORTABLE_FLAGS):  # a compiler without -march=native gets the portable build
+                done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                                      text=True, timeout=300)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 tmp.unlink(missing_ok=True)
                 return None, f"building {SOURCE.name} with {cc} failed: {done.stderr.strip()[-600:]}"
