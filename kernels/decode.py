@@ -62,7 +62,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "native" or (backend == "auto" and isinstance(q, torch.Tensor) and not q.is_cuda):
+    if _native_first(q, backend):
         done = _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, backend == "native")
         if done is not None:
             return done
@@ -80,15 +80,24 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                validate_index=validate_index)
 
 
+def _native_first(q, backend: str) -> bool:
+    """Whether to try the native kernels: ``backend="native"``, or ``"auto"`` with fp32 CPU q and
+    the kernels built (otherwise the torch / triton path runs and validates as before)."""
+    if backend == "native":
+        return True
+    if backend != "auto" or not isinstance(q, torch.Tensor) or q.is_cuda or q.dtype != torch.float32:
+        return False
+    from . import native
+
+    return native.available()
+
+
 def _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, required: bool, tail=None, chunk_size=0):
-    """`kvpress.kernels.native.sparse_decode` when it can run these inputs (validated here), else
-    None (``required``: a ValueError naming why)."""
+    """Validate the inputs and run `kvpress.kernels.native.sparse_decode` when it can run them;
+    else None (validated, not runnable natively), or with ``required`` a ValueError naming why."""
     from . import native
     from .checks import check_decode_inputs
 
-    if not required and not (q.dtype == torch.float32 and native.available()):
-        check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
-        return None
     check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
     why = native.decode_unsupported(q, k_cache, v_cache, index, tail)
     if why is not None:

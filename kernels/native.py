@@ -156,22 +156,14 @@ def decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return "it needs a contiguous q and caches whose (T, D) dims are dense"
     if index.block_idx.dtype != torch.int32 or not index.block_idx.is_contiguous():
         return "it needs int32 contiguous block ids"
-    if index.max_blocks and clean_rows(index) is None:
+    if clean_rows(index) is None:
         return "it needs a clean index (no padding slots; every row holds its sinks, tail and blocks)"
-    if not index.max_blocks and any(n - s < index.sinks + index.dense_tail for s, n in _row_spans(index)):
-        return "it needs every row to hold its sinks and tail"
     if tail is not None:
         k_sum, v_sum, count = tail
         if not (_fp32_cpu(k_sum, v_sum, count) and _rows_contiguous(k_sum) and v_sum.stride() == k_sum.stride()
                 and count.stride(-1) == 1):
             return "it needs fp32 chunk sums with dense (N, D) dims"
     return None
-
-
-def _row_spans(index: SparseIndex) -> list[tuple[int, int]]:
-    lens = index.seq_lens.tolist()
-    starts = [0] * len(lens) if index.seq_starts is None else index.seq_starts.tolist()
-    return list(zip(starts, lens))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

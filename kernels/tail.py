@@ -224,16 +224,14 @@ def sparse_decode_tail(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     dtype and fp32 ``lse`` ``(B, H_q)`` of everything (attended and estimated).
     """
     from .checks import check_decode_inputs
-    from .decode import BACKENDS, sparse_decode
+    from .decode import BACKENDS, _native_decode, _native_first, sparse_decode
     from .merge import merge_states
 
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check(q, k_sum, v_sum, count)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if backend == "native" or (backend == "auto" and not q.is_cuda):
-        from .decode import _native_decode
-
+    if _native_first(q, backend):
         done = _native_decode(q, k_cache, v_cache, index, scale, None, validate_index, backend == "native",
                               tail=(k_sum, v_sum, count), chunk_size=chunk_size)
         if done is not None:
