@@ -28,7 +28,10 @@ head, most important first; ties keep the lower channel first).
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
+import tempfile
 import time
 from typing import Callable
 
@@ -193,6 +196,24 @@ def matches_model(path, adapter) -> bool:
 
 
 # ------------------------------------------------------------------------------ CLI
+def synthetic_artifact(adapter, num_tokens: int = 96, seed: int = 0) -> pathlib.Path:
+    """Calibrate ``adapter``'s model on random ids and write the artifact to a temp file (offline, fast).
+
+    For tests and examples only: random ids say little about a real model's outlier channels.
+    The file name is keyed by the model object and process, and written atomically.
+    """
+    key = hashlib.sha1(f"{os.getpid()}-{id(adapter.model)}-{adapter.family}-{adapter.num_layers}".encode()).hexdigest()[:16]
+    path = pathlib.Path(tempfile.gettempdir()) / f"kvpress-double_sparsity-{key}.safetensors"
+    if not matches_model(path, adapter):
+        vocab = adapter.model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+        tensors = calibrate(adapter.model, ids, seq_len=num_tokens)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        save(tmp, tensors, adapter, extra={"synthetic": True})
+        os.replace(tmp, path)
+    return path
+
+
 def configure_cli(parser) -> None:
     parser.add_argument("--model", default="smollm2", help="alias, local folder, hub id or random-* shape "
                         "(kvpress.evals.models; default: smollm2)")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
 import pathlib
-import tempfile
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +12,7 @@ from kvpress.calibration import register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, sparse_decode, topk_ids
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
+from kvpress.policies._double_sparsity_calib import synthetic_artifact  # noqa: F401  (re-exported)
 from kvpress.policies._sparse import ChunkTail, range_index, token_topk_index
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -217,24 +215,6 @@ class DoubleSparsityPolicy(Policy):
         the labels shortlist twice the kept tokens for exact re-scoring."""
         return cls(budget=24, sink_tokens=2, window_size=6, label_channels=max(1, adapter.head_dim // 8),
                    artifact=str(synthetic_artifact(adapter)), rerank=2)
-
-
-def synthetic_artifact(adapter, num_tokens: int = 96, seed: int = 0) -> pathlib.Path:
-    """Calibrate ``adapter``'s model on random ids and write the artifact to a temp file (offline, fast).
-
-    For tests and examples only: random ids say little about a real model's outlier channels.
-    The file name is keyed by the model object and process, and written atomically.
-    """
-    key = hashlib.sha1(f"{os.getpid()}-{id(adapter.model)}-{adapter.family}-{adapter.num_layers}".encode()).hexdigest()[:16]
-    path = pathlib.Path(tempfile.gettempdir()) / f"kvpress-double_sparsity-{key}.safetensors"
-    if not calib.matches_model(path, adapter):
-        vocab = adapter.model.get_input_embeddings().num_embeddings
-        ids = torch.randint(0, vocab, (num_tokens,), generator=torch.Generator().manual_seed(seed))
-        tensors = calib.calibrate(adapter.model, ids, seq_len=num_tokens)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        calib.save(tmp, tensors, adapter, extra={"synthetic": True})
-        os.replace(tmp, path)
-    return path
 
 
 _RANKS: dict[tuple, torch.Tensor] = {}
