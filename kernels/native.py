@@ -9,9 +9,15 @@ bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in on
   estimate of the tokens left out (`kvpress.kernels.sparse_decode_tail`'s math);
 - `label_select` -- Double Sparsity's selection: label scores over a token range, the top
   ``shortlist`` by label score, re-scored on exact keys when the shortlist is longer than
-  ``keep``, the top ``keep`` returned as ascending token ids.
+  ``keep``, the top ``keep`` returned as ascending token ids;
+- `channel_scores` / `token_values` -- the two reads of a packed low-bit store
+  (`kvpress.kernels.quant`'s format: per-channel keys, per-token values, fp16 scales and zero
+  points) for a few query rows: each packed row is unpacked in registers once for the whole GQA
+  group and never written out (``kivi``, ``zipcache`` and ``gear`` decode through them);
+- `quant_attend` -- a whole ``kivi`` decode step: the packed tokens and the full-precision window
+  under one softmax.
 
-fp32 only. The torch implementations are the references (`kvpress.kernels.torch_decode`,
+fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch implementations are the references (`kvpress.kernels.torch_decode`,
 `kvpress.kernels.tail`, `kvpress.kernels.scores`); ``tests/kernels/test_native.py`` compares
 them. The library is built on first use with the system C compiler (``$CC``, else ``cc`` /
 ``gcc``; ``-O3 -march=native``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
@@ -36,7 +42,7 @@ import torch
 from .index import SparseIndex
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
 REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}
@@ -48,6 +54,12 @@ _SIGNATURES = {
                           _I64, _I64, _I64, _I64, _F32, _INT, _P], _INT),
     "kvp_sparse_decode": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64,
                            _P, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _F32, _P, _P], _INT),
+    "kvp_channel_scores": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _I64, _P],
+                           _INT),
+    "kvp_token_values": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _I64,
+                          _P], _INT),
+    "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
+                          _I64, _I64, _I64, _INT, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
 }
 
 
@@ -206,6 +218,104 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         out.copy_(res)
         res = out
     return res, lse
+
+
+QUANT_MAX_ROWS = 8  # query rows per KV head the packed-store kernels take (a decode step's GQA group)
+
+
+def quant_unsupported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> str | None:
+    """Why `channel_scores` / `token_values` cannot read this packed store with these query rows
+    or probabilities ``x`` (B, H, M, *), or None when they can."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.stride(3) != 1:
+        return "it needs fp32 CPU queries / probabilities (B, H, M, *) with a contiguous last dim"
+    if not 1 <= x.shape[2] <= QUANT_MAX_ROWS:
+        return f"it takes 1 to {QUANT_MAX_ROWS} query rows per KV head (a decode step), got {x.shape[2]}"
+    if codes.dtype != torch.uint8 or codes.device.type != "cpu" or not _rows_contiguous(codes):
+        return "it needs uint8 CPU codes (B, H, T, D * bits / 8) with dense (T, bytes) dims"
+    if (scale.dtype != torch.float16 or zero.dtype != torch.float16 or not _rows_contiguous(scale)
+            or zero.stride() != scale.stride()):
+        return "it needs fp16 scales and zero points with dense last two dims and equal strides"
+    return None
+
+
+def channel_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                   group_size: int) -> torch.Tensor:
+    """``q @ dequant(k)^T`` for per-channel-quantized keys (`kvpress.kernels.quant.channel_quant_scores`).
+
+    q : fp32 (B, H, M, D), M <= 8; codes (B, H, T, D * bits / 8); scale / zero fp16 (B, H, T / G, D).
+    Returns fp32 (B, H, M, T), unscaled. Inputs checked with `quant_unsupported` by the caller.
+    """
+    lib = _lib()
+    q = q.contiguous()
+    B, H, M, D = q.shape
+    T = codes.shape[2]
+    out = torch.empty(B, H, M, T, dtype=torch.float32)
+    rc = lib.kvp_channel_scores(q.data_ptr(), B, H, M, D, codes.data_ptr(), codes.stride(0), codes.stride(1),
+                                scale.data_ptr(), zero.data_ptr(), scale.stride(0), scale.stride(1),
+                                T, int(bits), int(group_size), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_channel_scores refused its inputs (code {rc})")
+    return out
+
+
+def token_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
+                 group_size: int) -> torch.Tensor:
+    """``p @ dequant(v)`` for per-token-quantized values (`kvpress.kernels.quant.token_quant_values`).
+
+    p : fp32 (B, H, M, T) with a contiguous last dim (a slice of wider scores is fine), M <= 8;
+    codes (B, H, T, D * bits / 8); scale / zero fp16 (B, H, T, D / group_size).
+    Returns fp32 (B, H, M, D). Inputs checked with `quant_unsupported` by the caller.
+    """
+    lib = _lib()
+    B, H, M, T = p.shape
+    if p.stride(0) != H * M * p.stride(2) or p.stride(1) != M * p.stride(2):
+        p = p.contiguous()
+    D = codes.shape[3] * 8 // bits
+    out = torch.empty(B, H, M, D, dtype=torch.float32)
+    rc = lib.kvp_token_values(p.data_ptr(), B, H, M, p.stride(2), D, codes.data_ptr(), codes.stride(0),
+                              codes.stride(1), scale.data_ptr(), zero.data_ptr(), scale.stride(0), scale.stride(1),
+                              T, int(bits), int(group_size), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_token_values refused its inputs (code {rc})")
+    return out
+
+
+def quant_attend(q: torch.Tensor, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
+                 value_group_size: int, k_win: torch.Tensor, v_win: torch.Tensor, starts: torch.Tensor | None = None,
+                 win_starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A KIVI decode step: softmax attention of ``q`` over the packed tokens and the window rows.
+
+    q : fp32 (B, H, M, D), already scaled, M <= 8 (the GQA group of one new token).
+    k_codes, k_scale, k_zero / v_codes, v_scale, v_zero : the per-channel keys and per-token
+        values of N packed tokens (`kvpress.kernels.quant`'s format; N a multiple of ``group_size``).
+    k_win, v_win : fp32 (B, H, W, D) with dense (W, D) dims: the window, after the packed tokens.
+    starts, win_starts : int (B,) or None: packed tokens / window rows before these are not
+        attended (left padding).
+
+    Returns fp32 ``out`` (B, H, M, D) and ``lse`` (B, H, M) (-inf when nothing is attended).
+    Inputs checked with `quant_unsupported` (both stores) by the caller.
+    """
+    lib = _lib()
+    q = q.contiguous()
+    B, H, M, D = q.shape
+    if not (_fp32_cpu(k_win, v_win) and _rows_contiguous(k_win) and v_win.stride() == k_win.stride()):
+        raise ValueError("quant_attend needs fp32 CPU windows (B, H, W, D) with dense (W, D) dims and equal strides")
+    out = torch.empty(B, H, M, D, dtype=torch.float32)
+    lse = torch.empty(B, H, M, dtype=torch.float32)
+    i32 = lambda t: None if t is None else t.to(torch.int32).contiguous()  # noqa: E731
+    starts, win_starts = i32(starts), i32(win_starts)
+    rc = lib.kvp_quant_attend(
+        q.data_ptr(), B, H, M, D,
+        k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), k_codes.stride(0), k_codes.stride(1),
+        k_scale.stride(0), k_scale.stride(1),
+        v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), v_codes.stride(0), v_codes.stride(1),
+        v_scale.stride(0), v_scale.stride(1),
+        k_codes.shape[2], int(bits), int(group_size), int(value_group_size), _ptr(starts),
+        k_win.data_ptr(), v_win.data_ptr(), k_win.stride(0), k_win.stride(1), k_win.shape[2], _ptr(win_starts),
+        out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_quant_attend refused its inputs (code {rc})")
+    return out, lse
 
 
 def label_select(q: torch.Tensor, channels: torch.Tensor, labels: torch.Tensor, k_cache: torch.Tensor | None, *,

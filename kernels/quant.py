@@ -191,7 +191,29 @@ def _chunk(group_size: int, codes: torch.Tensor, bits: int) -> int:
     return max(group_size, CHUNK_BYTES // row // group_size * group_size)
 
 
-def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+READ_BACKENDS = ("auto", "torch", "native")
+
+
+def _native_read(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
+    """Whether a packed-store read goes through `kvpress.kernels.native`: ``backend="native"``
+    (a ValueError naming why when it cannot), or ``"auto"`` on CPU with the kernels built and
+    inputs they take (few query rows; else the torch path below)."""
+    if backend not in READ_BACKENDS:
+        raise ValueError(f"backend must be one of {READ_BACKENDS}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and x.is_cuda):
+        return False
+    from . import native
+
+    if backend == "auto" and not native.available():
+        return False
+    why = native.quant_unsupported(x, codes, scale, zero)
+    if why is not None and backend == "native":
+        raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
+    return why is None
+
+
+def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int,
+                         backend: str = "auto") -> torch.Tensor:
     """``q @ dequant(k)^T`` for per-channel-quantized keys, chunk by chunk.
 
     Parameters
@@ -199,11 +221,17 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     q : fp32 (B, H, M, D)
         M query rows per KV head (GQA group x query tokens).
     codes, scale, zero : per-channel format, T tokens.
+    backend : "auto" (the native CPU kernel for up to 8 rows when built, else torch), "torch"
+        or "native" (`READ_BACKENDS`).
 
     Returns
     -------
     fp32 (B, H, M, T), unscaled dot products.
     """
+    if _native_read(q, codes, scale, zero, backend):
+        from . import native
+
+        return native.channel_scores(q, codes, scale, zero, bits, group_size)
     B, H, M, D = q.shape
     T = codes.shape[2]
     out = q.new_empty(B, H, M, T)
@@ -274,12 +302,14 @@ def token_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_siz
     return out
 
 
-def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
+def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_size: int,
+                       backend: str = "auto") -> torch.Tensor:
     """``p @ dequant(v)`` for per-token-quantized values.
 
     Parameters
     ----------
     p : fp32 (B, H, M, T) attention weights.
+    backend : as for `channel_quant_scores`.
 
     Returns
     -------
@@ -289,6 +319,10 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     them to the unpacked chunk (each group's block of the result is kept); many rows: the chunk
     is dequantized.
     """
+    if _native_read(p, codes, scale, zero, backend):
+        from . import native
+
+        return native.token_values(p, codes, scale, zero, bits, group_size)
     B, H, M, T = p.shape
     D = codes.shape[-1] * 8 // bits
     ng = D // group_size

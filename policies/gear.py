@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, dequantize_per_channel,
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
@@ -71,6 +71,7 @@ class GearPolicy(Policy):
     outliers_per_group: int = 1
     power_iterations: int = 3
     sink_tokens: int = 4
+    backend: str = "auto"
 
     name = "gear"
     description = "low-bit KV quantization + low-rank error + sparse outliers (GEAR)"
@@ -80,6 +81,7 @@ class GearPolicy(Policy):
 
     def validate(self):
         check_quant_config(self.bits, self.group_size)
+        check_choice("backend", self.backend, READ_BACKENDS)
         check_int("residual_length", self.residual_length, 0)
         check_int("flush_size", self.flush_size, self.group_size)
         if self.flush_size % self.group_size:
@@ -252,7 +254,8 @@ class GearLayer(QuantWindowLayer):
     def _quant_scores(self, qg, scaling):
         p, n, g = self.p, self.n_quant, self.p.group_size
         q = qg * scaling
-        s = channel_quant_scores(q, self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g], p.bits, g)
+        s = channel_quant_scores(q, self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g], p.bits, g,
+                                 backend=p.backend)
         if p.rank:
             nc = len(self.chunk_starts)
             qr = torch.einsum("bhmd,bhcdr->bhmcr", q, self.kr[:, :, :nc].float())  # (B, H, M, C, r)
@@ -275,7 +278,7 @@ class GearLayer(QuantWindowLayer):
 
     def _quant_output(self, prob):
         p, n, g = self.p, self.n_quant, self.p.group_size
-        out = token_quant_values(prob, self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n], p.bits, g)
+        out = token_quant_values(prob, self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n], p.bits, g, backend=p.backend)
         if p.rank:
             nc = len(self.chunk_starts)
             pl = prob[..., None] * self.vl[:, :, None, :n].float()  # (B, H, M, N, r)

@@ -5,11 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, quant_decode, quantize_per_channel,
-                                   quantize_per_token, token_quant_values)
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quant_decode,
+                                   quantize_per_channel, quantize_per_token, token_quant_values)
+from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
@@ -79,6 +80,7 @@ class KiviPolicy(Policy):
     residual_length: int = 128
     value_group_size: int | None = None
     sink_tokens: int = 0
+    backend: str = "auto"
 
     name = "kivi"
     description = "2/4-bit KV quantization: keys per channel, values per token, fp recent window (KIVI)"
@@ -92,6 +94,7 @@ class KiviPolicy(Policy):
             _check_value_group(self.bits, self.value_group_size)
         check_int("residual_length", self.residual_length, 0)
         check_int("sink_tokens", self.sink_tokens, 0, 64)
+        check_choice("backend", self.backend, READ_BACKENDS)
 
     def check_model(self, adapter):
         # keys are grouped over tokens (any head_dim); only the values' channel group divides head_dim
@@ -130,6 +133,7 @@ class KiviLayer(QuantWindowLayer):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
         self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
         self.sink_tokens = policy.sink_tokens
+        self.read_backend = policy.backend
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.sk = self.sv = None
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
@@ -170,7 +174,7 @@ class KiviLayer(QuantWindowLayer):
     def _quant_scores(self, qg, scaling):
         kc, ks, kz = self._views()[:3]
         q = qg * scaling
-        s = channel_quant_scores(q, kc, ks, kz, self.bits, self.group_size)
+        s = channel_quant_scores(q, kc, ks, kz, self.bits, self.group_size, backend=self.read_backend)
         if self.sk is not None:  # flushed sink columns: the exact score in place of the codes' one
             col, flushed = self._sink_columns(q.shape[0], q.device)
             col = col[:, None, None].expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
@@ -186,14 +190,48 @@ class KiviLayer(QuantWindowLayer):
             col = col[:, None, None].expand(-1, p.shape[1], p.shape[2], -1)
             p_sink = p.gather(-1, col) * flushed[:, None, None]  # (B, H, M, S)
             p = p.scatter_add(-1, col, -p_sink)
-        out = token_quant_values(p, vc, vs, vz, self.bits, self.value_group)
+        out = token_quant_values(p, vc, vs, vz, self.bits, self.value_group, backend=self.read_backend)
         return out if p_sink is None else out + p_sink @ self.sv.float()
 
     def attend(self, q, k_new, v_new, scaling):
         fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= 8 * k_new.shape[1]
         if (q.is_cuda or self.decode_backend == "triton") and fused_ok and q.shape[2] == 1 and self.n_quant:
             return self._fused_decode(q, k_new, v_new, scaling)
+        if self._native_step(q, k_new):
+            return self._native_decode(q, k_new, v_new, scaling)
         return super().attend(q, k_new, v_new, scaling)
+
+    def _native_step(self, q, k_new) -> bool:
+        """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): a
+        CPU decode step over a packed store without exact sinks, the native reader allowed and built."""
+        if (self.read_backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant or self.sk is not None
+                or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
+            return False
+        if self.read_backend == "auto" and not native.available():
+            return False
+        views = self._views()
+        why = native.quant_unsupported(q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1]), *views[:3]) \
+            or native.quant_unsupported(q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1]), *views[3:])
+        if why is not None and self.read_backend == "native":
+            raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
+        return why is None
+
+    def _native_decode(self, q, k_new, v_new, scaling):
+        """CPU decode: the packed tokens and the window under one softmax in one native call."""
+        B, H_q, _, D = q.shape
+        H = k_new.shape[1]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        rs = self.row_start
+        win_starts = None if rs is None else (rs - self.n_quant).clamp(min=0)
+        qg = q[:, :, 0].float().view(B, H, H_q // H, D) * scaling
+        out, lse = native.quant_attend(qg, *self._views(), bits=self.bits, group_size=self.group_size,
+                                       value_group_size=self.value_group, k_win=self.k_win[:, :, : self.win_len].float(),
+                                       v_win=self.v_win[:, :, : self.win_len].float(), starts=rs, win_starts=win_starts)
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.view(B, H_q, 1, D).to(q.dtype)
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: the packed part through the fused dequantize-attention kernel, the window

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels.quant import (channel_quant_scores, check_quant_config, quantize_per_channel, quantize_per_token,
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
 
@@ -58,6 +58,7 @@ class ZipCachePolicy(Policy):
     probe_recent: int = 16
     probe_random: int = 16
     seed: int = 0
+    backend: str = "auto"
 
     name = "zipcache"
     description = "mixed 4/2-bit KV quantization of salient / other tokens, probe-query saliency (ZipCache)"
@@ -67,6 +68,7 @@ class ZipCachePolicy(Policy):
 
     def validate(self):
         check_quant_config(self.bits_high, self.group_size)
+        check_choice("backend", self.backend, READ_BACKENDS)
         check_quant_config(self.bits_low, self.value_group_size)
         if self.bits_low > self.bits_high:
             raise ValueError(f"bits_low={self.bits_low} must not exceed bits_high={self.bits_high}")
@@ -97,8 +99,9 @@ class _Store:
     padding tokens (``pad`` per (row, head), int32 (B, H)) always come first: they precede every
     real token in sequence order and a flush never mixes orders across stores."""
 
-    def __init__(self, bits: int, group_size: int, value_group_size: int):
+    def __init__(self, bits: int, group_size: int, value_group_size: int, backend: str = "auto"):
         self.bits, self.group_size, self.value_group_size = bits, group_size, value_group_size
+        self.backend = backend  # the packed-code reader (kvpress.kernels.quant.READ_BACKENDS)
         self.n = 0
         self.t = dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz"))
         self.pad = None
@@ -119,7 +122,7 @@ class _Store:
         """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
         n, g = self.n, self.group_size
         s = channel_quant_scores(q, self.t["kc"][:, :, :n], self.t["ks"][:, :, : n // g], self.t["kz"][:, :, : n // g],
-                                 self.bits, g)
+                                 self.bits, g, backend=self.backend)
         pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
         return s.masked_fill(pad[:, :, None], float("-inf"))
 
@@ -127,7 +130,7 @@ class _Store:
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
         n = self.n
         return token_quant_values(p, self.t["vc"][:, :, :n], self.t["vs"][:, :, :n], self.t["vz"][:, :, :n],
-                                  self.bits, self.value_group_size)
+                                  self.bits, self.value_group_size, backend=self.backend)
 
 
 class ZipCacheLayer(QuantWindowLayer):
@@ -141,8 +144,8 @@ class ZipCacheLayer(QuantWindowLayer):
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
         self.p = policy
-        self.hi = _Store(policy.bits_high, policy.group_size, policy.value_group_size)
-        self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size)
+        self.hi = _Store(policy.bits_high, policy.group_size, policy.value_group_size, policy.backend)
+        self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend)
         self.vn = None
         self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = None
         self._scaling = 1.0

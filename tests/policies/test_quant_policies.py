@@ -230,6 +230,35 @@ def test_beam_search_reorders_state(llama, name):
     assert out.shape == (1, 44)
 
 
+@pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("kivi", {"bits": 2, "sink_tokens": 0}),
+                                            ("zipcache", {}), ("gear", {})])
+@pytest.mark.parametrize("padded", [False, True])
+def test_native_reader_decodes_like_the_torch_path(llama, name, overrides, padded, monkeypatch):
+    """``backend="auto"`` reads the packed codes with the compiled kernels on CPU
+    (`kvpress.kernels.native`; ``kivi`` without exact sinks runs each decode step as one call);
+    ``"torch"`` is their reference: same greedy tokens, close logits, left padding included."""
+    from kvpress.kernels import native
+
+    if not native.available():
+        pytest.skip("native CPU kernels not built here")
+    example = kvpress.policy_class(name).example(kvpress.get_adapter(llama)).replace(**overrides)
+    ids = random_ids(96, batch=2, seed=11)
+    kw = {}
+    if padded:
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][1, :13] = 0
+    ref = greedy(llama, ids, example.replace(backend="torch"), new=8, **kw)
+    calls = []
+    real = native.quant_attend
+    monkeypatch.setattr(native, "quant_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = greedy(llama, ids, example, new=8, **kw)
+    assert out.past_key_values.layers[0].n_quant > 0  # the packed store was read
+    assert bool(calls) == (name == "kivi" and not example.sink_tokens)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_bad_input(llama):
     with pytest.raises(ValueError, match=r"bits=3 .*allowed"):
         kvpress.get_policy("kivi", bits=3)
@@ -248,6 +277,8 @@ def test_bad_input(llama):
         kvpress.get_policy("kivi", sink_tokens=-1)
     with pytest.raises(ValueError, match="outliers_per_group"):
         kvpress.get_policy("gear", group_size=8, outliers_per_group=5)
+    with pytest.raises(ValueError, match=r"backend='cuda' is not supported; allowed: \['auto', 'native', 'torch'\]"):
+        kvpress.get_policy("kivi", backend="cuda")
     for name in NAMES:
         with pytest.raises(ValueError, match="no token budget"):
             kvpress.get_policy(name).with_budget(256)

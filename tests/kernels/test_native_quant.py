@@ -1,0 +1,144 @@
+"""The compiled readers of packed low-bit K/V (`kvpress.kernels.native.channel_scores` /
+`token_values`) against the dequantizing references and the torch fast path."""
+import pytest
+import torch
+
+from kvpress.kernels import dequantize_per_channel, dequantize_per_token, native, quant
+from kvpress.kernels.quant import (channel_quant_scores, quantize_per_channel, quantize_per_token,
+                                   token_quant_values)
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here (no C compiler?)")
+
+
+def _spare(x: torch.Tensor, spare: int = 40) -> torch.Tensor:
+    """``x`` (B, H, T, ...) as the first T entries of a larger buffer along dim 2 (as the caches
+    store it: capacity beyond the tokens written), the spare entries holding junk."""
+    buf = torch.full((x.shape[0], x.shape[1], x.shape[2] + spare, *x.shape[3:]), 3, dtype=x.dtype)
+    buf[:, :, : x.shape[2]] = x
+    return buf[:, :, : x.shape[2]]
+
+
+# (bits, D, key group, value group): every vector path (8 bytes of a plane per load; value groups
+# as wide as a vector of plane positions, or narrower) and the scalar path (rows shorter than 8 bytes)
+SHAPES = [(4, 64, 32, 32), (2, 64, 32, 32), (8, 64, 64, 16), (4, 64, 64, 16), (2, 64, 32, 16), (4, 64, 16, 8),
+          (2, 128, 8, 8), (4, 16, 8, 8), (2, 16, 8, 16), (2, 24, 8, 8)]
+
+
+def _store(bits, D, G, Gv, B=2, H=3, T=192, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, H, T, D, generator=gen) * 2 + 0.5
+    k[..., 1] *= 8  # an outlier channel
+    v = torch.randn(B, H, T, D, generator=gen)
+    kc, ks, kz = quantize_per_channel(k, bits, G)
+    vc, vs, vz = quantize_per_token(v, bits, Gv)
+    return (_spare(kc), _spare(ks, 5), _spare(kz, 5)), (_spare(vc), _spare(vs), _spare(vz))
+
+
+@pytest.mark.parametrize("bits,D,G,Gv", SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_channel_scores_equal_dequantized_reference(bits, D, G, Gv, M):
+    (kc, ks, kz), _ = _store(bits, D, G, Gv)
+    q = torch.randn(kc.shape[0], kc.shape[1], M, D, generator=torch.Generator().manual_seed(1))
+    ref = q @ dequantize_per_channel(kc, ks, kz, bits, G).transpose(-1, -2)
+    out = channel_quant_scores(q, kc, ks, kz, bits, G, backend="native")
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(out, channel_quant_scores(q, kc, ks, kz, bits, G, backend="torch"), atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,D,G,Gv", SHAPES)
+@pytest.mark.parametrize("M,T", [(1, 192), (3, 200), (8, 72)])
+def test_token_values_equal_dequantized_reference(bits, D, G, Gv, M, T):
+    _, (vc, vs, vz) = _store(bits, D, G if T % G == 0 else 8, Gv, T=T)
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.softmax(torch.randn(vc.shape[0], vc.shape[1], M, T + 9, generator=gen), -1)
+    p = wide[..., :T]  # a slice of wider scores, as the policies pass it
+    p[0, 0, 0, 5:50] = 0.0  # masked tokens
+    ref = p @ dequantize_per_token(vc, vs, vz, bits, Gv)
+    out = token_quant_values(p, vc, vs, vz, bits, Gv, backend="native")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, token_quant_values(p, vc, vs, vz, bits, Gv, backend="torch"), atol=1e-5, rtol=1e-5)
+
+
+def test_fp16_subnormal_and_negative_scales_convert_exactly():
+    """The kernels read fp16 scales / zero points as bits: subnormals, negative zero points and
+    constant groups (scale 0) must dequantize as torch's fp16 -> fp32 does."""
+    B, H, T, D, bits, G = 1, 1, 16, 16, 4, 8
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (B, H, T, D * bits // 8), generator=gen, dtype=torch.uint8)
+    ks = torch.tensor([3e-7, 6e-8, 0.0, 1e-5, 2.5, 300.0, 1e-3, 7e-6] * 4, dtype=torch.float16).view(1, 1, 2, D)
+    kz = -ks.flip(-1) * 3
+    assert (ks.float().abs() < 6.1e-5).any() and (ks > 0).any()  # subnormals present
+    q = torch.randn(B, H, 3, D, generator=gen)
+    ref = q @ dequantize_per_channel(codes, ks, kz, bits, G).transpose(-1, -2)
+    torch.testing.assert_close(channel_quant_scores(q, codes, ks, kz, bits, G, backend="native"), ref,
+                               atol=1e-2, rtol=1e-5)
+    vs, vz = ks.view(1, 1, 16, 2), kz.view(1, 1, 16, 2)
+    p = torch.rand(B, H, 3, T, generator=gen)
+    ref = p @ dequantize_per_token(codes, vs, vz, bits, 8)
+    torch.testing.assert_close(token_quant_values(p, codes, vs, vz, bits, 8, backend="native"), ref, atol=1e-2, rtol=1e-5)
+
+
+def test_auto_reads_natively_for_a_decode_step_only(monkeypatch):
+    (kc, ks, kz), (vc, vs, vz) = _store(4, 64, 32, 32, B=1, H=2, T=64)
+    calls = []
+    for name in ("channel_scores", "token_values"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    q3, q9 = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 9, 64)
+    channel_quant_scores(q3, kc, ks, kz, 4, 32)
+    token_quant_values(torch.rand(1, 2, 3, 64), vc, vs, vz, 4, 32)
+    assert calls == ["channel_scores", "token_values"]
+    channel_quant_scores(q9, kc, ks, kz, 4, 32)  # 9 query rows (a prefill chunk): the torch path
+    channel_quant_scores(q3, kc, ks, kz, 4, 32, backend="torch")
+    assert calls == ["channel_scores", "token_values"]
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda q, kc, ks, kz: (torch.randn(1, 2, 9, 64), kc, ks, kz), "1 to 8 query rows"),
+    (lambda q, kc, ks, kz: (q.double(), kc, ks, kz), "fp32 CPU"),
+    (lambda q, kc, ks, kz: (q, kc, ks.float(), kz.float()), "fp16 scales"),
+    (lambda q, kc, ks, kz: (q, kc.transpose(2, 3).contiguous().transpose(2, 3), ks, kz), "uint8 CPU codes"),
+])
+def test_native_refuses_what_it_cannot_read_with_the_reason(make, match):
+    (kc, ks, kz), _ = _store(4, 64, 32, 32, B=1, H=2, T=64)
+    args = make(torch.randn(1, 2, 3, 64), kc, ks, kz)
+    with pytest.raises(ValueError, match=match):
+        channel_quant_scores(*args, 4, 32, backend="native")
+
+
+def test_unknown_backend_is_a_clear_error():
+    (kc, ks, kz), _ = _store(4, 64, 32, 32, B=1, H=1, T=32)
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'native'\)"):
+        channel_quant_scores(torch.randn(1, 1, 3, 64), kc, ks, kz, 4, 32, backend="cuda")
+    assert quant.READ_BACKENDS == ("auto", "torch", "native")
+
+
+@pytest.mark.parametrize("bits,D,G,Gv", [(4, 64, 32, 32), (2, 64, 32, 16), (4, 16, 8, 8), (2, 24, 8, 8)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_quant_attend_equals_softmax_over_dequantized_and_window(bits, D, G, Gv, padded):
+    B, H, M, W = 2, 3, 3, 11
+    (kc, ks, kz), (vc, vs, vz) = _store(bits, D, G, Gv, B=B, H=H, T=192)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, H, M, D, generator=gen) * 0.3
+    kw, vw = _spare(torch.randn(B, H, W, D, generator=gen)), _spare(torch.randn(B, H, W, D, generator=gen))
+    k = torch.cat([dequantize_per_channel(kc, ks, kz, bits, G), kw], 2)
+    v = torch.cat([dequantize_per_token(vc, vs, vz, bits, Gv), vw], 2)
+    starts = torch.tensor([0, 200]) if padded else None  # row 1: every packed token and 8 window rows hidden
+    s = q @ k.transpose(-1, -2)
+    if padded:
+        s[1, :, :, :200] = float("-inf")
+    ref_lse = s.logsumexp(-1)
+    ref = torch.softmax(s, -1) @ v
+    out, lse = native.quant_attend(q, kc, ks, kz, vc, vs, vz, bits=bits, group_size=G, value_group_size=Gv, k_win=kw,
+                                   v_win=vw, starts=starts, win_starts=None if starts is None else (starts - 192).clamp(min=0))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_quant_attend_of_nothing_is_zero_with_minus_inf_lse():
+    (kc, ks, kz), (vc, vs, vz) = _store(4, 64, 32, 32, B=1, H=1, T=64)
+    kw = vw = torch.zeros(1, 1, 4, 64)
+    out, lse = native.quant_attend(torch.randn(1, 1, 2, 64), kc, ks, kz, vc, vs, vz, bits=4, group_size=32,
+                                   value_group_size=32, k_win=kw, v_win=vw, starts=torch.tensor([64]),
+                                   win_starts=torch.tensor([4]))
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
