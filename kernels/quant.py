@@ -24,9 +24,12 @@ shift and mask four bytes at a time), and the query, scales and outputs are perm
 Unpacking still dominates on CPU: one decode step over 8k tokens (H_q=32, H_kv=8, D=128, one
 thread) takes ~29 ms at 4 or 2 bits vs ~19 ms for fp32 SDPA over the dense cache (~54 ms at 4
 bits with the former lookup-table unpacking; BENCHMARKS "Sessions 13-14", ``python -m
-kvpress.evals.bench_quant kernel --device cpu --contexts 8k --threads 1 --clock cpu``): on CPU
-the win is memory, not speed. On GPU the Triton kernel (``triton_quant.py``) dequantizes each
-K/V tile in registers instead.
+kvpress.evals.bench_quant kernel --device cpu --contexts 8k --threads 1 --clock cpu``). So a
+decode step on CPU (up to 8 query rows per KV head) goes to the compiled kernels of
+`kvpress.kernels.native` instead when they are built (``backend="auto"``; ``"torch"`` keeps this
+path, their reference): each packed row is unpacked in registers once for the whole GQA group,
+never written out (BENCHMARKS "Session 18"). On GPU the Triton kernel (``triton_quant.py``)
+dequantizes each K/V tile in registers.
 """
 from __future__ import annotations
 
@@ -195,14 +198,16 @@ READ_BACKENDS = ("auto", "torch", "native")
 
 
 def _native_read(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
-    """Whether a packed-store read goes through `kvpress.kernels.native`: ``backend="native"``
-    (a ValueError naming why when it cannot), or ``"auto"`` on CPU with the kernels built and
-    inputs they take (few query rows; else the torch path below)."""
+    """Whether a packed-store read goes through `kvpress.kernels.native`: ``"auto"`` on CPU with
+    the kernels built and inputs they take, ``"native"`` always (a ValueError naming why when it
+    cannot). Reads for more than `native.QUANT_MAX_ROWS` query rows per KV head (prefill chunks,
+    not decode steps) take the torch path under either."""
     if backend not in READ_BACKENDS:
         raise ValueError(f"backend must be one of {READ_BACKENDS}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and x.is_cuda):
-        return False
     from . import native
+
+    if backend == "torch" or (backend == "auto" and x.is_cuda) or (x.dim() == 4 and x.shape[2] > native.QUANT_MAX_ROWS):
+        return False
 
     if backend == "auto" and not native.available():
         return False

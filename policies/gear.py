@@ -60,7 +60,10 @@ class GearPolicy(Policy):
     without sinks), the misses mostly digits garbled in the copy (``758`` for ``7508010``).
     Attention applies every part without materialising keys or values: packed codes through
     ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, outliers and sinks by
-    scatter-add. No token budget (``with_budget`` raises).
+    scatter-add. No token budget (``with_budget`` raises). On CPU the packed codes are read by
+    the compiled kernels of `kvpress.kernels.native` (``backend="auto"``; ``"torch"`` the
+    reference path); the low-rank and outlier parts stay torch and dominate: 0.60x ``full``'s
+    decode speed at 8k (BENCHMARKS "Session 18").
     """
 
     bits: int = 2

@@ -64,10 +64,14 @@ class KiviPolicy(Policy):
     #46 as it does) and 96.2% of full on 32 niah_multivalue samples at 4k (the paper's scheme
     95.0%) (BENCHMARKS "Sessions 13-14"): better, still short of 98%.
 
-    On CPU the packed part is read by ``kvpress.kernels.quant``'s torch path: one decode step
-    of a SmolLM2 layer at 8k takes 5.5 ms at 4 bits against 1.7 ms for ``full`` (9.8 ms before
-    the codes were unpacked by bit plane), so whole-model decode runs at 0.58x ``full``'s speed
-    there: on CPU the saving is memory (63 vs 366 MiB at 8k), not time.
+    On CPU a decode step is one call of the compiled kernel `kvpress.kernels.native.quant_attend`
+    (packed tokens and the fp window under one softmax; each packed row unpacked in registers once
+    for the GQA group; with ``sink_tokens`` the two packed reads are native, the rest torch).
+    ``OMP_NUM_THREADS=1 kvpress bench --model smollm2 --policies full,kivi:bits=4,kivi:bits=4:backend=torch,... --lengths 8192 --new-tokens 32 --interleave``
+    (BENCHMARKS "Session 18"): 4-bit decodes at 1.39x ``full``'s speed at 8k (111.5 vs 155.1
+    ms/token; attention 45.2 vs 82.4 ms) with 63 vs 366 MiB of cache; the torch path
+    (``backend="torch"``, the reference; sessions 5-17's only CPU path) 0.57x in the same run.
+    ``backend`` picks the CPU reader: ``"auto"`` (native when built), ``"torch"``, ``"native"``.
 
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).
     On an H100 at 32k, batch 1 (BENCHMARKS "Session 8") it takes 0.056 ms (4-bit) / 0.047 ms
@@ -203,15 +207,15 @@ class KiviLayer(QuantWindowLayer):
 
     def _native_step(self, q, k_new) -> bool:
         """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): a
-        CPU decode step over a packed store without exact sinks, the native reader allowed and built."""
+        CPU decode step over a packed store without exact sinks, the native reader allowed and built
+        (with ``sink_tokens`` the reads still go native, through `_quant_scores` / `_quant_output`)."""
         if (self.read_backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant or self.sk is not None
                 or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
             return False
         if self.read_backend == "auto" and not native.available():
             return False
-        views = self._views()
-        why = native.quant_unsupported(q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1]), *views[:3]) \
-            or native.quant_unsupported(q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1]), *views[3:])
+        views, probe = self._views(), q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1])
+        why = native.quant_unsupported(probe, *views[:3]) or native.quant_unsupported(probe, *views[3:])
         if why is not None and self.read_backend == "native":
             raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
         return why is None

@@ -94,7 +94,6 @@ def test_auto_reads_natively_for_a_decode_step_only(monkeypatch):
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda q, kc, ks, kz: (torch.randn(1, 2, 9, 64), kc, ks, kz), "1 to 8 query rows"),
     (lambda q, kc, ks, kz: (q.double(), kc, ks, kz), "fp32 CPU"),
     (lambda q, kc, ks, kz: (q, kc, ks.float(), kz.float()), "fp16 scales"),
     (lambda q, kc, ks, kz: (q, kc.transpose(2, 3).contiguous().transpose(2, 3), ks, kz), "uint8 CPU codes"),
@@ -104,6 +103,16 @@ def test_native_refuses_what_it_cannot_read_with_the_reason(make, match):
     args = make(torch.randn(1, 2, 3, 64), kc, ks, kz)
     with pytest.raises(ValueError, match=match):
         channel_quant_scores(*args, 4, 32, backend="native")
+
+
+def test_native_leaves_prefill_chunks_to_torch(monkeypatch):
+    """More than 8 query rows per KV head (a prefill chunk, not a decode step) take the torch path
+    even under ``backend="native"``."""
+    (kc, ks, kz), _ = _store(4, 64, 32, 32, B=1, H=2, T=64)
+    monkeypatch.setattr(native, "channel_scores", lambda *a: pytest.fail("native kernel called for 9 rows"))
+    q = torch.randn(1, 2, 9, 64)
+    ref = q @ dequantize_per_channel(kc, ks, kz, 4, 32).transpose(-1, -2)
+    torch.testing.assert_close(channel_quant_scores(q, kc, ks, kz, 4, 32, backend="native"), ref, atol=2e-4, rtol=1e-5)
 
 
 def test_unknown_backend_is_a_clear_error():
