@@ -5,10 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quant_decode,
-                                   quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quant_decode,
+                                   quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -67,8 +67,8 @@ class KiviPolicy(Policy):
     On CPU a decode step is one call of the compiled kernel `kvpress.kernels.native.quant_attend`
     (packed tokens and the fp window under one softmax; each packed row unpacked in registers once
     for the GQA group; with ``sink_tokens`` the two packed reads are native, the rest torch).
-    ``OMP_NUM_THREADS=1 kvpress bench --model smollm2 --policies full,kivi:bits=4,kivi:bits=4:backend=torch,... --lengths 8192 --new-tokens 32 --interleave``
-    (BENCHMARKS "Session 18"): 4-bit decodes at 1.39x ``full``'s speed at 8k (111.5 vs 155.1
+    In one ``OMP_NUM_THREADS=1 kvpress bench --interleave`` run at 8k (the command in BENCHMARKS
+    "Session 18"), 4-bit decodes at 1.39x ``full``'s speed (111.5 vs 155.1
     ms/token; attention 45.2 vs 82.4 ms) with 63 vs 366 MiB of cache; the torch path
     (``backend="torch"``, the reference; sessions 5-17's only CPU path) 0.57x in the same run.
     ``backend`` picks the CPU reader: ``"auto"`` (native when built), ``"torch"``, ``"native"``.
