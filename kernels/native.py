@@ -17,9 +17,10 @@ bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in on
 - `quant_attend` -- a whole ``kivi`` decode step: the packed tokens and the full-precision window
   under one softmax.
 
-fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch implementations are the references (`kvpress.kernels.torch_decode`,
-`kvpress.kernels.tail`, `kvpress.kernels.scores`); ``tests/kernels/test_native.py`` compares
-them. The library is built on first use with the system C compiler (``$CC``, else ``cc`` /
+fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch
+implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.kernels.tail`,
+`kvpress.kernels.scores`, `kvpress.kernels.quant`); ``tests/kernels/test_native.py`` and
+``tests/kernels/test_native_quant.py`` compare them. The library is built on first use with the system C compiler (``$CC``, else ``cc`` /
 ``gcc``; ``-O3 -march=native``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
 compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
 build, or ``KVPRESS_NATIVE=0`` -> `available()` is False and ``backend="auto"`` uses torch;

@@ -43,6 +43,9 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
 
 typedef float f32x8 __attribute__((vector_size(32)));
 
+/* Sum of the 8 lanes (a fixed pairing, so every caller rounds alike). */
+static inline float hsum8(f32x8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
 /* out[t] = sum_c qs[c] * lab[c * sc + t], t < len: 16 tokens per step accumulated in registers
  * over the r channels (one store per token instead of one load + store per channel). */
 static inline void label_row(float *out, const float *qs, const float *lab, int64_t sc, int64_t r, int64_t len) {
@@ -79,10 +82,7 @@ static inline __attribute__((always_inline)) void dots_n(float *acc, const float
             a[g] += qv * kv;
         }
     }
-    for (int64_t g = 0; g < G; ++g) {
-        f32x8 x = a[g];
-        acc[g] = ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-    }
+    for (int64_t g = 0; g < G; ++g) acc[g] = hsum8(a[g]);
 }
 
 static inline void dots(float *acc, const float *q, const float *kr, int64_t G, int64_t D) {
@@ -411,7 +411,6 @@ static inline f32x8 plane8(const uint8_t *src, int shift, int mask) {
 #endif
 }
 
-static inline float hsum8(f32x8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
 /* n halves -> floats (F16C when the build has it). */
 static void halfs_to_floats(float *dst, const uint16_t *src, int64_t n) {
