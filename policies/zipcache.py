@@ -46,8 +46,8 @@ class ZipCachePolicy(Policy):
     The prompt's probes need its queries, which a shared dense prefill does not keep, so this
     policy runs its own prefill (``full_prefill = False``). No token budget (``with_budget``
     raises). On CPU both stores are read by the compiled kernels of `kvpress.kernels.native`
-    (``backend="auto"``; ``"torch"`` the reference path): 1.11x ``full``'s decode speed at 8k,
-    the torch path ~0.5x (BENCHMARKS "Session 18").
+    (``backend="auto"``; ``"torch"`` the reference path): 1.11x ``full``'s decode speed at 8k
+    on one thread (BENCHMARKS "Session 18"; the torch path was not timed end to end there).
     """
 
     bits_high: int = 4
