@@ -11,8 +11,9 @@ time of ``attend`` per step. A policy is ``name[:field=value...][@budget]`` (``n
 also works). Policies that need a calibration artifact take the shipped one with
 ``--model smollm2`` (its layer ``--layer``); on the random model they are skipped.
 ``--profile N`` prints, per policy and context, the N torch operators that took most time over
-the timed steps. One thread; compare rows of one run (machines are noisy). In a whole model a
-layer's step costs about twice this (the MLP between layers evicts the CPU caches).
+the timed steps. One thread unless ``--threads N`` (torch's and the native kernels'); compare
+rows of one run (machines are noisy). In a whole model a layer's step costs about twice this
+(the MLP between layers evicts the CPU caches).
 """
 
 from __future__ import annotations
@@ -86,8 +87,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="a kvpress model name (default: a one-layer random SmolLM2 shape)")
     parser.add_argument("--layer", type=int, default=1, help="the layer driven, with --model (default 1)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest torch operators")
+    parser.add_argument("--threads", type=int, default=1, help="torch (and native-kernel) threads (default 1)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
 
     if args.model is None:
         heads, kv_heads, head_dim, layer_idx = 9, 3, 64, 0
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         layer_idx = args.layer
     specs = [(spec, parse_spec(spec)) for spec in args.policies.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    print(f"median ms per decode step of one layer (H_q={heads}, H_kv={kv_heads}, D={head_dim}, fp32, 1 thread)")
+    print(f"median ms per decode step of one layer (H_q={heads}, H_kv={kv_heads}, D={head_dim}, fp32, "
+          f"{args.threads} thread{'s' if args.threads > 1 else ''})")
     print(f"{'policy':<44}" + "".join(f"{c:>10}" for c in contexts))
     for spec, policy in specs:
         try:

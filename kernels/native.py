@@ -25,6 +25,13 @@ implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.ker
 compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
 build, or ``KVPRESS_NATIVE=0`` -> `available()` is False and ``backend="auto"`` uses torch;
 ``backend="native"`` then raises with the reason.
+
+Threads: built with ``-fopenmp``, the library shares the OpenMP runtime torch has loaded (same
+``libgomp.so.1``), so its kernels run on torch's worker threads and follow
+``torch.set_num_threads`` (`threads()`); work is split into pieces fixed by the shapes (spans of
+512 packed tokens, (row, KV head) pairs) and combined in a fixed order, so results do not depend
+on the thread count. A second OpenMP runtime in the process, or a compiler without OpenMP, leaves
+one thread.
 """
 from __future__ import annotations
 
@@ -43,14 +50,18 @@ import torch
 from .index import SparseIndex
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
-ABI_VERSION = 2
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
-PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
+ABI_VERSION = 3
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
+_SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
+# tried in order, so a compiler without -march=native or without OpenMP still gets a build
+BUILDS = (FLAGS, tuple(f for f in FLAGS if f != "-march=native"), _SERIAL, tuple(f for f in _SERIAL if f != "-march=native"))
 REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "kvp_abi_version": ([], _INT),
+    "kvp_max_threads": ([], _INT),
+    "kvp_set_max_threads": ([_INT], None),
     "kvp_label_select": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _P, _I64, _I64,
                           _I64, _I64, _I64, _I64, _F32, _INT, _P], _INT),
     "kvp_sparse_decode": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64,
@@ -112,7 +123,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         if not lib.is_file():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f"libkvpress_cpu.{os.getpid()}.tmp.so"
-            for flags in (FLAGS, PORTABLE_FLAGS):  # a compiler without -march=native gets the portable build
+            for flags in BUILDS:
                 done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode == 0:
@@ -129,7 +140,26 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes, fn.restype = args, res
     if handle.kvp_abi_version() != ABI_VERSION:
         return None, f"{lib} has ABI {handle.kvp_abi_version()}, expected {ABI_VERSION}"
+    if len(openmp_runtimes()) > 1:  # ours is not torch's: two thread pools would spin against each other
+        handle.kvp_set_max_threads(1)
     return handle, ""
+
+
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux; [] elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5}
+    except OSError:
+        return []
+    names = ("libgomp", "libomp", "libiomp")
+    return sorted(p for p in paths if os.path.basename(p).startswith(names) and ".so" in os.path.basename(p))
+
+
+def threads() -> int:
+    """Threads a native kernel may use now: torch's (``torch.set_num_threads``), or 1 when the
+    library was built without OpenMP or found a second OpenMP runtime beside torch's."""
+    return _lib().kvp_max_threads()
 
 
 @functools.cache

@@ -13,6 +13,14 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
+@pytest.fixture
+def torch_threads():
+    """``torch.set_num_threads`` for one test (the native kernels follow it); restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
                head_dim: int = 16):
     """A randomly initialised causal LM of ``family`` with ``head_dim``-dim heads (fp32, eval mode)."""

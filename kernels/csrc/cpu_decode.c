@@ -24,10 +24,45 @@
 #endif
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-#define KVP_ABI_VERSION 2
+#define KVP_ABI_VERSION 3
 
 int kvp_abi_version(void) { return KVP_ABI_VERSION; }
+
+/* ------------------------------------------------------------------ threads
+ *
+ * Built with -fopenmp, this library needs libgomp.so.1 -- the soname of the runtime torch's
+ * wheel bundles and has already loaded -- so a parallel region here runs on torch's own worker
+ * threads (no second pool spinning against the first) and follows torch.set_num_threads.
+ * kvp_set_max_threads caps it (kvpress/kernels/native.py sets 1 when it finds a second OpenMP
+ * runtime in the process). Work is cut into pieces fixed by the shapes, never by the number of
+ * threads, and partial results are combined in a fixed order: the outputs are bitwise the same
+ * for any number of threads. */
+static int kvp_cap = 0;
+
+void kvp_set_max_threads(int n) { kvp_cap = n > 0 ? n : 0; }
+
+int kvp_max_threads(void) {
+#ifdef _OPENMP
+    int n = omp_get_max_threads();
+    return kvp_cap > 0 && kvp_cap < n ? kvp_cap : n;
+#else
+    return 1;
+#endif
+}
+
+/* Threads for `items` pieces of about `work` multiply-adds in all: one below the size where a
+ * fork and join (a few microseconds) costs more than it saves. */
+static int team(int64_t items, double work) {
+    int n = kvp_max_threads();
+    if (work < 2e5 || items < 2) return 1;
+    return items < n ? (int)items : n;
+}
+
+static void set_rc(int *rc, int code) { __atomic_store_n(rc, code, __ATOMIC_RELAXED); }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
@@ -204,64 +239,73 @@ int kvp_label_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t D
      * reduced exact m, scaled query channels G * r; ints: shortlist m, final keep, radix live n;
      * keys n; a bitmap of n bits */
     int64_t rows = soft ? G * n : G * TILE;
-    float *fbuf = malloc(sizeof(float) * (size_t)(rows + n + G * m + m + G * r));
-    int32_t *ibuf = malloc(sizeof(int32_t) * (size_t)(m + keep + n));
-    uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)n);
-    uint64_t *mark = malloc(sizeof(uint64_t) * (size_t)((n + 63) / 64));
-    if (!fbuf || !ibuf || !keys || !mark) { free(fbuf); free(ibuf); free(keys); free(mark); return -3; }
-    float *row = fbuf, *red = row + rows, *ex = red + n, *exred = ex + G * m, *qsel = exred + m;
-    int32_t *cand = ibuf, *pick = cand + m, *live = pick + keep;
-    for (int64_t b = 0; b < B; ++b) {
-        for (int64_t h = 0; h < H; ++h) {
-            const float *lab = labels + b * lab_sb + h * lab_sh + lo;
-            const float *qh = q + (b * Hq + h * G) * D;
-            const int64_t *ch = channels + h * r;
-            for (int64_t g = 0; g < G; ++g)
-                for (int64_t c = 0; c < r; ++c) qsel[g * r + c] = qh[g * D + ch[c]] * scale;
-            /* label scores, a tile of tokens at a time: the tile's labels are read from memory
-             * once and serve the whole group from L1 */
-            for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-                int64_t len = n - t0 < TILE ? n - t0 : TILE;
-                for (int64_t g = 0; g < G; ++g) {
-                    float *rg = soft ? row + g * n + t0 : row + g * TILE;
-                    label_row(rg, qsel + g * r, lab + t0, lab_sc, r, len);
-                    if (!soft) reduce_into(red + t0, rg, len, (int)g, reduction);
+    int nt = team(B * H, (double)(B * H) * (double)(G * (n * r + (m > keep ? m * D : 0)))), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *fbuf = malloc(sizeof(float) * (size_t)(rows + n + G * m + m + G * r));
+        int32_t *ibuf = malloc(sizeof(int32_t) * (size_t)(m + keep + n));
+        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)n);
+        uint64_t *mark = malloc(sizeof(uint64_t) * (size_t)((n + 63) / 64));
+        int ok = fbuf && ibuf && keys && mark;
+        if (!ok) set_rc(&rc, -3);
+        float *row = fbuf, *red = row + rows, *ex = red + n, *exred = ex + G * m, *qsel = exred + m;
+        int32_t *cand = ibuf, *pick = cand + m, *live = pick + keep;
+    #pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!ok) continue;
+            int64_t b = bh / H, h = bh % H;
+            {
+                const float *lab = labels + b * lab_sb + h * lab_sh + lo;
+                const float *qh = q + (b * Hq + h * G) * D;
+                const int64_t *ch = channels + h * r;
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t c = 0; c < r; ++c) qsel[g * r + c] = qh[g * D + ch[c]] * scale;
+                /* label scores, a tile of tokens at a time: the tile's labels are read from memory
+                 * once and serve the whole group from L1 */
+                for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+                    int64_t len = n - t0 < TILE ? n - t0 : TILE;
+                    for (int64_t g = 0; g < G; ++g) {
+                        float *rg = soft ? row + g * n + t0 : row + g * TILE;
+                        label_row(rg, qsel + g * r, lab + t0, lab_sc, r, len);
+                        if (!soft) reduce_into(red + t0, rg, len, (int)g, reduction);
+                    }
                 }
+                if (soft)
+                    for (int64_t g = 0; g < G; ++g) {
+                        softmax_row(row + g * n, n);
+                        reduce_into(red, row + g * n, n, (int)g, reduction);
+                    }
+                select_top(red, n, m, cand, live, keys);  /* cand[0..m): the shortlist */
+                int32_t *out = ids_out + (b * H + h) * keep;
+                if (m > keep) {
+                    const float *kh = k + b * k_sb + h * k_sh;
+                    for (int64_t i = 0; i < m; ++i) {
+                        const float *kr = kh + (lo + cand[i]) * D;
+                        if (i + 8 < m) prefetch_row(kh + (lo + cand[i + 8]) * D, D);
+                        float acc[8];
+                        dots(acc, qh, kr, G, D);
+                        for (int64_t g = 0; g < G; ++g) ex[g * m + i] = scale * acc[g];
+                    }
+                    for (int64_t g = 0; g < G; ++g) {
+                        if (soft) softmax_row(ex + g * m, m);
+                        reduce_into(exred, ex + g * m, m, (int)g, reduction);
+                    }
+                    select_top(exred, m, keep, pick, live, keys);
+                    for (int64_t i = 0; i < keep; ++i) out[i] = cand[pick[i]];
+                } else {
+                    memcpy(out, cand, sizeof(int32_t) * (size_t)keep);
+                }
+                sort_ids(out, keep, n, mark);
+                for (int64_t i = 0; i < keep; ++i) out[i] += (int32_t)lo;
             }
-            if (soft)
-                for (int64_t g = 0; g < G; ++g) {
-                    softmax_row(row + g * n, n);
-                    reduce_into(red, row + g * n, n, (int)g, reduction);
-                }
-            select_top(red, n, m, cand, live, keys);  /* cand[0..m): the shortlist */
-            int32_t *out = ids_out + (b * H + h) * keep;
-            if (m > keep) {
-                const float *kh = k + b * k_sb + h * k_sh;
-                for (int64_t i = 0; i < m; ++i) {
-                    const float *kr = kh + (lo + cand[i]) * D;
-                    if (i + 8 < m) prefetch_row(kh + (lo + cand[i + 8]) * D, D);
-                    float acc[8];
-                    dots(acc, qh, kr, G, D);
-                    for (int64_t g = 0; g < G; ++g) ex[g * m + i] = scale * acc[g];
-                }
-                for (int64_t g = 0; g < G; ++g) {
-                    if (soft) softmax_row(ex + g * m, m);
-                    reduce_into(exred, ex + g * m, m, (int)g, reduction);
-                }
-                select_top(exred, m, keep, pick, live, keys);
-                for (int64_t i = 0; i < keep; ++i) out[i] = cand[pick[i]];
-            } else {
-                memcpy(out, cand, sizeof(int32_t) * (size_t)keep);
-            }
-            sort_ids(out, keep, n, mark);
-            for (int64_t i = 0; i < keep; ++i) out[i] += (int32_t)lo;
         }
+        free(fbuf);
+        free(ibuf);
+        free(keys);
+        free(mark);
     }
-    free(fbuf);
-    free(ibuf);
-    free(keys);
-    free(mark);
-    return 0;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ attention */
@@ -288,92 +332,101 @@ int kvp_sparse_decode(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t 
     int64_t G = Hq / H, V = S + W + K * bs;
     if (G * H != Hq || V < 0 || (N > 0 && chunk <= 0)) return -1;
     size_t nf = (size_t)(G * V + (N > 0 ? G * N + N + N + G * N : 0) + G * D + G);
-    float *s = malloc(sizeof(float) * nf);
-    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(V > 0 ? V : 1));
-    int32_t *cof = malloc(sizeof(int32_t) * (size_t)(V > 0 ? V : 1));
-    if (!s || !pos || !cof) { free(s); free(pos); free(cof); return -3; }
-    float *sc = s + G * V, *rem_n = sc + G * N, *n_rest = rem_n + N, *wc = n_rest + N, *acc = wc + G * N;
-    for (int64_t b = 0; b < B; ++b) {
-        int64_t start = seq_starts ? seq_starts[b] : 0, len = seq_lens[b];
-        for (int64_t h = 0; h < H; ++h) {
-            const int32_t *blk = blocks + (b * H + h) * K;
-            int64_t j = 0;
-            for (int64_t t = 0; t < S; ++t) pos[j++] = start + t;
-            for (int64_t i = 0; i < K; ++i)
-                for (int64_t t = 0; t < bs; ++t) pos[j++] = (int64_t)blk[i] * bs + t;
-            for (int64_t t = len - W; t < len; ++t) pos[j++] = t;
-            const float *kh = k + b * k_sb + h * k_sh, *vh = v + b * v_sb + h * v_sh;
-            const float *qh = q + (b * Hq + h * G) * D;
-            for (int64_t i = 0; i < V; ++i) {
-                const float *kr = kh + pos[i] * D;
-                for (int64_t g = 0; g < G; ++g) s[g * V + i] = scale * dot(qh + g * D, kr, D);
-            }
-            if (N > 0) {
-                const float *ks = k_sum + b * sum_sb + h * sum_sh, *cnt = count + b * count_sb;
-                memset(sc, 0, sizeof(float) * (size_t)(G * N + N));  /* removed scores, then rem_n */
+    int nt = team(B * H, (double)(B * H) * (double)(2 * G * (V + N) * D)), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *s = malloc(sizeof(float) * nf);
+        int64_t *pos = malloc(sizeof(int64_t) * (size_t)(V > 0 ? V : 1));
+        int32_t *cof = malloc(sizeof(int32_t) * (size_t)(V > 0 ? V : 1));
+        int ok = s && pos && cof;
+        if (!ok) set_rc(&rc, -3);
+        float *sc = s + G * V, *rem_n = sc + G * N, *n_rest = rem_n + N, *wc = n_rest + N, *acc = wc + G * N;
+    #pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!ok) continue;
+            int64_t b = bh / H, h = bh % H;
+            int64_t start = seq_starts ? seq_starts[b] : 0, len = seq_lens[b];
+            {
+                const int32_t *blk = blocks + (b * H + h) * K;
+                int64_t j = 0;
+                for (int64_t t = 0; t < S; ++t) pos[j++] = start + t;
+                for (int64_t i = 0; i < K; ++i)
+                    for (int64_t t = 0; t < bs; ++t) pos[j++] = (int64_t)blk[i] * bs + t;
+                for (int64_t t = len - W; t < len; ++t) pos[j++] = t;
+                const float *kh = k + b * k_sb + h * k_sh, *vh = v + b * v_sb + h * v_sh;
+                const float *qh = q + (b * Hq + h * G) * D;
                 for (int64_t i = 0; i < V; ++i) {
-                    int64_t c = (pos[i] - start) / chunk;
-                    c = c < 0 ? 0 : (c > N - 1 ? N - 1 : c);
-                    cof[i] = (int32_t)c;
-                    rem_n[c] += 1.0f;
-                    for (int64_t g = 0; g < G; ++g) sc[g * N + c] += s[g * V + i];
+                    const float *kr = kh + pos[i] * D;
+                    for (int64_t g = 0; g < G; ++g) s[g * V + i] = scale * dot(qh + g * D, kr, D);
                 }
-                for (int64_t c = 0; c < N; ++c) {
-                    float nr = cnt[c] - rem_n[c], inv = 1.0f / (nr > 1.0f ? nr : 1.0f);
-                    n_rest[c] = nr;
-                    for (int64_t g = 0; g < G; ++g) {
-                        float *x = sc + g * N + c;
-                        *x = nr < 0.5f ? -INFINITY
-                                       : (scale * dot(qh + g * D, ks + c * D, D) - *x) * inv + logf(nr > 1.0f ? nr : 1.0f);
+                if (N > 0) {
+                    const float *ks = k_sum + b * sum_sb + h * sum_sh, *cnt = count + b * count_sb;
+                    memset(sc, 0, sizeof(float) * (size_t)(G * N + N));  /* removed scores, then rem_n */
+                    for (int64_t i = 0; i < V; ++i) {
+                        int64_t c = (pos[i] - start) / chunk;
+                        c = c < 0 ? 0 : (c > N - 1 ? N - 1 : c);
+                        cof[i] = (int32_t)c;
+                        rem_n[c] += 1.0f;
+                        for (int64_t g = 0; g < G; ++g) sc[g * N + c] += s[g * V + i];
+                    }
+                    for (int64_t c = 0; c < N; ++c) {
+                        float nr = cnt[c] - rem_n[c], inv = 1.0f / (nr > 1.0f ? nr : 1.0f);
+                        n_rest[c] = nr;
+                        for (int64_t g = 0; g < G; ++g) {
+                            float *x = sc + g * N + c;
+                            *x = nr < 0.5f ? -INFINITY
+                                           : (scale * dot(qh + g * D, ks + c * D, D) - *x) * inv + logf(nr > 1.0f ? nr : 1.0f);
+                        }
                     }
                 }
-            }
-            /* one softmax per query head over [attended tokens, chunk summaries] */
-            float *norm = acc + G * D;
-            for (int64_t g = 0; g < G; ++g) {
-                float *sg = s + g * V, *cg = sc + g * N;
-                float mx = -INFINITY, total = 0.0f;
-                for (int64_t i = 0; i < V; ++i) mx = sg[i] > mx ? sg[i] : mx;
-                for (int64_t c = 0; c < N; ++c) mx = cg[c] > mx ? cg[c] : mx;
-                if (mx == -INFINITY) {  /* nothing attended or estimated: zero output */
-                    for (int64_t i = 0; i < V; ++i) sg[i] = 0.0f;
-                    for (int64_t c = 0; c < N; ++c) cg[c] = 0.0f;
-                    norm[g] = 0.0f;
-                    lse[b * Hq + h * G + g] = -INFINITY;
-                    continue;
+                /* one softmax per query head over [attended tokens, chunk summaries] */
+                float *norm = acc + G * D;
+                for (int64_t g = 0; g < G; ++g) {
+                    float *sg = s + g * V, *cg = sc + g * N;
+                    float mx = -INFINITY, total = 0.0f;
+                    for (int64_t i = 0; i < V; ++i) mx = sg[i] > mx ? sg[i] : mx;
+                    for (int64_t c = 0; c < N; ++c) mx = cg[c] > mx ? cg[c] : mx;
+                    if (mx == -INFINITY) {  /* nothing attended or estimated: zero output */
+                        for (int64_t i = 0; i < V; ++i) sg[i] = 0.0f;
+                        for (int64_t c = 0; c < N; ++c) cg[c] = 0.0f;
+                        norm[g] = 0.0f;
+                        lse[b * Hq + h * G + g] = -INFINITY;
+                        continue;
+                    }
+                    for (int64_t i = 0; i < V; ++i) { sg[i] = expf(sg[i] - mx); total += sg[i]; }
+                    for (int64_t c = 0; c < N; ++c) { cg[c] = expf(cg[c] - mx); total += cg[c]; }
+                    norm[g] = 1.0f / total;
+                    lse[b * Hq + h * G + g] = mx + logf(total);
                 }
-                for (int64_t i = 0; i < V; ++i) { sg[i] = expf(sg[i] - mx); total += sg[i]; }
-                for (int64_t c = 0; c < N; ++c) { cg[c] = expf(cg[c] - mx); total += cg[c]; }
-                norm[g] = 1.0f / total;
-                lse[b * Hq + h * G + g] = mx + logf(total);
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(G * D));
-            if (N > 0) {
-                /* chunk c contributes w_c * (v_sum[c] - attended values in c) */
-                const float *vs = v_sum + b * sum_sb + h * sum_sh;
-                for (int64_t g = 0; g < G; ++g)
-                    for (int64_t c = 0; c < N; ++c)
-                        wc[g * N + c] = sc[g * N + c] * norm[g] / (n_rest[c] > 1.0f ? n_rest[c] : 1.0f);
-                for (int64_t c = 0; c < N; ++c)
+                memset(acc, 0, sizeof(float) * (size_t)(G * D));
+                if (N > 0) {
+                    /* chunk c contributes w_c * (v_sum[c] - attended values in c) */
+                    const float *vs = v_sum + b * sum_sb + h * sum_sh;
                     for (int64_t g = 0; g < G; ++g)
-                        if (wc[g * N + c] != 0.0f) axpy(acc + g * D, wc[g * N + c], vs + c * D, D);
-                for (int64_t g = 0; g < G; ++g)
-                    for (int64_t i = 0; i < V; ++i) s[g * V + i] = s[g * V + i] * norm[g] - wc[g * N + cof[i]];
-            } else {
-                for (int64_t g = 0; g < G; ++g)
-                    for (int64_t i = 0; i < V; ++i) s[g * V + i] *= norm[g];
+                        for (int64_t c = 0; c < N; ++c)
+                            wc[g * N + c] = sc[g * N + c] * norm[g] / (n_rest[c] > 1.0f ? n_rest[c] : 1.0f);
+                    for (int64_t c = 0; c < N; ++c)
+                        for (int64_t g = 0; g < G; ++g)
+                            if (wc[g * N + c] != 0.0f) axpy(acc + g * D, wc[g * N + c], vs + c * D, D);
+                    for (int64_t g = 0; g < G; ++g)
+                        for (int64_t i = 0; i < V; ++i) s[g * V + i] = s[g * V + i] * norm[g] - wc[g * N + cof[i]];
+                } else {
+                    for (int64_t g = 0; g < G; ++g)
+                        for (int64_t i = 0; i < V; ++i) s[g * V + i] *= norm[g];
+                }
+                for (int64_t i = 0; i < V; ++i) {  /* each value row read once for the whole group */
+                    const float *vr = vh + pos[i] * D;
+                    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, s[g * V + i], vr, D);
+                }
+                memcpy(out + (b * Hq + h * G) * D, acc, sizeof(float) * (size_t)(G * D));
             }
-            for (int64_t i = 0; i < V; ++i) {  /* each value row read once for the whole group */
-                const float *vr = vh + pos[i] * D;
-                for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, s[g * V + i], vr, D);
-            }
-            memcpy(out + (b * Hq + h * G) * D, acc, sizeof(float) * (size_t)(G * D));
         }
+        free(s);
+        free(pos);
+        free(cof);
     }
-    free(s);
-    free(pos);
-    free(cof);
-    return 0;
+    return rc;
 }
 
 /* ------------------------------------------------------------------ packed low-bit K/V (kvpress.kernels.quant) */
@@ -462,6 +515,12 @@ static inline __attribute__((always_inline)) void code_dots8_n(f32x8 *res, const
     for (int64_t m = 0; m < M; ++m) res[m] = hsum8x8(part[m]);
 }
 
+/* Tokens per piece of work in the packed-store kernels (scores: rounded up to whole key groups),
+ * and per block of the values loop (a block's codes and scales stay in L1). */
+enum { SPAN = 512, VBLK = 64 };
+
+static inline int64_t span_len(int64_t G) { return (SPAN + G - 1) / G * G; }
+
 #define KVP_BITS_CASES(CALL) \
     switch (bits) { case 2: CALL(2); break; case 4: CALL(4); break; default: CALL(8); break; }
 
@@ -475,63 +534,77 @@ static void code_dots8(f32x8 *res, const float *qs, const uint8_t *rows, int64_t
 #undef KVP_M_CASES
 }
 
+/* Scores of packed tokens [t0, t1) (multiples of G) of one (row, KV head) against per-channel
+ * keys: out[m * o_sm + t - t0]. ch / sh / zh point at the head's codes, scales and zero points;
+ * qs is scratch of M * D + 2 * D floats. */
+static void scores_span(const float *qh, int64_t M, int64_t D, const uint8_t *ch, const uint16_t *sh,
+                        const uint16_t *zh, int64_t t0, int64_t t1, int bits, int64_t G, float *out, int64_t o_sm,
+                        float *qs) {
+    int per = 8 / bits, mask = (1 << bits) - 1;
+    int64_t nb = D * bits / 8;
+    int vec = nb % 8 == 0 && G % 8 == 0;
+    float *sf = qs + M * D, *zf = sf + D;
+    float bias[8];
+    for (int64_t g0 = t0; g0 < t1; g0 += G) {
+        halfs_to_floats(sf, sh + (g0 / G) * D, D);
+        halfs_to_floats(zf, zh + (g0 / G) * D, D);
+        for (int64_t m = 0; m < M; ++m) {  /* fold the group's scale into q; its zero point is a bias */
+            float acc = 0.0f;
+            for (int64_t d = 0; d < D; ++d) acc += qh[m * D + d] * zf[d];
+            bias[m] = acc;
+            for (int p = 0; p < per; ++p)
+                for (int64_t j = 0; j < nb; ++j) qs[m * D + p * nb + j] = qh[m * D + j * per + p] * sf[j * per + p];
+        }
+        if (vec) {
+            for (int64_t t = g0; t < g0 + G; t += 8) {
+                f32x8 res[8];
+                code_dots8(res, qs, ch + t * nb, nb, bits, M);
+                for (int64_t m = 0; m < M; ++m) {
+                    f32x8 r = res[m] + bias[m];
+                    memcpy(out + m * o_sm + t - t0, &r, sizeof r);
+                }
+            }
+            continue;
+        }
+        for (int64_t t = g0; t < g0 + G; ++t) {
+            const uint8_t *row = ch + t * nb;
+            float acc[8] = {0};
+            for (int p = 0; p < per; ++p)
+                for (int64_t j = 0; j < nb; ++j) {
+                    float f = (float)((row[j] >> (p * bits)) & mask);
+                    for (int64_t m = 0; m < M; ++m) acc[m] += qs[m * D + p * nb + j] * f;
+                }
+            for (int64_t m = 0; m < M; ++m) out[m * o_sm + t - t0] = acc[m] + bias[m];
+        }
+    }
+}
+
 /* Scores against per-channel-quantized keys (KIVI keys; groups of G tokens per channel):
  * out[b, h, m, t] = sum_d q[b, h, m, d] * (code[t, d] * scale[t / G, d] + zero[t / G, d]), t < T.
- * q (B, H, M, D) fp32 contiguous, M <= 8; out (B, H, M, T) fp32 contiguous; T a multiple of G. */
+ * q (B, H, M, D) fp32 contiguous, M <= 8; out (B, H, M, T) fp32 contiguous; T a multiple of G.
+ * Pieces of work: (row, KV head, span of tokens). */
 int kvp_channel_scores(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                        const uint8_t *codes, int64_t c_sb, int64_t c_sh,
                        const uint16_t *scale, const uint16_t *zero, int64_t s_sb, int64_t s_sh,
                        int64_t T, int bits, int64_t G, float *out) {
     if (!(bits == 2 || bits == 4 || bits == 8) || M < 1 || M > 8 || G <= 0 || T % G || (D * bits) % 8) return -1;
-    int per = 8 / bits, mask = (1 << bits) - 1;
-    int64_t nb = D * bits / 8;
-    int vec = nb % 8 == 0 && G % 8 == 0;
-    float *qs = malloc(sizeof(float) * (size_t)(M * D + D + D));
-    if (!qs) return -3;
-    float *sf = qs + M * D, *zf = sf + D;
-    float bias[8];
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h) {
-            const float *qh = q + (b * H + h) * M * D;
-            const uint8_t *ch = codes + b * c_sb + h * c_sh;
-            const uint16_t *sh = scale + b * s_sb + h * s_sh, *zh = zero + b * s_sb + h * s_sh;
-            float *oh = out + (b * H + h) * M * T;
-            for (int64_t g0 = 0; g0 < T; g0 += G) {
-                halfs_to_floats(sf, sh + (g0 / G) * D, D);
-                halfs_to_floats(zf, zh + (g0 / G) * D, D);
-                for (int64_t m = 0; m < M; ++m) {  /* fold the group's scale into q; its zero point is a bias */
-                    float acc = 0.0f;
-                    for (int64_t d = 0; d < D; ++d) acc += qh[m * D + d] * zf[d];
-                    bias[m] = acc;
-                    for (int p = 0; p < per; ++p)
-                        for (int64_t j = 0; j < nb; ++j)
-                            qs[m * D + p * nb + j] = qh[m * D + j * per + p] * sf[j * per + p];
-                }
-                if (vec) {
-                    for (int64_t t = g0; t < g0 + G; t += 8) {
-                        f32x8 res[8];
-                        code_dots8(res, qs, ch + t * nb, nb, bits, M);
-                        for (int64_t m = 0; m < M; ++m) {
-                            f32x8 r = res[m] + bias[m];
-                            memcpy(oh + m * T + t, &r, sizeof r);
-                        }
-                    }
-                    continue;
-                }
-                for (int64_t t = g0; t < g0 + G; ++t) {
-                    const uint8_t *row = ch + t * nb;
-                    float acc[8] = {0};
-                    for (int p = 0; p < per; ++p)
-                        for (int64_t j = 0; j < nb; ++j) {
-                            float f = (float)((row[j] >> (p * bits)) & mask);
-                            for (int64_t m = 0; m < M; ++m) acc[m] += qs[m * D + p * nb + j] * f;
-                        }
-                    for (int64_t m = 0; m < M; ++m) oh[m * T + t] = acc[m] + bias[m];
-                }
-            }
+    int64_t S = span_len(G), ns = (T + S - 1) / S, items = B * H * ns;
+    int nt = team(items, (double)(B * H * T) * (double)(M * D)), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *qs = malloc(sizeof(float) * (size_t)(M * D + 2 * D));
+        if (!qs) set_rc(&rc, -3);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; ++it) {
+            if (!qs) continue;
+            int64_t bh = it / ns, b = bh / H, h = bh % H, t0 = (it % ns) * S, t1 = t0 + S < T ? t0 + S : T;
+            scores_span(q + bh * M * D, M, D, codes + b * c_sb + h * c_sh, scale + b * s_sb + h * s_sh,
+                        zero + b * s_sb + h * s_sh, t0, t1, bits, G, out + bh * M * T + t0, T, qs);
         }
-    free(qs);
-    return 0;
+        free(qs);
+    }
+    return rc;
 }
 
 /* Values of a block of tokens applied for M query rows, SL vectors (8 plane-order positions each)
@@ -577,89 +650,141 @@ static inline __attribute__((always_inline)) void values_slice_n(
         for (int64_t s = 0; s < SL; ++s) memcpy(acc + m * D + pos[s], &a[m][s], sizeof(f32x8));
 }
 
-/* Probabilities applied to per-token-quantized values (groups of Gv channels per token):
- * out[b, h, m, d] = sum_t p[b, h, m, t] * (code[t, d] * scale[t, d / Gv] + zero[t, d / Gv]), t < T.
- * p (B, H, M, *) fp32 with row stride p_sm (so a slice of wider scores works), M <= 8;
- * out (B, H, M, D) fp32 contiguous. Tokens go in blocks that stay in L1 while the output
- * channels are swept a few vectors at a time (the accumulators stay in registers). */
-int kvp_token_values(const float *p, int64_t B, int64_t H, int64_t M, int64_t p_sm, int64_t D,
-                     const uint8_t *codes, int64_t c_sb, int64_t c_sh,
-                     const uint16_t *scale, const uint16_t *zero, int64_t s_sb, int64_t s_sh,
-                     int64_t T, int bits, int64_t Gv, float *out) {
-    enum { BLK = 64 };
-    if (!(bits == 2 || bits == 4 || bits == 8) || M < 1 || M > 8 || Gv <= 0 || D % Gv || (D * bits) % 8) return -1;
+/* acc (M, D), plane order, += sum over packed tokens t in [t0, t1) of one (row, KV head) of
+ * w[m * w_sm + t - t0] * dequantized value row t (per-token groups of Gv channels). Tokens go in
+ * blocks that stay in L1 while the output channels are swept a few vectors at a time (the
+ * accumulators stay in registers). gidx (D): the value group of each plane-order position;
+ * scratch: values_scratch(D, Gv) floats. */
+static int64_t values_scratch(int64_t D, int64_t Gv) { return 2 * VBLK * (D / Gv) + 2 * VBLK * D + D; }
+
+static void values_span(const float *w, int64_t w_sm, int64_t M, int64_t D, const uint8_t *ch, const uint16_t *sh,
+                        const uint16_t *zh, int64_t t0, int64_t t1, int bits, int64_t Gv, const int32_t *gidx,
+                        float *acc, float *scratch) {
     int per = 8 / bits, mask = (1 << bits) - 1;
     int64_t nb = D * bits / 8, ng = D / Gv;
     /* a vector of 8 bytes of one plane spans 8 * per channels: one value group when Gv is a multiple */
     int vec = nb % 8 == 0, uniform = Gv % (8 * per) == 0;
     /* accumulator vectors per pass: M * SL <= 12 registers */
     int64_t SL = M <= 3 ? 4 : (M <= 6 ? 2 : 1), nvec = D / 8;
-    float *acc = malloc(sizeof(float) * (size_t)(M * D + 2 * BLK * ng + 2 * BLK * D + D));
-    int32_t *gidx = malloc(sizeof(int32_t) * (size_t)D);
-    if (!acc || !gidx) { free(acc); free(gidx); return -3; }
-    float *sfb = acc + M * D, *zfb = sfb + BLK * ng, *svec = zfb + BLK * ng, *zvec = svec + BLK * D, *deq = zvec + BLK * D;
-    for (int pl = 0; pl < per; ++pl)
-        for (int64_t j = 0; j < nb; ++j) gidx[pl * nb + j] = (int32_t)((j * per + pl) / Gv);
-    for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < H; ++h) {
-            const float *ph = p + (b * H + h) * M * p_sm;
-            const uint8_t *ch = codes + b * c_sb + h * c_sh;
-            const uint16_t *sh = scale + b * s_sb + h * s_sh, *zh = zero + b * s_sb + h * s_sh;
-            memset(acc, 0, sizeof(float) * (size_t)(M * D));
-            for (int64_t t0 = 0; t0 < T; t0 += BLK) {
-                int64_t n_tok = T - t0 < BLK ? T - t0 : BLK;
-                halfs_to_floats(sfb, sh + t0 * ng, n_tok * ng);
-                halfs_to_floats(zfb, zh + t0 * ng, n_tok * ng);
-                const uint8_t *rows = ch + t0 * nb;
-                if (!vec) {
-                    for (int64_t t = 0; t < n_tok; ++t) {
-                        for (int pl = 0; pl < per; ++pl)
-                            for (int64_t j = 0; j < nb; ++j) {
-                                int64_t k = gidx[pl * nb + j];
-                                deq[pl * nb + j] = (float)((rows[t * nb + j] >> (pl * bits)) & mask) * sfb[t * ng + k]
-                                                   + zfb[t * ng + k];
-                            }
-                        for (int64_t m = 0; m < M; ++m) axpy(acc + m * D, ph[m * p_sm + t0 + t], deq, D);
+    float *sfb = scratch, *zfb = sfb + VBLK * ng, *svec = zfb + VBLK * ng, *zvec = svec + VBLK * D;
+    float *deq = zvec + VBLK * D;
+    for (int64_t b0 = t0; b0 < t1; b0 += VBLK) {
+        int64_t n_tok = t1 - b0 < VBLK ? t1 - b0 : VBLK;
+        const float *wb = w + (b0 - t0);
+        halfs_to_floats(sfb, sh + b0 * ng, n_tok * ng);
+        halfs_to_floats(zfb, zh + b0 * ng, n_tok * ng);
+        const uint8_t *rows = ch + b0 * nb;
+        if (!vec) {
+            for (int64_t t = 0; t < n_tok; ++t) {
+                for (int pl = 0; pl < per; ++pl)
+                    for (int64_t j = 0; j < nb; ++j) {
+                        int64_t k = gidx[pl * nb + j];
+                        deq[pl * nb + j] = (float)((rows[t * nb + j] >> (pl * bits)) & mask) * sfb[t * ng + k]
+                                           + zfb[t * ng + k];
                     }
-                    continue;
+                for (int64_t m = 0; m < M; ++m) axpy(acc + m * D, wb[m * w_sm + t], deq, D);
+            }
+            continue;
+        }
+        const float *sv = NULL, *zv = NULL;
+        if (!uniform) {
+            for (int64_t t = 0; t < n_tok; ++t)
+                for (int64_t i = 0; i < D; ++i) {
+                    svec[t * D + i] = sfb[t * ng + gidx[i]];
+                    zvec[t * D + i] = zfb[t * ng + gidx[i]];
                 }
-                const float *sv = NULL, *zv = NULL;
-                if (!uniform) {
-                    for (int64_t t = 0; t < n_tok; ++t)
-                        for (int64_t i = 0; i < D; ++i) {
-                            svec[t * D + i] = sfb[t * ng + gidx[i]];
-                            zvec[t * D + i] = zfb[t * ng + gidx[i]];
-                        }
-                    sv = svec, zv = zvec;
-                }
-                for (int64_t s0 = 0; s0 < nvec; s0 += SL) {
-                    int64_t sl = nvec - s0 < SL ? nvec - s0 : SL;
-#define KVP_SLICE(Bi, Mi, Si) values_slice_n(acc, ph + t0, p_sm, rows, n_tok, nb, ng, Gv, sfb, zfb, sv, zv, D, s0, Bi, Mi, Si)
+            sv = svec, zv = zvec;
+        }
+        for (int64_t s0 = 0; s0 < nvec; s0 += SL) {
+            int64_t sl = nvec - s0 < SL ? nvec - s0 : SL;
+#define KVP_SLICE(Bi, Mi, Si) values_slice_n(acc, wb, w_sm, rows, n_tok, nb, ng, Gv, sfb, zfb, sv, zv, D, s0, Bi, Mi, Si)
 #define KVP_SL(Bi, Mi) do { if (sl == 4) KVP_SLICE(Bi, Mi, 4); else if (sl == 3) KVP_SLICE(Bi, Mi, 3); \
                             else if (sl == 2) KVP_SLICE(Bi, Mi, 2); else KVP_SLICE(Bi, Mi, 1); } while (0)
 #define KVP_MS(Bi) switch (M) { case 1: KVP_SL(Bi, 1); break; case 2: KVP_SL(Bi, 2); break; \
                                 case 3: KVP_SL(Bi, 3); break; case 4: KVP_SL(Bi, 4); break; case 5: KVP_SL(Bi, 5); break; \
                                 case 6: KVP_SL(Bi, 6); break; case 7: KVP_SL(Bi, 7); break; default: KVP_SL(Bi, 8); break; }
-                    KVP_BITS_CASES(KVP_MS)
+            KVP_BITS_CASES(KVP_MS)
 #undef KVP_MS
 #undef KVP_SL
 #undef KVP_SLICE
-                }
-            }
-            float *oh = out + (b * H + h) * M * D;
-            for (int64_t m = 0; m < M; ++m)  /* plane order -> channel order */
-                for (int pl = 0; pl < per; ++pl)
-                    for (int64_t j = 0; j < nb; ++j) oh[m * D + j * per + pl] = acc[m * D + pl * nb + j];
         }
-    free(acc);
+    }
+}
+
+/* gidx[i]: the value group of plane-order position i (D ints). */
+static void plane_groups(int32_t *gidx, int64_t D, int bits, int64_t Gv) {
+    int per = 8 / bits;
+    int64_t nb = D * bits / 8;
+    for (int pl = 0; pl < per; ++pl)
+        for (int64_t j = 0; j < nb; ++j) gidx[pl * nb + j] = (int32_t)((j * per + pl) / Gv);
+}
+
+/* out (M, D) channel order = acc (M, D) plane order (a permutation). */
+static void plane_to_channel(float *out, const float *acc, int64_t M, int64_t D, int bits) {
+    int per = 8 / bits;
+    int64_t nb = D * bits / 8;
+    for (int64_t m = 0; m < M; ++m)
+        for (int pl = 0; pl < per; ++pl)
+            for (int64_t j = 0; j < nb; ++j) out[m * D + j * per + pl] = acc[m * D + pl * nb + j];
+}
+
+/* Probabilities applied to per-token-quantized values (groups of Gv channels per token):
+ * out[b, h, m, d] = sum_t p[b, h, m, t] * (code[t, d] * scale[t, d / Gv] + zero[t, d / Gv]), t < T.
+ * p (B, H, M, *) fp32 with row stride p_sm (so a slice of wider scores works), M <= 8;
+ * out (B, H, M, D) fp32 contiguous. Pieces of work: (row, KV head, span of tokens), each summed
+ * on its own, then added in span order. */
+int kvp_token_values(const float *p, int64_t B, int64_t H, int64_t M, int64_t p_sm, int64_t D,
+                     const uint8_t *codes, int64_t c_sb, int64_t c_sh,
+                     const uint16_t *scale, const uint16_t *zero, int64_t s_sb, int64_t s_sh,
+                     int64_t T, int bits, int64_t Gv, float *out) {
+    if (!(bits == 2 || bits == 4 || bits == 8) || M < 1 || M > 8 || Gv <= 0 || D % Gv || (D * bits) % 8 || T < 0)
+        return -1;
+    int64_t ns = (T + SPAN - 1) / SPAN, items = B * H * ns;
+    if (ns == 0) {
+        memset(out, 0, sizeof(float) * (size_t)(B * H * M * D));
+        return 0;
+    }
+    float *part = malloc(sizeof(float) * (size_t)(items * M * D));
+    int32_t *gidx = malloc(sizeof(int32_t) * (size_t)D);
+    if (!part || !gidx) { free(part); free(gidx); return -3; }
+    plane_groups(gidx, D, bits, Gv);
+    int nt = team(items, (double)(B * H * T) * (double)(M * D)), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)values_scratch(D, Gv));
+        if (!scratch) set_rc(&rc, -3);
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; ++it) {
+            if (!scratch) continue;
+            int64_t bh = it / ns, b = bh / H, h = bh % H, t0 = (it % ns) * SPAN, t1 = t0 + SPAN < T ? t0 + SPAN : T;
+            float *acc = part + it * M * D;
+            memset(acc, 0, sizeof(float) * (size_t)(M * D));
+            values_span(p + bh * M * p_sm + t0, p_sm, M, D, codes + b * c_sb + h * c_sh, scale + b * s_sb + h * s_sh,
+                        zero + b * s_sb + h * s_sh, t0, t1, bits, Gv, gidx, acc, scratch);
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            float *acc = part + bh * ns * M * D;
+            for (int64_t k = 1; k < ns; ++k)
+                for (int64_t i = 0; i < M * D; ++i) acc[i] += acc[k * M * D + i];
+            plane_to_channel(out + bh * M * D, acc, M, D, bits);
+        }
+        free(scratch);
+    }
+    free(part);
     free(gidx);
-    return 0;
+    return rc;
 }
 
 /* One decode step of KIVI-format attention: the packed tokens [starts[b], N) and the
  * full-precision window rows [w_starts[b], W) (fp32 (B, H, W_cap, D), dense (W, D) dims) under
  * one softmax. q (B, H, M, D) fp32 contiguous, already scaled, M <= 8; out (B, H, M, D) fp32;
- * lse (B, H, M) (-inf when nothing is attended). starts / w_starts NULL: every token. */
+ * lse (B, H, M) (-inf when nothing is attended). starts / w_starts NULL: every token.
+ *
+ * Split like flash-decoding: each piece (row, KV head, span of packed tokens or the window) keeps
+ * its own running max, sum of exponentials and unnormalised value sum; the pieces of a (row,
+ * KV head) are merged in a fixed order. */
 int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                      const uint8_t *kc, const uint16_t *ks, const uint16_t *kz, int64_t kc_sb, int64_t kc_sh,
                      int64_t ks_sb, int64_t ks_sh,
@@ -669,59 +794,100 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                      const float *kw, const float *vw, int64_t w_sb, int64_t w_sh, int64_t W, const int32_t *w_starts,
                      float *out, float *lse) {
     if (!(bits == 2 || bits == 4 || bits == 8) || M < 1 || M > 8 || G <= 0 || Gv <= 0 || N % G || D % Gv
-        || (D * bits) % 8 || W < 0) return -1;
-    /* sp (M, N): packed scores, then probabilities; sw (M, W) the window's; vacc (M, D) */
-    float *sp = malloc(sizeof(float) * (size_t)(M * N + M * W + M * D + 1));
-    if (!sp) return -3;
-    float *sw = sp + M * N, *vacc = sw + M * W;
-    int rc = 0;
-    for (int64_t b = 0; b < B && !rc; ++b)
-        for (int64_t h = 0; h < H && !rc; ++h) {
-            const float *qh = q + (b * H + h) * M * D;
-            float *oh = out + (b * H + h) * M * D, *lh = lse + (b * H + h) * M;
-            int64_t n0 = starts ? starts[b] : 0, w0 = w_starts ? w_starts[b] : 0;
-            n0 = n0 < 0 ? 0 : (n0 > N ? N : n0);
-            w0 = w0 < 0 ? 0 : (w0 > W ? W : w0);
-            if (N > 0)
-                rc = kvp_channel_scores(qh, 1, 1, M, D, kc + b * kc_sb + h * kc_sh, 0, 0, ks + b * ks_sb + h * ks_sh,
-                                        kz + b * ks_sb + h * ks_sh, 0, 0, N, bits, G, sp);
-            if (rc) break;
-            const float *kwh = kw + b * w_sb + h * w_sh, *vwh = vw + b * w_sb + h * w_sh;
-            for (int64_t i = 0; i < W; ++i) {
-                float acc[8];
-                dots(acc, qh, kwh + i * D, M, D);
-                for (int64_t m = 0; m < M; ++m) sw[m * W + i] = acc[m];
+        || (D * bits) % 8 || W < 0 || N < 0) return -1;
+    int64_t S = span_len(G), ns = (N + S - 1) / S, per_bh = ns + 1, items = B * H * per_bh;
+    int64_t psz = M * D + 2 * M, smax = S > W ? S : W;  /* a piece: value sum (M, D), max (M), sum (M) */
+    float *part = malloc(sizeof(float) * (size_t)(items * psz));
+    int32_t *gidx = malloc(sizeof(int32_t) * (size_t)D);
+    if (!part || !gidx) { free(part); free(gidx); return -3; }
+    plane_groups(gidx, D, bits, Gv);
+    int nt = team(items, (double)(B * H * (N + W)) * (double)(M * D)), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *qs = malloc(sizeof(float) * (size_t)(M * D + 2 * D + M * smax + values_scratch(D, Gv)));
+        if (!qs) set_rc(&rc, -3);
+        float *sc = qs + M * D + 2 * D, *vscr = sc + M * smax;
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < items; ++it) {
+            if (!qs) continue;
+            int64_t bh = it / per_bh, b = bh / H, h = bh % H, k = it % per_bh;
+            const float *qh = q + bh * M * D;
+            float *acc = part + it * psz, *mx = acc + M * D, *sum = mx + M;
+            memset(acc, 0, sizeof(float) * (size_t)(M * D));
+            for (int64_t m = 0; m < M; ++m) mx[m] = -INFINITY, sum[m] = 0.0f;
+            int64_t lo, len;  /* attended rows of the piece: [lo, lo + len) of its scores */
+            if (k < ns) {
+                int64_t t0 = k * S, t1 = t0 + S < N ? t0 + S : N, n0 = starts ? starts[b] : 0;
+                n0 = n0 < t0 ? t0 : n0;
+                if (n0 >= t1) continue;
+                scores_span(qh, M, D, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh,
+                            kz + b * ks_sb + h * ks_sh, t0, t1, bits, G, sc, t1 - t0, qs);
+                lo = n0 - t0, len = t1 - n0;
+                for (int64_t m = 0; m < M; ++m) {
+                    float *r = sc + m * (t1 - t0) + lo, x = -INFINITY, tot = 0.0f;
+                    for (int64_t i = 0; i < len; ++i) x = r[i] > x ? r[i] : x;
+                    for (int64_t i = 0; i < len; ++i) { r[i] = expf(r[i] - x); tot += r[i]; }
+                    mx[m] = x, sum[m] = tot;
+                }
+                values_span(sc + lo, t1 - t0, M, D, vc + b * vc_sb + h * vc_sh, vs + b * vs_sb + h * vs_sh,
+                            vz + b * vs_sb + h * vs_sh, n0, t1, bits, Gv, gidx, acc, vscr);
+            } else {  /* the window: rows [w0, W), values in channel order */
+                int64_t w0 = w_starts ? w_starts[b] : 0;
+                w0 = w0 < 0 ? 0 : w0;
+                if (w0 >= W) continue;
+                const float *kwh = kw + b * w_sb + h * w_sh, *vwh = vw + b * w_sb + h * w_sh;
+                for (int64_t i = w0; i < W; ++i) {
+                    float d8[8];
+                    dots(d8, qh, kwh + i * D, M, D);
+                    for (int64_t m = 0; m < M; ++m) sc[m * W + i] = d8[m];
+                }
+                for (int64_t m = 0; m < M; ++m) {
+                    float *r = sc + m * W, x = -INFINITY, tot = 0.0f;
+                    for (int64_t i = w0; i < W; ++i) x = r[i] > x ? r[i] : x;
+                    for (int64_t i = w0; i < W; ++i) { r[i] = expf(r[i] - x); tot += r[i]; }
+                    mx[m] = x, sum[m] = tot;
+                }
+                for (int64_t i = w0; i < W; ++i) {  /* each window value row read once for the group */
+                    const float *vr = vwh + i * D;
+                    for (int64_t m = 0; m < M; ++m) axpy(acc + m * D, sc[m * W + i], vr, D);
+                }
             }
-            for (int64_t m = 0; m < M; ++m) {  /* one softmax over [packed tokens n0.., window rows w0..] */
-                float *pm = sp + m * N, *wm = sw + m * W, mx = -INFINITY, total = 0.0f;
-                for (int64_t i = 0; i < n0; ++i) pm[i] = -INFINITY;
-                for (int64_t i = 0; i < w0; ++i) wm[i] = -INFINITY;
-                for (int64_t i = n0; i < N; ++i) mx = pm[i] > mx ? pm[i] : mx;
-                for (int64_t i = w0; i < W; ++i) mx = wm[i] > mx ? wm[i] : mx;
-                if (mx == -INFINITY) {
-                    for (int64_t i = 0; i < N; ++i) pm[i] = 0.0f;
-                    for (int64_t i = 0; i < W; ++i) wm[i] = 0.0f;
+        }
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; ++bh) {  /* merge the pieces of (row, KV head) in order */
+            if (!qs) continue;
+            const float *pb = part + bh * per_bh * psz, *pw = pb + ns * psz;  /* the window piece is last */
+            float *oh = out + bh * M * D, *lh = lse + bh * M, *tmp = qs, tot[8], top[8];
+            memset(tmp, 0, sizeof(float) * (size_t)(M * D));
+            for (int64_t m = 0; m < M; ++m) {
+                float x = -INFINITY;
+                for (int64_t k = 0; k < per_bh; ++k) x = pb[k * psz + M * D + m] > x ? pb[k * psz + M * D + m] : x;
+                top[m] = x, tot[m] = 0.0f;
+                for (int64_t k = 0; k < per_bh && x != -INFINITY; ++k) {
+                    const float *pk = pb + k * psz;
+                    if (pk[M * D + m] == -INFINITY) continue;
+                    float f = expf(pk[M * D + m] - x);
+                    tot[m] += f * pk[M * D + M + m];
+                    if (k < ns) axpy(tmp + m * D, f, pk + m * D, D);  /* packed pieces: plane order */
+                }
+            }
+            plane_to_channel(oh, tmp, M, D, bits);
+            for (int64_t m = 0; m < M; ++m) {
+                if (top[m] == -INFINITY) {  /* nothing attended */
+                    memset(oh + m * D, 0, sizeof(float) * (size_t)D);
                     lh[m] = -INFINITY;
                     continue;
                 }
-                for (int64_t i = 0; i < N; ++i) { pm[i] = expf(pm[i] - mx); total += pm[i]; }
-                for (int64_t i = 0; i < W; ++i) { wm[i] = expf(wm[i] - mx); total += wm[i]; }
-                float inv = 1.0f / total;
-                for (int64_t i = 0; i < N; ++i) pm[i] *= inv;
-                for (int64_t i = 0; i < W; ++i) wm[i] *= inv;
-                lh[m] = mx + logf(total);
+                if (pw[M * D + m] != -INFINITY) axpy(oh + m * D, expf(pw[M * D + m] - top[m]), pw + m * D, D);
+                float inv = 1.0f / tot[m];
+                for (int64_t d = 0; d < D; ++d) oh[m * D + d] *= inv;
+                lh[m] = top[m] + logf(tot[m]);
             }
-            if (N > 0)
-                rc = kvp_token_values(sp, 1, 1, M, N, D, vc + b * vc_sb + h * vc_sh, 0, 0, vs + b * vs_sb + h * vs_sh,
-                                      vz + b * vs_sb + h * vs_sh, 0, 0, N, bits, Gv, vacc);
-            else
-                memset(vacc, 0, sizeof(float) * (size_t)(M * D));
-            for (int64_t i = w0; i < W; ++i) {  /* each window value row read once for the group */
-                const float *vr = vwh + i * D;
-                for (int64_t m = 0; m < M; ++m) axpy(vacc + m * D, sw[m * W + i], vr, D);
-            }
-            memcpy(oh, vacc, sizeof(float) * (size_t)(M * D));
         }
-    free(sp);
+        free(qs);
+    }
+    free(part);
+    free(gidx);
     return rc;
 }

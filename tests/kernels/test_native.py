@@ -186,3 +186,24 @@ def test_disabled_by_environment_falls_back_to_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "disabled by KVPRESS_NATIVE=0" in done.stdout
+
+
+def test_selection_and_decode_are_the_same_on_any_thread_count(torch_threads):
+    """(row, KV head) pairs split over threads: label selection and decode with the tail estimate
+    give bitwise the same results on one and on two threads."""
+    B, H, G, D, T, r = 2, 3, 3, 64, 1200, 8
+    q, k, v = _qkv(B, H, G, D, T, seed=9)
+    channels = torch.stack([torch.randperm(D, generator=torch.Generator().manual_seed(h))[:r] for h in range(H)])
+    labels = _labels(k, channels)
+    index = token_index(B, H, T, 96, 4, 16, seed=3)
+    ks, vs, cnt = chunk_sums(k, v, index.seq_lens, index.seq_starts, 32)
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        ids = native.label_select(q, channels, labels, k, lo=4, hi=T - 16, keep=64, shortlist=512, scale=0.2,
+                                  reduction="softmax_max")
+        runs.append((ids, *sparse_decode_tail(q, k, v, index, ks, vs, cnt, chunk_size=32, scale=0.2, backend="native")))
+    for one, two in zip(*runs):
+        assert torch.equal(one, two)
+    want = reference_label_select(q, channels, labels, k, 4, T - 16, 64, 512, 0.2, "softmax_max")
+    assert torch.equal(runs[0][0].long(), want)

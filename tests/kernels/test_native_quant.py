@@ -151,3 +151,48 @@ def test_quant_attend_of_nothing_is_zero_with_minus_inf_lse():
                                    value_group_size=32, k_win=kw, v_win=vw, starts=torch.tensor([64]),
                                    win_starts=torch.tensor([4]))
     assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+def test_native_threads_follow_torch_and_their_cap(torch_threads):
+    torch_threads(1)
+    assert native.threads() == 1
+    torch_threads(2)
+    assert native.threads() in (1, 2)  # 1: built without OpenMP, or beside a second runtime
+    if native.threads() == 2:
+        native._lib().kvp_set_max_threads(1)
+        try:
+            assert native.threads() == 1
+        finally:
+            native._lib().kvp_set_max_threads(0)
+
+
+@pytest.mark.parametrize("bits,D,G,Gv", [(4, 64, 32, 32), (2, 64, 64, 16), (4, 24, 8, 8)])
+def test_long_stores_split_into_spans_read_alike_on_any_thread_count(bits, D, G, Gv, torch_threads):
+    """Stores longer than one piece of work (512 tokens): several spans per (row, KV head), a left
+    padding that ends inside the second span, a span with nothing attended; the outputs are the
+    reference's, and bitwise equal on one and on two threads."""
+    B, H, M, T, W = 2, 3, 3, 1600, 7
+    (kc, ks, kz), (vc, vs, vz) = _store(bits, D, G, Gv, B=B, H=H, T=T, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(B, H, M, D, generator=gen) * 0.3
+    kw, vw = _spare(torch.randn(B, H, W, D, generator=gen)), _spare(torch.randn(B, H, W, D, generator=gen))
+    k_deq, v_deq = dequantize_per_channel(kc, ks, kz, bits, G), dequantize_per_token(vc, vs, vz, bits, Gv)
+    p = torch.softmax(torch.randn(B, H, M, T, generator=gen), -1)
+    starts = torch.tensor([0, 700])
+    s = q @ torch.cat([k_deq, kw], 2).transpose(-1, -2)
+    s[1, :, :, :700] = float("-inf")
+    ref, ref_lse = torch.softmax(s, -1) @ torch.cat([v_deq, vw], 2), s.logsumexp(-1)
+
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        runs.append((native.channel_scores(q, kc, ks, kz, bits, G), native.token_values(p, vc, vs, vz, bits, Gv),
+                     *native.quant_attend(q, kc, ks, kz, vc, vs, vz, bits=bits, group_size=G, value_group_size=Gv,
+                                          k_win=kw, v_win=vw, starts=starts, win_starts=torch.tensor([0, 0]))))
+    for one, two in zip(*runs):
+        assert torch.equal(one, two)
+    scores, values, out, lse = runs[0]
+    torch.testing.assert_close(scores, q @ k_deq.transpose(-1, -2), atol=5e-4, rtol=1e-5)
+    torch.testing.assert_close(values, p @ v_deq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
