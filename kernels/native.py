@@ -15,13 +15,16 @@ bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in on
   points) for a few query rows: each packed row is unpacked in registers once for the whole GQA
   group and never written out (``kivi``, ``zipcache`` and ``gear`` decode through them);
 - `quant_attend` -- a whole ``kivi`` decode step: the packed tokens and the full-precision window
-  under one softmax.
+  under one softmax;
+- `gear_key_extra` / `gear_value_extra` -- ``gear``'s low-rank error (per-chunk right factors,
+  token-aligned left factors) and its exact outliers, added to a step's scores / outputs.
 
 fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch
 implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.kernels.tail`,
-`kvpress.kernels.scores`, `kvpress.kernels.quant`); ``tests/kernels/test_native.py`` and
-``tests/kernels/test_native_quant.py`` compare them. The library is built on first use with the system C compiler (``$CC``, else ``cc`` /
-``gcc``; ``-O3 -march=native``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
+`kvpress.kernels.scores`, `kvpress.kernels.quant`, ``gear``'s torch path);
+``tests/kernels/test_native.py`` and ``tests/kernels/test_native_quant.py`` compare them. The
+library is built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
+``-O3 -march=native -fopenmp``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
 compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
 build, or ``KVPRESS_NATIVE=0`` -> `available()` is False and ``backend="auto"`` uses torch;
 ``backend="native"`` then raises with the reason.
@@ -44,13 +47,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import torch
 
 from .index import SparseIndex
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build
@@ -70,8 +74,11 @@ _SIGNATURES = {
                            _INT),
     "kvp_token_values": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _I64,
                           _P], _INT),
-    "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I64, _I64,
-                          _I64, _I64, _I64, _INT, _I64, _I64, _P, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    "kvp_gear_key_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _P,
+                            _I64, _I64, _I64, _I64, _P], _INT),
+    "kvp_gear_value_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64,
+                              _P, _P, _I64, _I64, _I64, _I64, _P], _INT),
+    "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
 }
 
 
@@ -311,42 +318,174 @@ def token_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
     return out
 
 
-def quant_attend(q: torch.Tensor, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                 value_group_size: int, k_win: torch.Tensor, v_win: torch.Tensor, starts: torch.Tensor | None = None,
-                 win_starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A KIVI decode step: softmax attention of ``q`` over the packed tokens and the window rows.
+class _Segment(ctypes.Structure):
+    """``kvp_segment`` of csrc/cpu_decode.c (field order and types must match)."""
+
+    _fields_ = [(name, _P) for name in ("kc", "ks", "kz", "vc", "vs", "vz")] + \
+        [(name, _I64) for name in ("kc_sb", "kc_sh", "ks_sb", "ks_sh", "vc_sb", "vc_sh", "vs_sb", "vs_sh",
+                                   "n", "bits", "G", "Gv")] + \
+        [("starts", _P), ("st_sb", _I64), ("st_sh", _I64), ("vmul", _P), ("vm_sb", _I64), ("vm_sh", _I64)]
+
+
+MAX_SEGMENTS = 8
+
+
+@dataclass(frozen=True)
+class PackedSegment:
+    """One packed store for `quant_attend`: per-channel keys ``k = (codes, scale, zero)`` and
+    per-token values ``v = (codes, scale, zero)`` of ``n`` tokens (`kvpress.kernels.quant`'s format,
+    ``n`` = ``k[0].shape[2]``, a multiple of ``group_size``).
+
+    starts : int (B,) or (B, H), or None: tokens before it (per row, or per row and KV head) are
+        not attended (left padding).
+    value_scale : fp16 (B, H, D) or None: a per-channel factor on this segment's values.
+    """
+
+    k: tuple
+    v: tuple
+    bits: int
+    group_size: int
+    value_group_size: int
+    starts: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+
+def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None, *,
+                 bits: int = 0, group_size: int = 0, value_group_size: int = 0, k_win: torch.Tensor,
+                 v_win: torch.Tensor, starts: torch.Tensor | None = None, win_starts: torch.Tensor | None = None,
+                 segments: list[PackedSegment] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step over packed stores and a full-precision window, under one softmax.
 
     q : fp32 (B, H, M, D), already scaled, M <= 8 (the GQA group of one new token).
-    k_codes, k_scale, k_zero / v_codes, v_scale, v_zero : the per-channel keys and per-token
-        values of N packed tokens (`kvpress.kernels.quant`'s format; N a multiple of ``group_size``).
-    k_win, v_win : fp32 (B, H, W, D) with dense (W, D) dims: the window, after the packed tokens.
+    k_codes, k_scale, k_zero / v_codes, v_scale, v_zero : one packed store (``kivi``'s), read with
+        ``bits``, ``group_size``, ``value_group_size`` and ``starts`` -- or ``segments``: up to
+        `MAX_SEGMENTS` `PackedSegment` (``zipcache``'s two stores), not both.
+    k_win, v_win : fp32 (B, H, W, D) with dense (W, D) dims: the window.
     starts, win_starts : int (B,) or None: packed tokens / window rows before these are not
         attended (left padding).
 
     Returns fp32 ``out`` (B, H, M, D) and ``lse`` (B, H, M) (-inf when nothing is attended).
-    Inputs checked with `quant_unsupported` (both stores) by the caller.
+    Packed inputs checked with `quant_unsupported` (every store) by the caller.
     """
     lib = _lib()
     q = q.contiguous()
     B, H, M, D = q.shape
+    if segments is None:
+        segments = [PackedSegment((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), bits, group_size,
+                                  value_group_size, starts)]
+    elif k_codes is not None or starts is not None:
+        raise ValueError("quant_attend takes one packed store or `segments`, not both")
+    if len(segments) > MAX_SEGMENTS:
+        raise ValueError(f"quant_attend takes at most {MAX_SEGMENTS} segments, got {len(segments)}")
     if not (_fp32_cpu(k_win, v_win) and _rows_contiguous(k_win) and v_win.stride() == k_win.stride()):
         raise ValueError("quant_attend needs fp32 CPU windows (B, H, W, D) with dense (W, D) dims and equal strides")
+    keep = []  # tensors the structs point into, alive until the call returns
+    structs = (_Segment * max(1, len(segments)))()
+    for st, seg in zip(structs, segments):
+        (kc, ks, kz), (vc, vs, vz) = seg.k, seg.v
+        fields = dict(kc=kc.data_ptr(), ks=ks.data_ptr(), kz=kz.data_ptr(), vc=vc.data_ptr(), vs=vs.data_ptr(),
+                      vz=vz.data_ptr(), kc_sb=kc.stride(0), kc_sh=kc.stride(1), ks_sb=ks.stride(0), ks_sh=ks.stride(1),
+                      vc_sb=vc.stride(0), vc_sh=vc.stride(1), vs_sb=vs.stride(0), vs_sh=vs.stride(1), n=kc.shape[2],
+                      bits=int(seg.bits), G=int(seg.group_size), Gv=int(seg.value_group_size))
+        if seg.starts is not None:
+            st_t = seg.starts.to(torch.int32).contiguous()
+            if st_t.shape not in ((B,), (B, H)):
+                raise ValueError(f"segment starts must be (B,) or (B, H), got {tuple(seg.starts.shape)}")
+            keep.append(st_t)
+            fields.update(starts=st_t.data_ptr(), st_sb=st_t.stride(0), st_sh=st_t.stride(1) if st_t.dim() == 2 else 0)
+        if seg.value_scale is not None:
+            vm = seg.value_scale
+            if vm.dtype != torch.float16 or vm.shape != (B, H, D) or vm.stride(2) != 1:
+                raise ValueError("segment value_scale must be fp16 (B, H, D) with a contiguous last dim")
+            fields.update(vmul=vm.data_ptr(), vm_sb=vm.stride(0), vm_sh=vm.stride(1))
+        for name, value in fields.items():
+            setattr(st, name, value)
     out = torch.empty(B, H, M, D, dtype=torch.float32)
     lse = torch.empty(B, H, M, dtype=torch.float32)
-    i32 = lambda t: None if t is None else t.to(torch.int32).contiguous()  # noqa: E731
-    starts, win_starts = i32(starts), i32(win_starts)
-    rc = lib.kvp_quant_attend(
-        q.data_ptr(), B, H, M, D,
-        k_codes.data_ptr(), k_scale.data_ptr(), k_zero.data_ptr(), k_codes.stride(0), k_codes.stride(1),
-        k_scale.stride(0), k_scale.stride(1),
-        v_codes.data_ptr(), v_scale.data_ptr(), v_zero.data_ptr(), v_codes.stride(0), v_codes.stride(1),
-        v_scale.stride(0), v_scale.stride(1),
-        k_codes.shape[2], int(bits), int(group_size), int(value_group_size), _ptr(starts),
-        k_win.data_ptr(), v_win.data_ptr(), k_win.stride(0), k_win.stride(1), k_win.shape[2], _ptr(win_starts),
-        out.data_ptr(), lse.data_ptr())
+    win_starts = None if win_starts is None else win_starts.to(torch.int32).contiguous()
+    rc = lib.kvp_quant_attend(q.data_ptr(), B, H, M, D, ctypes.addressof(structs), len(segments),
+                              k_win.data_ptr(), v_win.data_ptr(), k_win.stride(0), k_win.stride(1), k_win.shape[2],
+                              _ptr(win_starts), out.data_ptr(), lse.data_ptr())
     if rc != 0:
         raise RuntimeError(f"kvp_quant_attend refused its inputs (code {rc})")
     return out, lse
+
+
+def _gear_parts(low_rank, outliers, N: int, rows: int) -> tuple:
+    """ctypes arguments of GEAR's optional parts, checked: ``low_rank = (left (B, H, >=N, R),
+    right (B, H, >=C, D, R), bounds int64 (C + 1,))`` fp16, ``outliers = (offsets uint8,
+    corrections fp16)`` with dense dims after the head dim and at least ``rows`` rows; either may be None."""
+    if low_rank is None:
+        lr = (None, 0, 0, None, 0, 0, 0, None, 0)
+    else:
+        left, right, bounds = low_rank
+        ok = (left.dtype == right.dtype == torch.float16 and bounds.dtype == torch.int64 and bounds.is_contiguous()
+              and _rows_contiguous(left) and right[0, 0].is_contiguous() and right.shape[-1] == left.shape[-1]
+              and left.shape[2] >= N and right.shape[2] >= bounds.numel() - 1 and int(bounds[-1]) == N)
+        if not ok:
+            raise ValueError("GEAR low-rank factors must be fp16 left (B, H, >=N, R) and right (B, H, C, D, R) with "
+                             "dense inner dims, and int64 chunk bounds (C + 1,) ending at N")
+        lr = (left.data_ptr(), left.stride(0), left.stride(1), right.data_ptr(), right.stride(0), right.stride(1),
+              left.shape[-1], bounds.data_ptr(), bounds.numel() - 1)
+    if outliers is None:
+        return (*lr, None, None, 0, 0)
+    off, corr = outliers
+    ok = (off.dtype == torch.uint8 and corr.dtype == torch.float16 and off.shape == corr.shape
+          and off.stride() == corr.stride() and off[0, 0].is_contiguous() and off.shape[2] >= rows)
+    if not ok:
+        raise ValueError("GEAR outliers must be uint8 offsets and fp16 corrections of one shape and strides, dense "
+                         "after the head dim")
+    return (*lr, off.data_ptr(), corr.data_ptr(), off.stride(0), off.stride(1))
+
+
+def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, low_rank=None, outliers=None) -> torch.Tensor:
+    """Adds GEAR's key corrections to the scores of its N packed tokens, in place.
+
+    s : fp32 (B, H, M, N) contiguous, the packed codes' scores; q : fp32 (B, H, M, D), scaled, M <= 8.
+    low_rank : (left fp16 (B, H, >=N, R), right fp16 (B, H, >=C, D, R), bounds int64 (C + 1,)) or None.
+    outliers : (offsets uint8, corrections fp16), (B, H, >=N/G, J, D), or None.
+    Adds ``q . (l_t rf_c(t)^T)`` and ``q[d] * corr`` at each outlier's token (the torch reference
+    is `kvpress.policies.gear.GearLayer._quant_scores`). Returns ``s``.
+    """
+    lib = _lib()
+    q = q.contiguous()
+    B, H, M, D = q.shape
+    N = s.shape[3]
+    if not (_fp32_cpu(s, q) and s.is_contiguous() and s.shape[:3] == (B, H, M) and 1 <= M <= QUANT_MAX_ROWS):
+        raise ValueError(f"gear_key_extra needs fp32 CPU contiguous scores (B, H, M, N) and q (B, H, M, D), "
+                         f"M <= {QUANT_MAX_ROWS}")
+    J = 0 if outliers is None else outliers[0].shape[3]
+    parts = _gear_parts(low_rank, outliers, N, N // group_size)
+    rc = lib.kvp_gear_key_extra(q.data_ptr(), B, H, M, D, N, *parts, J, int(group_size), s.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_gear_key_extra refused its inputs (code {rc})")
+    return s
+
+
+def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, low_rank=None, outliers=None) -> torch.Tensor:
+    """Adds GEAR's value corrections to ``out`` in place.
+
+    out : fp32 (B, H, M, D) contiguous; p : fp32 (B, H, M, N) probabilities of the N packed tokens
+    with a contiguous last dim, M <= 8. low_rank as in `gear_key_extra`; outliers : (offsets
+    uint8, corrections fp16), (B, H, >=N, D / G * J), or None. Adds ``sum_c (p_c l_c) rf_c^T`` and
+    ``p[t] * corr`` at each outlier's channel (the torch reference is
+    `kvpress.policies.gear.GearLayer._quant_output`). Returns ``out``.
+    """
+    lib = _lib()
+    B, H, M, N = p.shape
+    D = out.shape[3]
+    if p.stride(0) != H * M * p.stride(2) or p.stride(1) != M * p.stride(2):
+        p = p.contiguous()
+    if not (_fp32_cpu(out, p) and out.is_contiguous() and out.shape[:3] == (B, H, M) and p.stride(3) == 1
+            and 1 <= M <= QUANT_MAX_ROWS):
+        raise ValueError(f"gear_value_extra needs fp32 CPU outputs (B, H, M, D) contiguous and probabilities "
+                         f"(B, H, M, N) with a contiguous last dim, M <= {QUANT_MAX_ROWS}")
+    J = 0 if outliers is None else outliers[0].shape[3] // (D // group_size)
+    parts = _gear_parts(low_rank, outliers, N, N)
+    rc = lib.kvp_gear_value_extra(p.data_ptr(), B, H, M, p.stride(2), D, N, *parts, J, int(group_size), out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_gear_value_extra refused its inputs (code {rc})")
+    return out
 
 
 def label_select(q: torch.Tensor, channels: torch.Tensor, labels: torch.Tensor, k_cache: torch.Tensor | None, *,

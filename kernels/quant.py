@@ -197,7 +197,7 @@ def _chunk(group_size: int, codes: torch.Tensor, bits: int) -> int:
 READ_BACKENDS = ("auto", "torch", "native")
 
 
-def _native_read(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
+def reads_natively(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
     """Whether a packed-store read goes through `kvpress.kernels.native`: ``"auto"`` on CPU with
     the kernels built and inputs they take, ``"native"`` always (a ValueError naming why when it
     cannot). Reads for more than `native.QUANT_MAX_ROWS` query rows per KV head (prefill chunks,
@@ -233,7 +233,7 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     -------
     fp32 (B, H, M, T), unscaled dot products.
     """
-    if _native_read(q, codes, scale, zero, backend):
+    if reads_natively(q, codes, scale, zero, backend):
         from . import native
 
         return native.channel_scores(q, codes, scale, zero, bits, group_size)
@@ -324,7 +324,7 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     them to the unpacked chunk (each group's block of the result is kept); many rows: the chunk
     is dequantized.
     """
-    if _native_read(p, codes, scale, zero, backend):
+    if reads_natively(p, codes, scale, zero, backend):
         from . import native
 
         return native.token_values(p, codes, scale, zero, bits, group_size)

@@ -108,14 +108,58 @@ class QuantWindowLayer(CacheLayer):
             s_all = torch.cat([s_q, s_win], dim=-1)
         else:
             s_all = s_win
-        lse = torch.logsumexp(s_all, dim=-1)  # (B, H, M)
-        p = torch.exp(s_all - lse[..., None])
+        top = s_all.amax(-1, keepdim=True)  # one pass of exp (logsumexp then exp took two)
+        p = (s_all - top).exp_()
+        total = p.sum(-1, keepdim=True)
+        p = p.div_(total)
+        lse = (top + total.log()).squeeze(-1)  # (B, H, M)
         out = p[..., n_q:] @ vw
         if n_q:
             out = out + self._quant_output(p[..., :n_q])
         self._after_attend(q, lse.view(B, H_q, T), q_start, scaling)
         self._maybe_flush()
         return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D).to(q.dtype)
+
+    # ------------------------------------------------------------------ native CPU decode
+    def native_step_ok(self, q, k_new, backend: str, stores) -> bool:
+        """Whether this step can run as one `kvpress.kernels.native.quant_attend` call: a CPU
+        one-token step over packed tokens, ``backend`` (a `READ_BACKENDS` name) allowing it, the
+        kernels built, and every store of ``stores`` (``((kc, ks, kz), (vc, vs, vz))`` views)
+        readable by them (``backend="native"`` raises naming why not)."""
+        from kvpress.kernels import native
+
+        if (backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant
+                or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
+            return False
+        if backend == "auto" and not native.available():
+            return False
+        probe = q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1])
+        why = next((w for keys, values in stores
+                    for w in (native.quant_unsupported(probe, *keys), native.quant_unsupported(probe, *values))
+                    if w is not None), None)
+        if why is not None and backend == "native":
+            raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
+        return why is None
+
+    def native_decode(self, q, k_new, v_new, scaling, segments):
+        """A CPU decode step as one native call: the packed ``segments`` (`native.PackedSegment`)
+        and the window under one softmax, then the usual bookkeeping (probes, flush)."""
+        from kvpress.kernels import native
+
+        B, H_q, _, D = q.shape
+        H = k_new.shape[1]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        rs = self.row_start
+        win_starts = None if rs is None else (rs - self.n_quant).clamp(min=0)
+        qg = q[:, :, 0].float().view(B, H, H_q // H, D) * scaling
+        out, lse = native.quant_attend(qg, k_win=self.k_win[:, :, : self.win_len].float(),
+                                       v_win=self.v_win[:, :, : self.win_len].float(), win_starts=win_starts,
+                                       segments=segments)
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.view(B, H_q, 1, D).to(q.dtype)
 
     def ingest_prefill(self, k, v):
         if not self.is_initialized:

@@ -5,8 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpress.kernels import native
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
-                                   dequantize_per_token, quantize_per_channel, quantize_per_token,
+                                   dequantize_per_token, quantize_per_channel, quantize_per_token, reads_natively,
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -179,7 +180,7 @@ class GearLayer(QuantWindowLayer):
         self.ko = self.kx = self.vo = self.vx = None
         self.sk = self.sv = None  # sink corrections (B, H, sink_tokens, D) fp16
         self.chunk_starts: list[int] = []
-        self._chunk_ids = None
+        self._chunk_ids = self._chunk_bounds = None
 
     # ------------------------------------------------------------------ compression
     def _compress(self, x, start, per_channel: bool):
@@ -244,7 +245,7 @@ class GearLayer(QuantWindowLayer):
             self.kx = append_tokens(self.kx, start // g, kx, grow=grow_g)
             self.vo, self.vx = append_tokens(self.vo, start, vo), append_tokens(self.vx, start, vx)
         self.chunk_starts.append(start)
-        self._chunk_ids = None
+        self._chunk_ids = self._chunk_bounds = None
 
     # ------------------------------------------------------------------ attention
     def _chunk_of_token(self, device) -> torch.Tensor:
@@ -254,17 +255,44 @@ class GearLayer(QuantWindowLayer):
             self._chunk_ids = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
         return self._chunk_ids  # (N,) chunk of each packed token
 
+    def _bounds(self, device) -> torch.Tensor:
+        """int64 (chunks + 1,): the flushed chunks' first tokens, then ``n_quant``."""
+        if self._chunk_bounds is None:
+            self._chunk_bounds = torch.tensor(self.chunk_starts + [self.n_quant], dtype=torch.int64, device=device)
+        return self._chunk_bounds
+
+    def _native_parts(self, x, keys: bool):
+        """The low-rank and outlier arguments of `native.gear_key_extra` / `gear_value_extra` when
+        this step's packed codes are read natively (then these terms are too), else None."""
+        p, n, g = self.p, self.n_quant, self.p.group_size
+        codes, scale, zero = ((self.kc, self.ks, self.kz) if keys else (self.vc, self.vs, self.vz))
+        if not reads_natively(x, codes[:, :, :n], scale[:, :, : n // g if keys else n], zero[:, :, : n // g if keys else n],
+                              p.backend):
+            return None
+        nc = len(self.chunk_starts)
+        low = None
+        if p.rank:
+            low = (self.kl, self.kr[:, :, :nc], self._bounds(x.device)) if keys else \
+                (self.vl, self.vr[:, :, :nc], self._bounds(x.device))
+        out = None
+        if p.outliers_per_group:
+            out = (self.ko[:, :, : n // g], self.kx[:, :, : n // g]) if keys else (self.vo[:, :, :n], self.vx[:, :, :n])
+        return low, out
+
     def _quant_scores(self, qg, scaling):
         p, n, g = self.p, self.n_quant, self.p.group_size
         q = qg * scaling
         s = channel_quant_scores(q, self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g], p.bits, g,
                                  backend=p.backend)
-        if p.rank:
+        parts = self._native_parts(q, keys=True)
+        if parts is not None:  # low-rank and outliers in one compiled call
+            native.gear_key_extra(s, q, g, *parts)
+        elif p.rank:
             nc = len(self.chunk_starts)
             qr = torch.einsum("bhmd,bhcdr->bhmcr", q, self.kr[:, :, :nc].float())  # (B, H, M, C, r)
             qr_t = qr[:, :, :, self._chunk_of_token(q.device)]  # (B, H, M, N, r)
             s = s + (qr_t * self.kl[:, :, None, :n].float()).sum(-1)
-        if p.outliers_per_group:
+        if p.outliers_per_group and parts is None:
             M = q.shape[2]
             step = max(1, OUTLIER_CHUNK // g)  # token groups per pass: bounds the (B, H, M, O) temporaries
             for g0 in range(0, n // g, step):
@@ -282,12 +310,15 @@ class GearLayer(QuantWindowLayer):
     def _quant_output(self, prob):
         p, n, g = self.p, self.n_quant, self.p.group_size
         out = token_quant_values(prob, self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n], p.bits, g, backend=p.backend)
-        if p.rank:
+        parts = self._native_parts(prob, keys=False)
+        if parts is not None:  # low-rank and outliers in one compiled call
+            native.gear_value_extra(out, prob, g, *parts)
+        elif p.rank:
             nc = len(self.chunk_starts)
             pl = prob[..., None] * self.vl[:, :, None, :n].float()  # (B, H, M, N, r)
             per_chunk = pl.new_zeros(*pl.shape[:3], nc, p.rank).index_add_(3, self._chunk_of_token(prob.device), pl)
             out = out + torch.einsum("bhmcr,bhcdr->bhmd", per_chunk, self.vr[:, :, :nc].float())
-        if p.outliers_per_group:
+        if p.outliers_per_group and parts is None:
             M, D = prob.shape[2], out.shape[-1]
             for t0 in range(0, n, OUTLIER_CHUNK):
                 t1 = min(n, t0 + OUTLIER_CHUNK)

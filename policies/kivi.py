@@ -209,33 +209,17 @@ class KiviLayer(QuantWindowLayer):
         """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): a
         CPU decode step over a packed store without exact sinks, the native reader allowed and built
         (with ``sink_tokens`` the reads still go native, through `_quant_scores` / `_quant_output`)."""
-        if (self.read_backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant or self.sk is not None
-                or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
+        if self.sk is not None or not self.n_quant:
             return False
-        if self.read_backend == "auto" and not native.available():
-            return False
-        views, probe = self._views(), q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1])
-        why = native.quant_unsupported(probe, *views[:3]) or native.quant_unsupported(probe, *views[3:])
-        if why is not None and self.read_backend == "native":
-            raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
-        return why is None
+        views = self._views()
+        return self.native_step_ok(q, k_new, self.read_backend, [(views[:3], views[3:])])
 
     def _native_decode(self, q, k_new, v_new, scaling):
         """CPU decode: the packed tokens and the window under one softmax in one native call."""
-        B, H_q, _, D = q.shape
-        H = k_new.shape[1]
-        q_start = self.seen
-        self._append(k_new, v_new)
-        self.seen += 1
-        rs = self.row_start
-        win_starts = None if rs is None else (rs - self.n_quant).clamp(min=0)
-        qg = q[:, :, 0].float().view(B, H, H_q // H, D) * scaling
-        out, lse = native.quant_attend(qg, *self._views(), bits=self.bits, group_size=self.group_size,
-                                       value_group_size=self.value_group, k_win=self.k_win[:, :, : self.win_len].float(),
-                                       v_win=self.v_win[:, :, : self.win_len].float(), starts=rs, win_starts=win_starts)
-        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
-        self._maybe_flush()
-        return out.view(B, H_q, 1, D).to(q.dtype)
+        views = self._views()
+        seg = native.PackedSegment(views[:3], views[3:], self.bits, self.group_size, self.value_group,
+                                   starts=self.row_start)
+        return self.native_decode(q, k_new, v_new, scaling, [seg])
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: the packed part through the fused dequantize-attention kernel, the window

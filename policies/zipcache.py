@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpress.kernels import native
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
@@ -120,19 +121,22 @@ class _Store:
         self.pad = pad_count if self.pad is None else self.pad + pad_count
         self.n += k.shape[2]
 
+    def views(self):
+        """``((kc, ks, kz), (vc, vs, vz))``: the store's tokens as views of its buffers."""
+        n, g, t = self.n, self.group_size, self.t
+        return ((t["kc"][:, :, :n], t["ks"][:, :, : n // g], t["kz"][:, :, : n // g]),
+                (t["vc"][:, :, :n], t["vs"][:, :, :n], t["vz"][:, :, :n]))
+
     def scores(self, q):
         """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
-        n, g = self.n, self.group_size
-        s = channel_quant_scores(q, self.t["kc"][:, :, :n], self.t["ks"][:, :, : n // g], self.t["kz"][:, :, : n // g],
-                                 self.bits, g, backend=self.backend)
+        n = self.n
+        s = channel_quant_scores(q, *self.views()[0], self.bits, self.group_size, backend=self.backend)
         pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
         return s.masked_fill(pad[:, :, None], float("-inf"))
 
     def output(self, p):
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
-        n = self.n
-        return token_quant_values(p, self.t["vc"][:, :, :n], self.t["vs"][:, :, :n], self.t["vz"][:, :, :n],
-                                  self.bits, self.value_group_size, backend=self.backend)
+        return token_quant_values(p, *self.views()[1], self.bits, self.value_group_size, backend=self.backend)
 
 
 class ZipCacheLayer(QuantWindowLayer):
@@ -248,6 +252,14 @@ class ZipCacheLayer(QuantWindowLayer):
             n_pad = torch.zeros(B, H, dtype=torch.int32, device=k.device) if pad is None else \
                 torch.gather(pad[:, None, :].expand(-1, H, -1), 2, idx).sum(-1).to(torch.int32)
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
+
+    def attend(self, q, k_new, v_new, scaling):
+        stores = [st for st in (self.hi, self.lo) if st.n]
+        if self.native_step_ok(q, k_new, self.p.backend, [st.views() for st in stores]):
+            segments = [native.PackedSegment(*st.views(), st.bits, st.group_size, st.value_group_size, starts=st.pad,
+                                             value_scale=self.vn) for st in stores]
+            return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
+        return super().attend(q, k_new, v_new, scaling)
 
     def _quant_scores(self, qg, scaling):
         q = qg * scaling

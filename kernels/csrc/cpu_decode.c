@@ -28,7 +28,7 @@
 #include <omp.h>
 #endif
 
-#define KVP_ABI_VERSION 3
+#define KVP_ABI_VERSION 4
 
 int kvp_abi_version(void) { return KVP_ABI_VERSION; }
 
@@ -777,61 +777,95 @@ int kvp_token_values(const float *p, int64_t B, int64_t H, int64_t M, int64_t p_
     return rc;
 }
 
-/* One decode step of KIVI-format attention: the packed tokens [starts[b], N) and the
- * full-precision window rows [w_starts[b], W) (fp32 (B, H, W_cap, D), dense (W, D) dims) under
- * one softmax. q (B, H, M, D) fp32 contiguous, already scaled, M <= 8; out (B, H, M, D) fp32;
- * lse (B, H, M) (-inf when nothing is attended). starts / w_starts NULL: every token.
+/* A packed KIVI-format store read by kvp_quant_attend: keys per channel (codes (B, H, >=n, D * bits / 8),
+ * fp16 scales / zero points (B, H, >=n / G, D)), values per token (codes (B, H, >=n, D * bits / 8),
+ * scales / zero points (B, H, >=n, D / Gv)); element strides for the batch and head dims. Tokens
+ * before starts[b * st_sb + h * st_sh] are not attended (starts NULL: all are); vmul, when not
+ * NULL, is an fp16 (B, H, D) per-channel factor on the segment's values (ZipCache's normaliser). */
+typedef struct {
+    const uint8_t *kc;
+    const uint16_t *ks, *kz;
+    const uint8_t *vc;
+    const uint16_t *vs, *vz;
+    int64_t kc_sb, kc_sh, ks_sb, ks_sh, vc_sb, vc_sh, vs_sb, vs_sh;
+    int64_t n, bits, G, Gv;
+    const int32_t *starts;
+    int64_t st_sb, st_sh;
+    const uint16_t *vmul;
+    int64_t vm_sb, vm_sh;
+} kvp_segment;
+
+enum { MAX_SEGMENTS = 8 };
+
+/* One decode step over packed segments and a full-precision window, under one softmax: q (B, H,
+ * M, D) fp32 contiguous, already scaled, M <= 8; the window rows [w_starts[b], W) of kw / vw (fp32
+ * (B, H, W_cap, D), dense (W, D) dims; w_starts NULL: all). out (B, H, M, D) fp32; lse (B, H, M)
+ * (-inf when nothing is attended).
  *
- * Split like flash-decoding: each piece (row, KV head, span of packed tokens or the window) keeps
- * its own running max, sum of exponentials and unnormalised value sum; the pieces of a (row,
+ * Split like flash-decoding: each piece (row, KV head, span of one segment's tokens, or the window)
+ * keeps its own running max, sum of exponentials and unnormalised value sum; the pieces of a (row,
  * KV head) are merged in a fixed order. */
 int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
-                     const uint8_t *kc, const uint16_t *ks, const uint16_t *kz, int64_t kc_sb, int64_t kc_sh,
-                     int64_t ks_sb, int64_t ks_sh,
-                     const uint8_t *vc, const uint16_t *vs, const uint16_t *vz, int64_t vc_sb, int64_t vc_sh,
-                     int64_t vs_sb, int64_t vs_sh,
-                     int64_t N, int bits, int64_t G, int64_t Gv, const int32_t *starts,
+                     const kvp_segment *seg, int64_t nseg,
                      const float *kw, const float *vw, int64_t w_sb, int64_t w_sh, int64_t W, const int32_t *w_starts,
                      float *out, float *lse) {
-    if (!(bits == 2 || bits == 4 || bits == 8) || M < 1 || M > 8 || G <= 0 || Gv <= 0 || N % G || D % Gv
-        || (D * bits) % 8 || W < 0 || N < 0) return -1;
-    int64_t S = span_len(G), ns = (N + S - 1) / S, per_bh = ns + 1, items = B * H * per_bh;
-    int64_t psz = M * D + 2 * M, smax = S > W ? S : W;  /* a piece: value sum (M, D), max (M), sum (M) */
+    if (M < 1 || M > 8 || W < 0 || nseg < 0 || nseg > MAX_SEGMENTS) return -1;
+    int64_t per_bh = 1, smax = W > D ? W : D, vmax = 0, total_n = 0;
+    for (int64_t i = 0; i < nseg; ++i) {
+        const kvp_segment *g = seg + i;
+        if (!(g->bits == 2 || g->bits == 4 || g->bits == 8) || g->G <= 0 || g->Gv <= 0 || g->n < 0 || g->n % g->G
+            || D % g->Gv || (D * g->bits) % 8) return -1;
+        int64_t S = span_len(g->G), vs = values_scratch(D, g->Gv);
+        per_bh += (g->n + S - 1) / S;
+        smax = S > smax ? S : smax;
+        vmax = vs > vmax ? vs : vmax;
+        total_n += g->n;
+    }
+    int64_t psz = M * D + 2 * M, items = B * H * per_bh;  /* a piece: value sum (M, D), max (M), sum (M) */
     float *part = malloc(sizeof(float) * (size_t)(items * psz));
-    int32_t *gidx = malloc(sizeof(int32_t) * (size_t)D);
-    if (!part || !gidx) { free(part); free(gidx); return -3; }
-    plane_groups(gidx, D, bits, Gv);
-    int nt = team(items, (double)(B * H * (N + W)) * (double)(M * D)), rc = 0;
+    int32_t *gidx = malloc(sizeof(int32_t) * (size_t)(nseg * D + 1));
+    int64_t *piece = malloc(sizeof(int64_t) * (size_t)(3 * per_bh));  /* segment, first token, end */
+    if (!part || !gidx || !piece) { free(part); free(gidx); free(piece); return -3; }
+    int64_t k = 0;
+    for (int64_t i = 0; i < nseg; ++i) {
+        plane_groups(gidx + i * D, D, (int)seg[i].bits, seg[i].Gv);
+        int64_t S = span_len(seg[i].G);
+        for (int64_t t0 = 0; t0 < seg[i].n; t0 += S, ++k)
+            piece[3 * k] = i, piece[3 * k + 1] = t0, piece[3 * k + 2] = t0 + S < seg[i].n ? t0 + S : seg[i].n;
+    }
+    int nt = team(items, (double)(B * H * (total_n + W)) * (double)(M * D)), rc = 0;
     (void)nt;  /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *qs = malloc(sizeof(float) * (size_t)(M * D + 2 * D + M * smax + values_scratch(D, Gv)));
+        float *qs = malloc(sizeof(float) * (size_t)(M * D + 2 * D + M * smax + vmax));
         if (!qs) set_rc(&rc, -3);
         float *sc = qs + M * D + 2 * D, *vscr = sc + M * smax;
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; ++it) {
             if (!qs) continue;
-            int64_t bh = it / per_bh, b = bh / H, h = bh % H, k = it % per_bh;
+            int64_t bh = it / per_bh, b = bh / H, h = bh % H, kk = it % per_bh;
             const float *qh = q + bh * M * D;
             float *acc = part + it * psz, *mx = acc + M * D, *sum = mx + M;
             memset(acc, 0, sizeof(float) * (size_t)(M * D));
             for (int64_t m = 0; m < M; ++m) mx[m] = -INFINITY, sum[m] = 0.0f;
-            int64_t lo, len;  /* attended rows of the piece: [lo, lo + len) of its scores */
-            if (k < ns) {
-                int64_t t0 = k * S, t1 = t0 + S < N ? t0 + S : N, n0 = starts ? starts[b] : 0;
+            if (kk < per_bh - 1) {  /* a span [t0, t1) of a segment; values in its plane order */
+                const kvp_segment *g = seg + piece[3 * kk];
+                int64_t t0 = piece[3 * kk + 1], t1 = piece[3 * kk + 2], bits = g->bits;
+                int64_t n0 = g->starts ? g->starts[b * g->st_sb + h * g->st_sh] : 0;
                 n0 = n0 < t0 ? t0 : n0;
                 if (n0 >= t1) continue;
-                scores_span(qh, M, D, kc + b * kc_sb + h * kc_sh, ks + b * ks_sb + h * ks_sh,
-                            kz + b * ks_sb + h * ks_sh, t0, t1, bits, G, sc, t1 - t0, qs);
-                lo = n0 - t0, len = t1 - n0;
+                scores_span(qh, M, D, g->kc + b * g->kc_sb + h * g->kc_sh, g->ks + b * g->ks_sb + h * g->ks_sh,
+                            g->kz + b * g->ks_sb + h * g->ks_sh, t0, t1, (int)bits, g->G, sc, t1 - t0, qs);
+                int64_t lo = n0 - t0, len = t1 - n0;
                 for (int64_t m = 0; m < M; ++m) {
                     float *r = sc + m * (t1 - t0) + lo, x = -INFINITY, tot = 0.0f;
                     for (int64_t i = 0; i < len; ++i) x = r[i] > x ? r[i] : x;
                     for (int64_t i = 0; i < len; ++i) { r[i] = expf(r[i] - x); tot += r[i]; }
                     mx[m] = x, sum[m] = tot;
                 }
-                values_span(sc + lo, t1 - t0, M, D, vc + b * vc_sb + h * vc_sh, vs + b * vs_sb + h * vs_sh,
-                            vz + b * vs_sb + h * vs_sh, n0, t1, bits, Gv, gidx, acc, vscr);
+                values_span(sc + lo, t1 - t0, M, D, g->vc + b * g->vc_sb + h * g->vc_sh, g->vs + b * g->vs_sb + h * g->vs_sh,
+                            g->vz + b * g->vs_sb + h * g->vs_sh, n0, t1, (int)bits, g->Gv, gidx + piece[3 * kk] * D,
+                            acc, vscr);
             } else {  /* the window: rows [w0, W), values in channel order */
                 int64_t w0 = w_starts ? w_starts[b] : 0;
                 w0 = w0 < 0 ? 0 : w0;
@@ -857,22 +891,36 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * H; ++bh) {  /* merge the pieces of (row, KV head) in order */
             if (!qs) continue;
-            const float *pb = part + bh * per_bh * psz, *pw = pb + ns * psz;  /* the window piece is last */
-            float *oh = out + bh * M * D, *lh = lse + bh * M, *tmp = qs, tot[8], top[8];
-            memset(tmp, 0, sizeof(float) * (size_t)(M * D));
+            int64_t b = bh / H, h = bh % H;
+            const float *pb = part + bh * per_bh * psz, *pw = pb + (per_bh - 1) * psz;  /* the window piece is last */
+            float *oh = out + bh * M * D, *lh = lse + bh * M, *tmp = qs, *seg_out = sc, tot[8], top[8];
             for (int64_t m = 0; m < M; ++m) {
                 float x = -INFINITY;
-                for (int64_t k = 0; k < per_bh; ++k) x = pb[k * psz + M * D + m] > x ? pb[k * psz + M * D + m] : x;
+                for (int64_t kk = 0; kk < per_bh; ++kk) x = pb[kk * psz + M * D + m] > x ? pb[kk * psz + M * D + m] : x;
                 top[m] = x, tot[m] = 0.0f;
-                for (int64_t k = 0; k < per_bh && x != -INFINITY; ++k) {
-                    const float *pk = pb + k * psz;
-                    if (pk[M * D + m] == -INFINITY) continue;
-                    float f = expf(pk[M * D + m] - x);
-                    tot[m] += f * pk[M * D + M + m];
-                    if (k < ns) axpy(tmp + m * D, f, pk + m * D, D);  /* packed pieces: plane order */
-                }
+                for (int64_t kk = 0; kk < per_bh && x != -INFINITY; ++kk)
+                    if (pb[kk * psz + M * D + m] != -INFINITY)
+                        tot[m] += expf(pb[kk * psz + M * D + m] - x) * pb[kk * psz + M * D + M + m];
             }
-            plane_to_channel(oh, tmp, M, D, bits);
+            memset(oh, 0, sizeof(float) * (size_t)(M * D));
+            for (int64_t i = 0, kk = 0; i < nseg; ++i) {  /* each segment: its pieces in plane order, then channels */
+                memset(tmp, 0, sizeof(float) * (size_t)(M * D));
+                for (; kk < per_bh - 1 && piece[3 * kk] == i; ++kk)
+                    for (int64_t m = 0; m < M; ++m) {
+                        const float *pk = pb + kk * psz;
+                        if (top[m] != -INFINITY && pk[M * D + m] != -INFINITY)
+                            axpy(tmp + m * D, expf(pk[M * D + m] - top[m]), pk + m * D, D);
+                    }
+                plane_to_channel(seg_out, tmp, M, D, (int)seg[i].bits);
+                if (seg[i].vmul) {
+                    const uint16_t *vm = seg[i].vmul + b * seg[i].vm_sb + h * seg[i].vm_sh;
+                    for (int64_t d = 0; d < D; ++d) {
+                        float f = h2f(vm[d]);
+                        for (int64_t m = 0; m < M; ++m) seg_out[m * D + d] *= f;
+                    }
+                }
+                for (int64_t m = 0; m < M; ++m) axpy(oh + m * D, 1.0f, seg_out + m * D, D);
+            }
             for (int64_t m = 0; m < M; ++m) {
                 if (top[m] == -INFINITY) {  /* nothing attended */
                     memset(oh + m * D, 0, sizeof(float) * (size_t)D);
@@ -889,5 +937,129 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
     }
     free(part);
     free(gidx);
+    free(piece);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ GEAR's corrections (kvpress/policies/gear.py)
+ *
+ * Beside a KIVI-format packed store of N tokens, GEAR keeps per (row, KV head):
+ *   a low-rank error: left factors l (N, R) fp16, token-aligned, and per flushed chunk c (tokens
+ *     [bounds[c], bounds[c + 1])) right factors rf (D, R) fp16; the chunk's error is l_c rf_c^T;
+ *   key outliers per token group g: J offsets inside the group (uint8) and corrections (fp16),
+ *     both (N / G, J, D): entry (g * G + off[g, j, d], d) gets + corr[g, j, d];
+ *   value outliers per token t: D / G * J offsets inside the channel group and corrections, both
+ *     (N, D / G * J): entry (t, gd * G + off[t, gd * J + j]) gets + corr[t, gd * J + j].
+ * These functions add those terms to a step's scores / outputs; R = 0 or J = 0 skips a part.
+ * Pieces of work: (row, KV head). An offset >= G (not a GEAR store) is skipped and reported (-4). */
+
+/* s (B, H, M, N) fp32 contiguous += q (B, H, M, D) (scaled, contiguous) . the key corrections. */
+int kvp_gear_key_extra(const float *q, int64_t B, int64_t H, int64_t M, int64_t D, int64_t N,
+                       const uint16_t *l, int64_t l_sb, int64_t l_sh, const uint16_t *rf, int64_t r_sb, int64_t r_sh,
+                       int64_t R, const int64_t *bounds, int64_t C,
+                       const uint8_t *off, const uint16_t *corr, int64_t o_sb, int64_t o_sh, int64_t J, int64_t G,
+                       float *s) {
+    if (M < 1 || M > 8 || R < 0 || J < 0 || G <= 0 || N < 0 || N % G
+        || (R > 0 && (C < 1 || bounds[0] != 0 || bounds[C] != N))) return -1;
+    int nt = team(B * H, (double)(B * H) * (double)(M * (N * R + (N / G) * J * D + C * D * R))), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *qr = malloc(sizeof(float) * (size_t)(M * R + 1));
+        if (!qr) set_rc(&rc, -3);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!qr) continue;
+            int64_t b = bh / H, h = bh % H;
+            const float *qh = q + bh * M * D;
+            float *sh = s + bh * M * N;
+            if (R > 0) {
+                const uint16_t *lh = l + b * l_sb + h * l_sh, *rh = rf + b * r_sb + h * r_sh;
+                for (int64_t c = 0; c < C; ++c) {
+                    const uint16_t *rc_ = rh + c * D * R;
+                    for (int64_t m = 0; m < M; ++m)  /* q rf_c: (M, R) */
+                        for (int64_t r = 0; r < R; ++r) {
+                            float acc = 0.0f;
+                            for (int64_t d = 0; d < D; ++d) acc += qh[m * D + d] * h2f(rc_[d * R + r]);
+                            qr[m * R + r] = acc;
+                        }
+                    for (int64_t t = bounds[c]; t < bounds[c + 1]; ++t)
+                        for (int64_t m = 0; m < M; ++m) {
+                            float acc = 0.0f;
+                            for (int64_t r = 0; r < R; ++r) acc += qr[m * R + r] * h2f(lh[t * R + r]);
+                            sh[m * N + t] += acc;
+                        }
+                }
+            }
+            if (J > 0) {
+                const uint8_t *oh = off + b * o_sb + h * o_sh;
+                const uint16_t *ch = corr + b * o_sb + h * o_sh;
+                for (int64_t i = 0; i < (N / G) * J * D; ++i) {
+                    int64_t g = i / (J * D), d = i % D;
+                    if (oh[i] >= G) { set_rc(&rc, -4); continue; }
+                    int64_t t = g * G + oh[i];
+                    float cv = h2f(ch[i]);
+                    for (int64_t m = 0; m < M; ++m) sh[m * N + t] += qh[m * D + d] * cv;
+                }
+            }
+        }
+        free(qr);
+    }
+    return rc;
+}
+
+/* out (B, H, M, D) fp32 contiguous += p (B, H, M, *) (row stride p_sm) applied to the value corrections. */
+int kvp_gear_value_extra(const float *p, int64_t B, int64_t H, int64_t M, int64_t p_sm, int64_t D, int64_t N,
+                         const uint16_t *l, int64_t l_sb, int64_t l_sh, const uint16_t *rf, int64_t r_sb, int64_t r_sh,
+                         int64_t R, const int64_t *bounds, int64_t C,
+                         const uint8_t *off, const uint16_t *corr, int64_t o_sb, int64_t o_sh, int64_t J, int64_t G,
+                         float *out) {
+    if (M < 1 || M > 8 || R < 0 || J < 0 || G <= 0 || N < 0 || D % G
+        || (R > 0 && (C < 1 || bounds[0] != 0 || bounds[C] != N))) return -1;
+    int64_t per_tok = D / G * J;
+    int nt = team(B * H, (double)(B * H) * (double)(M * (N * R + N * per_tok + C * D * R))), rc = 0;
+    (void)nt;  /* unused in a build without OpenMP */
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *pc = malloc(sizeof(float) * (size_t)(M * R + 1));
+        if (!pc) set_rc(&rc, -3);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!pc) continue;
+            int64_t b = bh / H, h = bh % H;
+            const float *ph = p + bh * M * p_sm;
+            float *oh = out + bh * M * D;
+            if (R > 0) {
+                const uint16_t *lh = l + b * l_sb + h * l_sh, *rh = rf + b * r_sb + h * r_sh;
+                for (int64_t c = 0; c < C; ++c) {
+                    for (int64_t i = 0; i < M * R; ++i) pc[i] = 0.0f;  /* p_c l_c: (M, R) */
+                    for (int64_t t = bounds[c]; t < bounds[c + 1]; ++t)
+                        for (int64_t r = 0; r < R; ++r) {
+                            float lv = h2f(lh[t * R + r]);
+                            for (int64_t m = 0; m < M; ++m) pc[m * R + r] += ph[m * p_sm + t] * lv;
+                        }
+                    const uint16_t *rc_ = rh + c * D * R;
+                    for (int64_t d = 0; d < D; ++d)
+                        for (int64_t m = 0; m < M; ++m) {
+                            float acc = 0.0f;
+                            for (int64_t r = 0; r < R; ++r) acc += pc[m * R + r] * h2f(rc_[d * R + r]);
+                            oh[m * D + d] += acc;
+                        }
+                }
+            }
+            if (J > 0) {
+                const uint8_t *offh = off + b * o_sb + h * o_sh;
+                const uint16_t *ch = corr + b * o_sb + h * o_sh;
+                for (int64_t i = 0; i < N * per_tok; ++i) {
+                    int64_t t = i / per_tok, gd = (i % per_tok) / J;
+                    if (offh[i] >= G) { set_rc(&rc, -4); continue; }
+                    int64_t d = gd * G + offh[i];
+                    float cv = h2f(ch[i]);
+                    for (int64_t m = 0; m < M; ++m) oh[m * D + d] += ph[m * p_sm + t] * cv;
+                }
+            }
+        }
+        free(pc);
+    }
     return rc;
 }

@@ -196,3 +196,100 @@ def test_long_stores_split_into_spans_read_alike_on_any_thread_count(bits, D, G,
     torch.testing.assert_close(values, p @ v_deq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def _gear_terms(B, H, N, D, G, R, J, chunks, seed=0):
+    """Random GEAR corrections (low-rank factors of chunks, key and value outliers) as the
+    compiled kernels take them, with the dense (B, H, N, D) errors each part stands for."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = torch.tensor([0, *chunks, N], dtype=torch.int64)
+    C = bounds.numel() - 1
+    left = _spare(torch.randn(B, H, N, R, generator=gen).half())
+    right = _spare(torch.randn(B, H, C, D, R, generator=gen).half(), 3)
+    chunk_of = torch.repeat_interleave(torch.arange(C), bounds.diff())
+    low_err = torch.einsum("bhnr,bhndr->bhnd", left.float(), right.float()[:, :, chunk_of])
+    k_off = torch.randint(0, G, (B, H, N // G, J, D), generator=gen, dtype=torch.uint8)
+    k_corr = torch.randn(B, H, N // G, J, D, generator=gen).half()
+    v_off = torch.randint(0, G, (B, H, N, D // G * J), generator=gen, dtype=torch.uint8)
+    v_corr = torch.randn(B, H, N, D // G * J, generator=gen).half()
+    k_tok = torch.arange(N // G).view(1, 1, -1, 1, 1) * G + k_off.long()  # each key outlier's token
+    k_err = torch.zeros(B, H, N, D).scatter_add_(2, k_tok.flatten(2, 3), k_corr.float().flatten(2, 3))
+    v_chan = (torch.arange(D // G * J) // J * G).view(1, 1, 1, -1) + v_off.long()  # each value outlier's channel
+    v_err = torch.zeros(B, H, N, D).scatter_add_(3, v_chan, v_corr.float())
+    return ((left, right, bounds), low_err, (_spare(k_off, 2), _spare(k_corr, 2)), k_err,
+            (_spare(v_off), _spare(v_corr)), v_err)
+
+
+@pytest.mark.parametrize("R,J", [(1, 1), (2, 2), (0, 1), (2, 0)])
+def test_gear_corrections_equal_their_dense_errors(R, J, torch_threads):
+    """GEAR's low-rank chunks and outliers added by the compiled kernels equal attention against
+    the dense errors they stand for (R = 0 / J = 0: that part absent); bitwise the same on one
+    and on two threads."""
+    B, H, M, N, D, G = 2, 3, 3, 96, 16, 8
+    low, low_err, k_out, k_err, v_out, v_err = _gear_terms(B, H, N, D, G, max(R, 1), max(J, 1), chunks=[32, 40])
+    k_dense = (low_err if R else 0) + (k_err if J else 0)
+    v_dense = (low_err if R else 0) + (v_err if J else 0)
+    low, k_out, v_out = (low if R else None), (k_out if J else None), (v_out if J else None)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, M, D, generator=gen)
+    p = torch.softmax(torch.randn(B, H, M, N + 5, generator=gen), -1)[..., :N]  # a slice of wider scores
+    base_s, base_o = torch.randn(B, H, M, N, generator=gen), torch.randn(B, H, M, D, generator=gen)
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        runs.append((native.gear_key_extra(base_s.clone(), q, G, low, k_out),
+                     native.gear_value_extra(base_o.clone(), p, G, low, v_out)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    torch.testing.assert_close(runs[0][0], base_s + q @ k_dense.transpose(-1, -2), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(runs[0][1], base_o + p @ v_dense, atol=1e-5, rtol=1e-5)
+
+
+def test_gear_corrections_refuse_what_they_cannot_read():
+    B, H, M, N, D, G = 1, 2, 2, 32, 16, 8
+    low, _, k_out, _, v_out, _ = _gear_terms(B, H, N, D, G, 1, 1, chunks=[16])
+    q, s = torch.randn(B, H, M, D), torch.zeros(B, H, M, N)
+    with pytest.raises(ValueError, match="chunk bounds"):
+        native.gear_key_extra(s, q, G, (low[0], low[1], torch.tensor([0, 16, 24])), None)  # bounds end before N
+    with pytest.raises(ValueError, match="uint8 offsets and fp16 corrections"):
+        native.gear_key_extra(s, q, G, None, (k_out[0], k_out[1].float()))
+    with pytest.raises(ValueError, match="fp32 CPU contiguous scores"):
+        native.gear_key_extra(s.double(), q, G, low, None)
+    bad = k_out[0].clone()
+    bad[0, 0, 0, 0, 0] = G  # an offset outside its group: skipped, reported, nothing written out of bounds
+    with pytest.raises(RuntimeError, match="code -4"):
+        native.gear_key_extra(s, q, G, None, (bad, k_out[1].clone()))
+    with pytest.raises(ValueError, match="probabilities"):
+        native.gear_value_extra(torch.zeros(B, H, M, D), torch.rand(B, H, M, N).double(), G, low, v_out)
+
+
+def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scales(torch_threads):
+    """ZipCache's step: two stores of different widths (8 and 2 bits), each with its own left
+    padding per (row, KV head) and the values' per-channel factor, and the window, under one
+    softmax; bitwise the same on one and on two threads."""
+    B, H, M, D, W = 2, 3, 3, 64, 9
+    (k8, v8), (k2, v2) = _store(8, D, 32, 32, B=B, H=H, T=96, seed=1), _store(2, D, 32, 16, B=B, H=H, T=704, seed=2)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(B, H, M, D, generator=gen) * 0.3
+    kw, vw = _spare(torch.randn(B, H, W, D, generator=gen)), _spare(torch.randn(B, H, W, D, generator=gen))
+    vn = (torch.rand(B, H, D, generator=gen) + 0.5).half()
+    st8, st2 = torch.tensor([[0, 3, 40], [0, 0, 96]]), torch.tensor([[0, 600, 5], [700, 0, 0]])
+    segs = [native.PackedSegment(k8, v8, 8, 32, 32, starts=st8, value_scale=vn),
+            native.PackedSegment(k2, v2, 2, 32, 16, starts=st2, value_scale=vn)]
+    k = torch.cat([dequantize_per_channel(*k8, 8, 32), dequantize_per_channel(*k2, 2, 32), kw], 2)
+    v = torch.cat([dequantize_per_token(*v8, 8, 32) * vn[:, :, None].float(),
+                   dequantize_per_token(*v2, 2, 16) * vn[:, :, None].float(), vw], 2)
+    s = q @ k.transpose(-1, -2)
+    idx = torch.arange(96 + 704)
+    hidden = (idx < st8[..., None]) | ((idx >= 96) & (idx - 96 < st2[..., None]))  # (B, H, 800)
+    s[..., :800] = s[..., :800].masked_fill(hidden[:, :, None], float("-inf"))
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        runs.append(native.quant_attend(q, k_win=kw, v_win=vw, segments=segs))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    torch.testing.assert_close(runs[0][0], torch.softmax(s, -1) @ v, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runs[0][1], s.logsumexp(-1), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        native.quant_attend(q, *k8, *v8, bits=8, group_size=32, value_group_size=32, k_win=kw, v_win=vw, segments=segs)
+    with pytest.raises(ValueError, match="value_scale must be fp16"):
+        native.quant_attend(q, k_win=kw, v_win=vw, segments=[native.PackedSegment(k8, v8, 8, 32, 32, value_scale=vn.float())])
