@@ -953,6 +953,8 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
  * These functions add those terms to a step's scores / outputs; R = 0 or J = 0 skips a part.
  * Pieces of work: (row, KV head). An offset >= G (not a GEAR store) is skipped and reported (-4). */
 
+enum { GEAR_BLK = 256 };  /* tokens whose fp16 factors / corrections are converted at a time */
+
 /* s (B, H, M, N) fp32 contiguous += q (B, H, M, D) (scaled, contiguous) . the key corrections. */
 int kvp_gear_key_extra(const float *q, int64_t B, int64_t H, int64_t M, int64_t D, int64_t N,
                        const uint16_t *l, int64_t l_sb, int64_t l_sh, const uint16_t *rf, int64_t r_sb, int64_t r_sh,
@@ -965,8 +967,10 @@ int kvp_gear_key_extra(const float *q, int64_t B, int64_t H, int64_t M, int64_t 
     (void)nt;  /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *qr = malloc(sizeof(float) * (size_t)(M * R + 1));
+        /* q rf_c (M, R); a block of left factors (GEAR_BLK, R); a chunk's right factors (D, R); a group's corrections (J, D) */
+        float *qr = malloc(sizeof(float) * (size_t)(M * R + GEAR_BLK * R + D * R + J * D + 1));
         if (!qr) set_rc(&rc, -3);
+        float *lf = qr + M * R, *rff = lf + GEAR_BLK * R, *cf = rff + D * R;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (!qr) continue;
@@ -976,30 +980,39 @@ int kvp_gear_key_extra(const float *q, int64_t B, int64_t H, int64_t M, int64_t 
             if (R > 0) {
                 const uint16_t *lh = l + b * l_sb + h * l_sh, *rh = rf + b * r_sb + h * r_sh;
                 for (int64_t c = 0; c < C; ++c) {
-                    const uint16_t *rc_ = rh + c * D * R;
-                    for (int64_t m = 0; m < M; ++m)  /* q rf_c: (M, R) */
+                    halfs_to_floats(rff, rh + c * D * R, D * R);
+                    for (int64_t m = 0; m < M; ++m)
                         for (int64_t r = 0; r < R; ++r) {
                             float acc = 0.0f;
-                            for (int64_t d = 0; d < D; ++d) acc += qh[m * D + d] * h2f(rc_[d * R + r]);
+                            for (int64_t d = 0; d < D; ++d) acc += qh[m * D + d] * rff[d * R + r];
                             qr[m * R + r] = acc;
                         }
-                    for (int64_t t = bounds[c]; t < bounds[c + 1]; ++t)
+                    for (int64_t t0 = bounds[c]; t0 < bounds[c + 1]; t0 += GEAR_BLK) {
+                        int64_t n = bounds[c + 1] - t0 < GEAR_BLK ? bounds[c + 1] - t0 : GEAR_BLK;
+                        halfs_to_floats(lf, lh + t0 * R, n * R);
                         for (int64_t m = 0; m < M; ++m) {
-                            float acc = 0.0f;
-                            for (int64_t r = 0; r < R; ++r) acc += qr[m * R + r] * h2f(lh[t * R + r]);
-                            sh[m * N + t] += acc;
+                            float *row = sh + m * N + t0;
+                            for (int64_t r = 0; r < R; ++r) {
+                                float a = qr[m * R + r];
+#pragma omp simd
+                                for (int64_t i = 0; i < n; ++i) row[i] += a * lf[i * R + r];
+                            }
                         }
+                    }
                 }
             }
             if (J > 0) {
                 const uint8_t *oh = off + b * o_sb + h * o_sh;
                 const uint16_t *ch = corr + b * o_sb + h * o_sh;
-                for (int64_t i = 0; i < (N / G) * J * D; ++i) {
-                    int64_t g = i / (J * D), d = i % D;
-                    if (oh[i] >= G) { set_rc(&rc, -4); continue; }
-                    int64_t t = g * G + oh[i];
-                    float cv = h2f(ch[i]);
-                    for (int64_t m = 0; m < M; ++m) sh[m * N + t] += qh[m * D + d] * cv;
+                for (int64_t g = 0; g < N / G; ++g) {
+                    const uint8_t *og = oh + g * J * D;
+                    halfs_to_floats(cf, ch + g * J * D, J * D);
+                    for (int64_t j = 0, i = 0; j < J; ++j)
+                        for (int64_t d = 0; d < D; ++d, ++i) {
+                            if (og[i] >= G) { set_rc(&rc, -4); continue; }
+                            float *col = sh + g * G + og[i];
+                            for (int64_t m = 0; m < M; ++m) col[m * N] += qh[m * D + d] * cf[i];
+                        }
                 }
             }
         }
@@ -1021,8 +1034,11 @@ int kvp_gear_value_extra(const float *p, int64_t B, int64_t H, int64_t M, int64_
     (void)nt;  /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *pc = malloc(sizeof(float) * (size_t)(M * R + 1));
+        /* p_c l_c (M, R); a block of left factors (GEAR_BLK, R) or corrections (GEAR_BLK, per_tok); right factors (D, R) */
+        int64_t blk = GEAR_BLK * (R > per_tok ? R : per_tok);
+        float *pc = malloc(sizeof(float) * (size_t)(M * R + blk + D * R + 1));
         if (!pc) set_rc(&rc, -3);
+        float *bf = pc + M * R, *rff = bf + blk;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (!pc) continue;
@@ -1032,30 +1048,44 @@ int kvp_gear_value_extra(const float *p, int64_t B, int64_t H, int64_t M, int64_
             if (R > 0) {
                 const uint16_t *lh = l + b * l_sb + h * l_sh, *rh = rf + b * r_sb + h * r_sh;
                 for (int64_t c = 0; c < C; ++c) {
-                    for (int64_t i = 0; i < M * R; ++i) pc[i] = 0.0f;  /* p_c l_c: (M, R) */
-                    for (int64_t t = bounds[c]; t < bounds[c + 1]; ++t)
+                    for (int64_t i = 0; i < M * R; ++i) pc[i] = 0.0f;
+                    for (int64_t t0 = bounds[c]; t0 < bounds[c + 1]; t0 += GEAR_BLK) {
+                        int64_t n = bounds[c + 1] - t0 < GEAR_BLK ? bounds[c + 1] - t0 : GEAR_BLK;
+                        halfs_to_floats(bf, lh + t0 * R, n * R);
+                        for (int64_t m = 0; m < M; ++m)
+                            for (int64_t r = 0; r < R; ++r) {
+                                float acc = 0.0f;
+                                const float *pm = ph + m * p_sm + t0;
+#pragma omp simd reduction(+ : acc)
+                                for (int64_t i = 0; i < n; ++i) acc += pm[i] * bf[i * R + r];
+                                pc[m * R + r] += acc;
+                            }
+                    }
+                    halfs_to_floats(rff, rh + c * D * R, D * R);
+                    for (int64_t m = 0; m < M; ++m)
                         for (int64_t r = 0; r < R; ++r) {
-                            float lv = h2f(lh[t * R + r]);
-                            for (int64_t m = 0; m < M; ++m) pc[m * R + r] += ph[m * p_sm + t] * lv;
-                        }
-                    const uint16_t *rc_ = rh + c * D * R;
-                    for (int64_t d = 0; d < D; ++d)
-                        for (int64_t m = 0; m < M; ++m) {
-                            float acc = 0.0f;
-                            for (int64_t r = 0; r < R; ++r) acc += pc[m * R + r] * h2f(rc_[d * R + r]);
-                            oh[m * D + d] += acc;
+                            float a = pc[m * R + r];
+#pragma omp simd
+                            for (int64_t d = 0; d < D; ++d) oh[m * D + d] += a * rff[d * R + r];
                         }
                 }
             }
             if (J > 0) {
                 const uint8_t *offh = off + b * o_sb + h * o_sh;
                 const uint16_t *ch = corr + b * o_sb + h * o_sh;
-                for (int64_t i = 0; i < N * per_tok; ++i) {
-                    int64_t t = i / per_tok, gd = (i % per_tok) / J;
-                    if (offh[i] >= G) { set_rc(&rc, -4); continue; }
-                    int64_t d = gd * G + offh[i];
-                    float cv = h2f(ch[i]);
-                    for (int64_t m = 0; m < M; ++m) oh[m * D + d] += ph[m * p_sm + t] * cv;
+                for (int64_t t0 = 0; t0 < N; t0 += GEAR_BLK) {
+                    int64_t n = N - t0 < GEAR_BLK ? N - t0 : GEAR_BLK;
+                    halfs_to_floats(bf, ch + t0 * per_tok, n * per_tok);
+                    for (int64_t t = t0, i = 0; t < t0 + n; ++t) {
+                        float pt[8];
+                        for (int64_t m = 0; m < M; ++m) pt[m] = ph[m * p_sm + t];
+                        for (int64_t gd = 0; gd < D / G; ++gd)
+                            for (int64_t j = 0; j < J; ++j, ++i) {
+                                uint8_t o = offh[t * per_tok + gd * J + j];
+                                if (o >= G) { set_rc(&rc, -4); continue; }
+                                for (int64_t m = 0; m < M; ++m) oh[m * D + gd * G + o] += pt[m] * bf[i];
+                            }
+                    }
                 }
             }
         }
