@@ -71,6 +71,8 @@ class KiviPolicy(Policy):
     "Session 18"), 4-bit decodes at 1.39x ``full``'s speed (111.5 vs 155.1
     ms/token; attention 45.2 vs 82.4 ms) with 63 vs 366 MiB of cache; the torch path
     (``backend="torch"``, the reference; sessions 5-17's only CPU path) 0.57x in the same run.
+    Since session 19 the kernels run on torch's threads: on two threads 1.25x (the session 19 run,
+    BENCHMARKS "Session 19"; 1.14x single-threaded kernels before).
     ``backend`` picks the CPU reader: ``"auto"`` (native when built), ``"torch"``, ``"native"``.
 
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).

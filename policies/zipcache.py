@@ -46,9 +46,11 @@ class ZipCachePolicy(Policy):
 
     The prompt's probes need its queries, which a shared dense prefill does not keep, so this
     policy runs its own prefill (``full_prefill = False``). No token budget (``with_budget``
-    raises). On CPU both stores are read by the compiled kernels of `kvpress.kernels.native`
-    (``backend="auto"``; ``"torch"`` the reference path): 1.11x ``full``'s decode speed at 8k
-    on one thread (BENCHMARKS "Session 18"; the torch path was not timed end to end there).
+    raises). On CPU a decode step is one call of `kvpress.kernels.native.quant_attend` (both
+    stores, each with its own left padding, the value normaliser and the window under one
+    softmax; ``backend="auto"``, ``"torch"`` the reference path): 1.23x ``full``'s decode speed
+    at 8k on one thread, 1.15x on two (BENCHMARKS "Session 19"; 1.11x / 1.00x when only the two
+    reads were native, session 18).
     """
 
     bits_high: int = 4
