@@ -383,6 +383,12 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     structs = (_Segment * max(1, len(segments)))()
     for st, seg in zip(structs, segments):
         (kc, ks, kz), (vc, vs, vz) = seg.k, seg.v
+        n, G, Gv = kc.shape[2], int(seg.group_size), int(seg.value_group_size)
+        if not (kc.shape[:2] == vc.shape[:2] == (B, H) and vc.shape[2] == vs.shape[2] == n and ks.shape[2] == n // max(G, 1)
+                and kc.shape[3] * 8 == D * int(seg.bits) == vc.shape[3] * 8 and ks.shape[3] == D
+                and vs.shape[3] == D // max(Gv, 1)):
+            raise ValueError(f"quant_attend: a segment's codes, scales and zero points do not describe {n} tokens of "
+                             f"(B, H, D) = {(B, H, D)} at {seg.bits} bits, groups {G} / {Gv}")
         fields = dict(kc=kc.data_ptr(), ks=ks.data_ptr(), kz=kz.data_ptr(), vc=vc.data_ptr(), vs=vs.data_ptr(),
                       vz=vz.data_ptr(), kc_sb=kc.stride(0), kc_sh=kc.stride(1), ks_sb=ks.stride(0), ks_sh=ks.stride(1),
                       vc_sb=vc.stride(0), vc_sh=vc.stride(1), vs_sb=vs.stride(0), vs_sh=vs.stride(1), n=kc.shape[2],
@@ -455,6 +461,10 @@ def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, low_rank=N
         raise ValueError(f"gear_key_extra needs fp32 CPU contiguous scores (B, H, M, N) and q (B, H, M, D), "
                          f"M <= {QUANT_MAX_ROWS}")
     J = 0 if outliers is None else outliers[0].shape[3]
+    if outliers is not None and (outliers[0].dim() != 5 or outliers[0].shape[4] != D):
+        raise ValueError(f"gear_key_extra: key outliers must be (B, H, N / G, J, D={D}), got {tuple(outliers[0].shape)}")
+    if low_rank is not None and low_rank[1].shape[3] != D:
+        raise ValueError(f"GEAR right factors must be (B, H, C, D={D}, R), got {tuple(low_rank[1].shape)}")
     parts = _gear_parts(low_rank, outliers, N, N // group_size)
     rc = lib.kvp_gear_key_extra(q.data_ptr(), B, H, M, D, N, *parts, J, int(group_size), s.data_ptr())
     if rc != 0:
@@ -480,6 +490,11 @@ def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, low_ra
             and 1 <= M <= QUANT_MAX_ROWS):
         raise ValueError(f"gear_value_extra needs fp32 CPU outputs (B, H, M, D) contiguous and probabilities "
                          f"(B, H, M, N) with a contiguous last dim, M <= {QUANT_MAX_ROWS}")
+    if D % group_size or (outliers is not None and (outliers[0].dim() != 4 or outliers[0].shape[3] % (D // group_size))):
+        raise ValueError(f"gear_value_extra: value outliers must be (B, H, N, D / G * J) with G={group_size} dividing "
+                         f"D={D}")
+    if low_rank is not None and low_rank[1].shape[3] != D:
+        raise ValueError(f"GEAR right factors must be (B, H, C, D={D}, R), got {tuple(low_rank[1].shape)}")
     J = 0 if outliers is None else outliers[0].shape[3] // (D // group_size)
     parts = _gear_parts(low_rank, outliers, N, N)
     rc = lib.kvp_gear_value_extra(p.data_ptr(), B, H, M, p.stride(2), D, N, *parts, J, int(group_size), out.data_ptr())

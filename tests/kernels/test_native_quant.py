@@ -293,3 +293,14 @@ def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scale
         native.quant_attend(q, *k8, *v8, bits=8, group_size=32, value_group_size=32, k_win=kw, v_win=vw, segments=segs)
     with pytest.raises(ValueError, match="value_scale must be fp16"):
         native.quant_attend(q, k_win=kw, v_win=vw, segments=[native.PackedSegment(k8, v8, 8, 32, 32, value_scale=vn.float())])
+
+
+def test_quant_attend_refuses_a_segment_whose_parts_disagree():
+    (kc, ks, kz), (vc, vs, vz) = _store(4, 64, 32, 32, B=1, H=2, T=64)
+    kw = vw = torch.zeros(1, 2, 4, 64)
+    q = torch.randn(1, 2, 3, 64)
+    with pytest.raises(ValueError, match="do not describe 64 tokens"):  # values of fewer tokens than the keys
+        native.quant_attend(q, kc, ks, kz, vc[:, :, :32], vs[:, :, :32], vz[:, :, :32], bits=4, group_size=32,
+                            value_group_size=32, k_win=kw, v_win=vw)
+    with pytest.raises(ValueError, match="do not describe"):  # read at another width than packed
+        native.quant_attend(q, kc, ks, kz, vc, vs, vz, bits=2, group_size=32, value_group_size=32, k_win=kw, v_win=vw)
