@@ -251,54 +251,52 @@ int kvp_label_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t D
         if (!ok) set_rc(&rc, -3);
         float *row = fbuf, *red = row + rows, *ex = red + n, *exred = ex + G * m, *qsel = exred + m;
         int32_t *cand = ibuf, *pick = cand + m, *live = pick + keep;
-    #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (!ok) continue;
             int64_t b = bh / H, h = bh % H;
-            {
-                const float *lab = labels + b * lab_sb + h * lab_sh + lo;
-                const float *qh = q + (b * Hq + h * G) * D;
-                const int64_t *ch = channels + h * r;
-                for (int64_t g = 0; g < G; ++g)
-                    for (int64_t c = 0; c < r; ++c) qsel[g * r + c] = qh[g * D + ch[c]] * scale;
-                /* label scores, a tile of tokens at a time: the tile's labels are read from memory
-                 * once and serve the whole group from L1 */
-                for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-                    int64_t len = n - t0 < TILE ? n - t0 : TILE;
-                    for (int64_t g = 0; g < G; ++g) {
-                        float *rg = soft ? row + g * n + t0 : row + g * TILE;
-                        label_row(rg, qsel + g * r, lab + t0, lab_sc, r, len);
-                        if (!soft) reduce_into(red + t0, rg, len, (int)g, reduction);
-                    }
+            const float *lab = labels + b * lab_sb + h * lab_sh + lo;
+            const float *qh = q + (b * Hq + h * G) * D;
+            const int64_t *ch = channels + h * r;
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t c = 0; c < r; ++c) qsel[g * r + c] = qh[g * D + ch[c]] * scale;
+            /* label scores, a tile of tokens at a time: the tile's labels are read from memory
+             * once and serve the whole group from L1 */
+            for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+                int64_t len = n - t0 < TILE ? n - t0 : TILE;
+                for (int64_t g = 0; g < G; ++g) {
+                    float *rg = soft ? row + g * n + t0 : row + g * TILE;
+                    label_row(rg, qsel + g * r, lab + t0, lab_sc, r, len);
+                    if (!soft) reduce_into(red + t0, rg, len, (int)g, reduction);
                 }
-                if (soft)
-                    for (int64_t g = 0; g < G; ++g) {
-                        softmax_row(row + g * n, n);
-                        reduce_into(red, row + g * n, n, (int)g, reduction);
-                    }
-                select_top(red, n, m, cand, live, keys);  /* cand[0..m): the shortlist */
-                int32_t *out = ids_out + (b * H + h) * keep;
-                if (m > keep) {
-                    const float *kh = k + b * k_sb + h * k_sh;
-                    for (int64_t i = 0; i < m; ++i) {
-                        const float *kr = kh + (lo + cand[i]) * D;
-                        if (i + 8 < m) prefetch_row(kh + (lo + cand[i + 8]) * D, D);
-                        float acc[8];
-                        dots(acc, qh, kr, G, D);
-                        for (int64_t g = 0; g < G; ++g) ex[g * m + i] = scale * acc[g];
-                    }
-                    for (int64_t g = 0; g < G; ++g) {
-                        if (soft) softmax_row(ex + g * m, m);
-                        reduce_into(exred, ex + g * m, m, (int)g, reduction);
-                    }
-                    select_top(exred, m, keep, pick, live, keys);
-                    for (int64_t i = 0; i < keep; ++i) out[i] = cand[pick[i]];
-                } else {
-                    memcpy(out, cand, sizeof(int32_t) * (size_t)keep);
-                }
-                sort_ids(out, keep, n, mark);
-                for (int64_t i = 0; i < keep; ++i) out[i] += (int32_t)lo;
             }
+            if (soft)
+                for (int64_t g = 0; g < G; ++g) {
+                    softmax_row(row + g * n, n);
+                    reduce_into(red, row + g * n, n, (int)g, reduction);
+                }
+            select_top(red, n, m, cand, live, keys);  /* cand[0..m): the shortlist */
+            int32_t *out = ids_out + (b * H + h) * keep;
+            if (m > keep) {
+                const float *kh = k + b * k_sb + h * k_sh;
+                for (int64_t i = 0; i < m; ++i) {
+                    const float *kr = kh + (lo + cand[i]) * D;
+                    if (i + 8 < m) prefetch_row(kh + (lo + cand[i + 8]) * D, D);
+                    float acc[8];
+                    dots(acc, qh, kr, G, D);
+                    for (int64_t g = 0; g < G; ++g) ex[g * m + i] = scale * acc[g];
+                }
+                for (int64_t g = 0; g < G; ++g) {
+                    if (soft) softmax_row(ex + g * m, m);
+                    reduce_into(exred, ex + g * m, m, (int)g, reduction);
+                }
+                select_top(exred, m, keep, pick, live, keys);
+                for (int64_t i = 0; i < keep; ++i) out[i] = cand[pick[i]];
+            } else {
+                memcpy(out, cand, sizeof(int32_t) * (size_t)keep);
+            }
+            sort_ids(out, keep, n, mark);
+            for (int64_t i = 0; i < keep; ++i) out[i] += (int32_t)lo;
         }
         free(fbuf);
         free(ibuf);
@@ -342,85 +340,83 @@ int kvp_sparse_decode(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t 
         int ok = s && pos && cof;
         if (!ok) set_rc(&rc, -3);
         float *sc = s + G * V, *rem_n = sc + G * N, *n_rest = rem_n + N, *wc = n_rest + N, *acc = wc + G * N;
-    #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (!ok) continue;
             int64_t b = bh / H, h = bh % H;
             int64_t start = seq_starts ? seq_starts[b] : 0, len = seq_lens[b];
-            {
-                const int32_t *blk = blocks + (b * H + h) * K;
-                int64_t j = 0;
-                for (int64_t t = 0; t < S; ++t) pos[j++] = start + t;
-                for (int64_t i = 0; i < K; ++i)
-                    for (int64_t t = 0; t < bs; ++t) pos[j++] = (int64_t)blk[i] * bs + t;
-                for (int64_t t = len - W; t < len; ++t) pos[j++] = t;
-                const float *kh = k + b * k_sb + h * k_sh, *vh = v + b * v_sb + h * v_sh;
-                const float *qh = q + (b * Hq + h * G) * D;
-                for (int64_t i = 0; i < V; ++i) {
-                    const float *kr = kh + pos[i] * D;
-                    for (int64_t g = 0; g < G; ++g) s[g * V + i] = scale * dot(qh + g * D, kr, D);
-                }
-                if (N > 0) {
-                    const float *ks = k_sum + b * sum_sb + h * sum_sh, *cnt = count + b * count_sb;
-                    memset(sc, 0, sizeof(float) * (size_t)(G * N + N));  /* removed scores, then rem_n */
-                    for (int64_t i = 0; i < V; ++i) {
-                        int64_t c = (pos[i] - start) / chunk;
-                        c = c < 0 ? 0 : (c > N - 1 ? N - 1 : c);
-                        cof[i] = (int32_t)c;
-                        rem_n[c] += 1.0f;
-                        for (int64_t g = 0; g < G; ++g) sc[g * N + c] += s[g * V + i];
-                    }
-                    for (int64_t c = 0; c < N; ++c) {
-                        float nr = cnt[c] - rem_n[c], inv = 1.0f / (nr > 1.0f ? nr : 1.0f);
-                        n_rest[c] = nr;
-                        for (int64_t g = 0; g < G; ++g) {
-                            float *x = sc + g * N + c;
-                            *x = nr < 0.5f ? -INFINITY
-                                           : (scale * dot(qh + g * D, ks + c * D, D) - *x) * inv + logf(nr > 1.0f ? nr : 1.0f);
-                        }
-                    }
-                }
-                /* one softmax per query head over [attended tokens, chunk summaries] */
-                float *norm = acc + G * D;
-                for (int64_t g = 0; g < G; ++g) {
-                    float *sg = s + g * V, *cg = sc + g * N;
-                    float mx = -INFINITY, total = 0.0f;
-                    for (int64_t i = 0; i < V; ++i) mx = sg[i] > mx ? sg[i] : mx;
-                    for (int64_t c = 0; c < N; ++c) mx = cg[c] > mx ? cg[c] : mx;
-                    if (mx == -INFINITY) {  /* nothing attended or estimated: zero output */
-                        for (int64_t i = 0; i < V; ++i) sg[i] = 0.0f;
-                        for (int64_t c = 0; c < N; ++c) cg[c] = 0.0f;
-                        norm[g] = 0.0f;
-                        lse[b * Hq + h * G + g] = -INFINITY;
-                        continue;
-                    }
-                    for (int64_t i = 0; i < V; ++i) { sg[i] = expf(sg[i] - mx); total += sg[i]; }
-                    for (int64_t c = 0; c < N; ++c) { cg[c] = expf(cg[c] - mx); total += cg[c]; }
-                    norm[g] = 1.0f / total;
-                    lse[b * Hq + h * G + g] = mx + logf(total);
-                }
-                memset(acc, 0, sizeof(float) * (size_t)(G * D));
-                if (N > 0) {
-                    /* chunk c contributes w_c * (v_sum[c] - attended values in c) */
-                    const float *vs = v_sum + b * sum_sb + h * sum_sh;
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int64_t c = 0; c < N; ++c)
-                            wc[g * N + c] = sc[g * N + c] * norm[g] / (n_rest[c] > 1.0f ? n_rest[c] : 1.0f);
-                    for (int64_t c = 0; c < N; ++c)
-                        for (int64_t g = 0; g < G; ++g)
-                            if (wc[g * N + c] != 0.0f) axpy(acc + g * D, wc[g * N + c], vs + c * D, D);
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int64_t i = 0; i < V; ++i) s[g * V + i] = s[g * V + i] * norm[g] - wc[g * N + cof[i]];
-                } else {
-                    for (int64_t g = 0; g < G; ++g)
-                        for (int64_t i = 0; i < V; ++i) s[g * V + i] *= norm[g];
-                }
-                for (int64_t i = 0; i < V; ++i) {  /* each value row read once for the whole group */
-                    const float *vr = vh + pos[i] * D;
-                    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, s[g * V + i], vr, D);
-                }
-                memcpy(out + (b * Hq + h * G) * D, acc, sizeof(float) * (size_t)(G * D));
+            const int32_t *blk = blocks + (b * H + h) * K;
+            int64_t j = 0;
+            for (int64_t t = 0; t < S; ++t) pos[j++] = start + t;
+            for (int64_t i = 0; i < K; ++i)
+                for (int64_t t = 0; t < bs; ++t) pos[j++] = (int64_t)blk[i] * bs + t;
+            for (int64_t t = len - W; t < len; ++t) pos[j++] = t;
+            const float *kh = k + b * k_sb + h * k_sh, *vh = v + b * v_sb + h * v_sh;
+            const float *qh = q + (b * Hq + h * G) * D;
+            for (int64_t i = 0; i < V; ++i) {
+                const float *kr = kh + pos[i] * D;
+                for (int64_t g = 0; g < G; ++g) s[g * V + i] = scale * dot(qh + g * D, kr, D);
             }
+            if (N > 0) {
+                const float *ks = k_sum + b * sum_sb + h * sum_sh, *cnt = count + b * count_sb;
+                memset(sc, 0, sizeof(float) * (size_t)(G * N + N));  /* removed scores, then rem_n */
+                for (int64_t i = 0; i < V; ++i) {
+                    int64_t c = (pos[i] - start) / chunk;
+                    c = c < 0 ? 0 : (c > N - 1 ? N - 1 : c);
+                    cof[i] = (int32_t)c;
+                    rem_n[c] += 1.0f;
+                    for (int64_t g = 0; g < G; ++g) sc[g * N + c] += s[g * V + i];
+                }
+                for (int64_t c = 0; c < N; ++c) {
+                    float nr = cnt[c] - rem_n[c], inv = 1.0f / (nr > 1.0f ? nr : 1.0f);
+                    n_rest[c] = nr;
+                    for (int64_t g = 0; g < G; ++g) {
+                        float *x = sc + g * N + c;
+                        *x = nr < 0.5f ? -INFINITY
+                                       : (scale * dot(qh + g * D, ks + c * D, D) - *x) * inv + logf(nr > 1.0f ? nr : 1.0f);
+                    }
+                }
+            }
+            /* one softmax per query head over [attended tokens, chunk summaries] */
+            float *norm = acc + G * D;
+            for (int64_t g = 0; g < G; ++g) {
+                float *sg = s + g * V, *cg = sc + g * N;
+                float mx = -INFINITY, total = 0.0f;
+                for (int64_t i = 0; i < V; ++i) mx = sg[i] > mx ? sg[i] : mx;
+                for (int64_t c = 0; c < N; ++c) mx = cg[c] > mx ? cg[c] : mx;
+                if (mx == -INFINITY) {  /* nothing attended or estimated: zero output */
+                    for (int64_t i = 0; i < V; ++i) sg[i] = 0.0f;
+                    for (int64_t c = 0; c < N; ++c) cg[c] = 0.0f;
+                    norm[g] = 0.0f;
+                    lse[b * Hq + h * G + g] = -INFINITY;
+                    continue;
+                }
+                for (int64_t i = 0; i < V; ++i) { sg[i] = expf(sg[i] - mx); total += sg[i]; }
+                for (int64_t c = 0; c < N; ++c) { cg[c] = expf(cg[c] - mx); total += cg[c]; }
+                norm[g] = 1.0f / total;
+                lse[b * Hq + h * G + g] = mx + logf(total);
+            }
+            memset(acc, 0, sizeof(float) * (size_t)(G * D));
+            if (N > 0) {
+                /* chunk c contributes w_c * (v_sum[c] - attended values in c) */
+                const float *vs = v_sum + b * sum_sb + h * sum_sh;
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t c = 0; c < N; ++c)
+                        wc[g * N + c] = sc[g * N + c] * norm[g] / (n_rest[c] > 1.0f ? n_rest[c] : 1.0f);
+                for (int64_t c = 0; c < N; ++c)
+                    for (int64_t g = 0; g < G; ++g)
+                        if (wc[g * N + c] != 0.0f) axpy(acc + g * D, wc[g * N + c], vs + c * D, D);
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t i = 0; i < V; ++i) s[g * V + i] = s[g * V + i] * norm[g] - wc[g * N + cof[i]];
+            } else {
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t i = 0; i < V; ++i) s[g * V + i] *= norm[g];
+            }
+            for (int64_t i = 0; i < V; ++i) {  /* each value row read once for the whole group */
+                const float *vr = vh + pos[i] * D;
+                for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, s[g * V + i], vr, D);
+            }
+            memcpy(out + (b * Hq + h * G) * D, acc, sizeof(float) * (size_t)(G * D));
         }
         free(s);
         free(pos);
