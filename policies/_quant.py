@@ -141,9 +141,11 @@ class QuantWindowLayer(CacheLayer):
             raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
         return why is None
 
-    def native_decode(self, q, k_new, v_new, scaling, segments):
+    def native_decode(self, q, k_new, v_new, scaling, segments, exact=None):
         """A CPU decode step as one native call: the packed ``segments`` (`native.PackedSegment`)
-        and the window under one softmax, then the usual bookkeeping (probes, flush)."""
+        and the window under one softmax, then the usual bookkeeping (probes, flush). ``exact``:
+        ``(k, v)`` (B, H, S, D) rows attended beside the window, every row of them by every query
+        (``kivi``'s flushed sinks; the caller makes sure no row's window is padded then)."""
         from kvpress.kernels import native
 
         B, H_q, _, D = q.shape
@@ -152,11 +154,13 @@ class QuantWindowLayer(CacheLayer):
         self._append(k_new, v_new)
         self.seen += 1
         rs = self.row_start
+        k_win, v_win = self.k_win[:, :, : self.win_len].float(), self.v_win[:, :, : self.win_len].float()
         win_starts = None if rs is None else (rs - self.n_quant).clamp(min=0)
+        if exact is not None:
+            k_win, v_win = torch.cat([exact[0].float(), k_win], 2), torch.cat([exact[1].float(), v_win], 2)
+            win_starts = None
         qg = q[:, :, 0].float().view(B, H, H_q // H, D) * scaling
-        out, lse = native.quant_attend(qg, k_win=self.k_win[:, :, : self.win_len].float(),
-                                       v_win=self.v_win[:, :, : self.win_len].float(), win_starts=win_starts,
-                                       segments=segments)
+        out, lse = native.quant_attend(qg, k_win=k_win, v_win=v_win, win_starts=win_starts, segments=segments)
         self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
         self._maybe_flush()
         return out.view(B, H_q, 1, D).to(q.dtype)

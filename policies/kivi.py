@@ -207,21 +207,31 @@ class KiviLayer(QuantWindowLayer):
             return self._native_decode(q, k_new, v_new, scaling)
         return super().attend(q, k_new, v_new, scaling)
 
+    def _sinks_flushed(self) -> bool:
+        """Whether every row's exact sinks are in the packed part (then the packed tokens a step
+        reads start right after them, and no row's window holds padding)."""
+        rs = self.row_start
+        return self.n_quant >= (0 if rs is None else int(rs.max())) + self.sink_tokens
+
     def _native_step(self, q, k_new) -> bool:
         """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): a
-        CPU decode step over a packed store without exact sinks, the native reader allowed and built
-        (with ``sink_tokens`` the reads still go native, through `_quant_scores` / `_quant_output`)."""
-        if self.sk is not None or not self.n_quant:
+        CPU decode step over a packed store, the native reader allowed and built, and the exact
+        sinks (if any) all flushed (before that, the reads still go native through
+        `_quant_scores` / `_quant_output`)."""
+        if not self.n_quant or (self.sk is not None and not self._sinks_flushed()):
             return False
         views = self._views()
         return self.native_step_ok(q, k_new, self.read_backend, [(views[:3], views[3:])])
 
     def _native_decode(self, q, k_new, v_new, scaling):
-        """CPU decode: the packed tokens and the window under one softmax in one native call."""
-        views = self._views()
-        seg = native.PackedSegment(views[:3], views[3:], self.bits, self.group_size, self.value_group,
-                                   starts=self.row_start)
-        return self.native_decode(q, k_new, v_new, scaling, [seg])
+        """CPU decode: the packed tokens, the exact sinks and the window under one softmax in one
+        native call (the packed part starts after each row's sinks, which attend exactly)."""
+        views, starts, exact = self._views(), self.row_start, None
+        if self.sk is not None:
+            starts = self.sink_positions(self.sink_tokens, q.shape[0], q.device)[:, 0] + self.sink_tokens
+            exact = (self.sk, self.sv)
+        seg = native.PackedSegment(views[:3], views[3:], self.bits, self.group_size, self.value_group, starts=starts)
+        return self.native_decode(q, k_new, v_new, scaling, [seg], exact=exact)
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: the packed part through the fused dequantize-attention kernel, the window
