@@ -74,10 +74,8 @@ _SIGNATURES = {
                            _INT),
     "kvp_token_values": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _I64,
                           _P], _INT),
-    "kvp_gear_key_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64, _P, _P,
-                            _I64, _I64, _I64, _I64, _P], _INT),
-    "kvp_gear_value_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _I64,
-                              _P, _P, _I64, _I64, _I64, _I64, _P], _INT),
+    "kvp_gear_key_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
+    "kvp_gear_value_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
     "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
 }
 
@@ -324,7 +322,92 @@ class _Segment(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("kc", "ks", "kz", "vc", "vs", "vz")] + \
         [(name, _I64) for name in ("kc_sb", "kc_sh", "ks_sb", "ks_sh", "vc_sb", "vc_sh", "vs_sb", "vs_sh",
                                    "n", "bits", "G", "Gv")] + \
-        [("starts", _P), ("st_sb", _I64), ("st_sh", _I64), ("vmul", _P), ("vm_sb", _I64), ("vm_sh", _I64)]
+        [("starts", _P), ("st_sb", _I64), ("st_sh", _I64), ("vmul", _P), ("vm_sb", _I64), ("vm_sh", _I64),
+         ("gear", _P)]
+
+
+class _Gear(ctypes.Structure):
+    """``kvp_gear`` of csrc/cpu_decode.c (field order and types must match)."""
+
+    _fields_ = [("R", _I64), ("bounds", _P), ("C", _I64)] + [(n, _P) for n in ("kl", "kr", "vl", "vr")] + \
+        [(n, _I64) for n in ("kl_sb", "kl_sh", "kr_sb", "kr_sh", "vl_sb", "vl_sh", "vr_sb", "vr_sh", "J")] + \
+        [(n, _P) for n in ("ko", "vo", "kx", "vx")] + [(n, _I64) for n in ("ko_sb", "ko_sh", "vo_sb", "vo_sh", "S")] + \
+        [("sk", _P), ("sv", _P), ("sk_sb", _I64), ("sk_sh", _I64), ("sink_start", _P)]
+
+
+@dataclass(frozen=True)
+class GearParts:
+    """GEAR's corrections to a packed store of ``n`` tokens (each part optional):
+
+    bounds : int64 (C + 1,), the flushed chunks' first tokens then ``n`` (with the low-rank parts)
+    k_low / v_low : (left fp16 (B, H, >=n, R), right fp16 (B, H, >=C, D, R)) of the keys' / values' error
+    k_out : (offsets uint8, corrections fp16), (B, H, >=n/G, J, D); v_out : (B, H, >=n, D/Gv * J)
+    sinks : (sk, sv) fp16 (B, H, S, D), the corrections of each row's first S real tokens, which
+        start at ``sink_start`` (B,) int (None: 0)
+    """
+
+    bounds: torch.Tensor | None = None
+    k_low: tuple | None = None
+    v_low: tuple | None = None
+    k_out: tuple | None = None
+    v_out: tuple | None = None
+    sinks: tuple | None = None
+    sink_start: torch.Tensor | None = None
+
+    def struct(self, B: int, H: int, D: int, n: int, G: int, Gv: int, keep: list) -> _Gear:
+        """The checked ctypes struct (tensors it points into appended to ``keep``)."""
+        x = _Gear()
+        lows = [t for t in (self.k_low, self.v_low) if t is not None]
+        if lows:
+            bounds = self.bounds
+            if (bounds is None or bounds.dtype != torch.int64 or not bounds.is_contiguous() or bounds.dim() != 1
+                    or int(bounds[0]) != 0 or int(bounds[-1]) != n):
+                raise ValueError(f"GEAR low-rank parts need int64 contiguous chunk bounds (C + 1,) from 0 to n={n}")
+            x.R, x.bounds, x.C = lows[0][0].shape[-1], bounds.data_ptr(), bounds.numel() - 1
+            for left, right in lows:
+                ok = (left.dtype == right.dtype == torch.float16 and _rows_contiguous(left) and right[0, 0].is_contiguous()
+                      and left.shape[:2] == right.shape[:2] == (B, H) and left.shape[2] >= n
+                      and right.shape[2] >= x.C and right.shape[3] == D and left.shape[3] == right.shape[4] == x.R)
+                if not ok:
+                    raise ValueError(f"GEAR low-rank factors must be fp16 left (B, H, >=n, R) and right (B, H, >=C, D={D}, "
+                                     f"R) with dense inner dims, one R for keys and values")
+        for name, low in (("k", self.k_low), ("v", self.v_low)):
+            if low is not None:
+                left, right = low
+                setattr(x, f"{name}l", left.data_ptr()), setattr(x, f"{name}r", right.data_ptr())
+                setattr(x, f"{name}l_sb", left.stride(0)), setattr(x, f"{name}l_sh", left.stride(1))
+                setattr(x, f"{name}r_sb", right.stride(0)), setattr(x, f"{name}r_sh", right.stride(1))
+        J = {}
+        for name, out, rows, last in (("k", self.k_out, n // G, D), ("v", self.v_out, n, None)):
+            if out is None:
+                continue
+            off, corr = out
+            ok = (off.dtype == torch.uint8 and corr.dtype == torch.float16 and off.shape == corr.shape
+                  and off.stride() == corr.stride() and off[0, 0].is_contiguous() and off.shape[:2] == (B, H)
+                  and off.shape[2] >= rows and off.dim() == (5 if name == "k" else 4))
+            ok = ok and (off.shape[4] == D if name == "k" else off.shape[3] % (D // Gv) == 0)
+            if not ok:
+                raise ValueError("GEAR outliers must be uint8 offsets and fp16 corrections of one shape and strides, dense "
+                                 f"after the head dim: keys (B, H, n/G, J, D={D}), values (B, H, n, D/Gv * J)")
+            J[name] = off.shape[3] if name == "k" else off.shape[3] // (D // Gv)
+            setattr(x, f"{name}o", off.data_ptr()), setattr(x, f"{name}x", corr.data_ptr())
+            setattr(x, f"{name}o_sb", off.stride(0)), setattr(x, f"{name}o_sh", off.stride(1))
+        if len(set(J.values())) > 1:
+            raise ValueError(f"GEAR keys and values must keep the same outliers per group, got {J}")
+        x.J = next(iter(J.values()), 0)
+        if self.sinks is not None:
+            sk, sv = self.sinks
+            if not (sk.dtype == sv.dtype == torch.float16 and sk.shape == sv.shape and sk.stride() == sv.stride()
+                    and sk.dim() == 4 and sk.shape[:2] == (B, H) and sk.shape[3] == D and sk[0, 0].is_contiguous()):
+                raise ValueError(f"GEAR sink corrections must be fp16 (B, H, S, D={D}) pairs of one layout")
+            x.S, x.sk, x.sv, x.sk_sb, x.sk_sh = sk.shape[2], sk.data_ptr(), sv.data_ptr(), sk.stride(0), sk.stride(1)
+            if self.sink_start is not None:
+                st = self.sink_start.to(torch.int32).contiguous()
+                if st.shape != (B,):
+                    raise ValueError(f"GEAR sink_start must be (B,), got {tuple(self.sink_start.shape)}")
+                keep.append(st)
+                x.sink_start = st.data_ptr()
+        return x
 
 
 MAX_SEGMENTS = 8
@@ -339,6 +422,7 @@ class PackedSegment:
     starts : int (B,) or (B, H), or None: tokens before it (per row, or per row and KV head) are
         not attended (left padding).
     value_scale : fp16 (B, H, D) or None: a per-channel factor on this segment's values.
+    gear : `GearParts` or None: GEAR's corrections to this store.
     """
 
     k: tuple
@@ -348,6 +432,7 @@ class PackedSegment:
     value_group_size: int
     starts: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    gear: GearParts | None = None
 
 
 def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None, *,
@@ -404,6 +489,10 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
             if vm.dtype != torch.float16 or vm.shape != (B, H, D) or vm.stride(2) != 1:
                 raise ValueError("segment value_scale must be fp16 (B, H, D) with a contiguous last dim")
             fields.update(vmul=vm.data_ptr(), vm_sb=vm.stride(0), vm_sh=vm.stride(1))
+        if seg.gear is not None:
+            gx = seg.gear.struct(B, H, D, n, G, Gv, keep)
+            keep.append(gx)
+            fields["gear"] = ctypes.addressof(gx)
         for name, value in fields.items():
             setattr(st, name, value)
     out = torch.empty(B, H, M, D, dtype=torch.float32)
@@ -417,41 +506,14 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     return out, lse
 
 
-def _gear_parts(low_rank, outliers, N: int, rows: int) -> tuple:
-    """ctypes arguments of GEAR's optional parts, checked: ``low_rank = (left (B, H, >=N, R),
-    right (B, H, >=C, D, R), bounds int64 (C + 1,))`` fp16, ``outliers = (offsets uint8,
-    corrections fp16)`` with dense dims after the head dim and at least ``rows`` rows; either may be None."""
-    if low_rank is None:
-        lr = (None, 0, 0, None, 0, 0, 0, None, 0)
-    else:
-        left, right, bounds = low_rank
-        ok = (left.dtype == right.dtype == torch.float16 and bounds.dtype == torch.int64 and bounds.is_contiguous()
-              and _rows_contiguous(left) and right[0, 0].is_contiguous() and right.shape[-1] == left.shape[-1]
-              and left.shape[2] >= N and right.shape[2] >= bounds.numel() - 1 and int(bounds[-1]) == N)
-        if not ok:
-            raise ValueError("GEAR low-rank factors must be fp16 left (B, H, >=N, R) and right (B, H, C, D, R) with "
-                             "dense inner dims, and int64 chunk bounds (C + 1,) ending at N")
-        lr = (left.data_ptr(), left.stride(0), left.stride(1), right.data_ptr(), right.stride(0), right.stride(1),
-              left.shape[-1], bounds.data_ptr(), bounds.numel() - 1)
-    if outliers is None:
-        return (*lr, None, None, 0, 0)
-    off, corr = outliers
-    ok = (off.dtype == torch.uint8 and corr.dtype == torch.float16 and off.shape == corr.shape
-          and off.stride() == corr.stride() and off[0, 0].is_contiguous() and off.shape[2] >= rows)
-    if not ok:
-        raise ValueError("GEAR outliers must be uint8 offsets and fp16 corrections of one shape and strides, dense "
-                         "after the head dim")
-    return (*lr, off.data_ptr(), corr.data_ptr(), off.stride(0), off.stride(1))
-
-
-def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, low_rank=None, outliers=None) -> torch.Tensor:
-    """Adds GEAR's key corrections to the scores of its N packed tokens, in place.
+def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, parts: GearParts) -> torch.Tensor:
+    """Adds GEAR's key corrections (``parts``' ``k_low``, ``k_out``, ``sinks``) to the scores of
+    its N packed tokens, in place: ``q . (l_t rf_c(t)^T)``, ``q[d] * corr`` at each outlier's
+    token, ``q . sk_i`` at each sink's column (the torch reference is
+    `kvpress.policies.gear.GearLayer._quant_scores`).
 
     s : fp32 (B, H, M, N) contiguous, the packed codes' scores; q : fp32 (B, H, M, D), scaled, M <= 8.
-    low_rank : (left fp16 (B, H, >=N, R), right fp16 (B, H, >=C, D, R), bounds int64 (C + 1,)) or None.
-    outliers : (offsets uint8, corrections fp16), (B, H, >=N/G, J, D), or None.
-    Adds ``q . (l_t rf_c(t)^T)`` and ``q[d] * corr`` at each outlier's token (the torch reference
-    is `kvpress.policies.gear.GearLayer._quant_scores`). Returns ``s``.
+    Returns ``s``.
     """
     lib = _lib()
     q = q.contiguous()
@@ -460,26 +522,22 @@ def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, low_rank=N
     if not (_fp32_cpu(s, q) and s.is_contiguous() and s.shape[:3] == (B, H, M) and 1 <= M <= QUANT_MAX_ROWS):
         raise ValueError(f"gear_key_extra needs fp32 CPU contiguous scores (B, H, M, N) and q (B, H, M, D), "
                          f"M <= {QUANT_MAX_ROWS}")
-    J = 0 if outliers is None else outliers[0].shape[3]
-    if outliers is not None and (outliers[0].dim() != 5 or outliers[0].shape[4] != D):
-        raise ValueError(f"gear_key_extra: key outliers must be (B, H, N / G, J, D={D}), got {tuple(outliers[0].shape)}")
-    if low_rank is not None and low_rank[1].shape[3] != D:
-        raise ValueError(f"GEAR right factors must be (B, H, C, D={D}, R), got {tuple(low_rank[1].shape)}")
-    parts = _gear_parts(low_rank, outliers, N, N // group_size)
-    rc = lib.kvp_gear_key_extra(q.data_ptr(), B, H, M, D, N, *parts, J, int(group_size), s.data_ptr())
+    keep = []
+    x = GearParts(parts.bounds, k_low=parts.k_low, k_out=parts.k_out, sinks=parts.sinks,
+                  sink_start=parts.sink_start).struct(B, H, D, N, group_size, group_size, keep)
+    rc = lib.kvp_gear_key_extra(q.data_ptr(), B, H, M, D, N, ctypes.addressof(x), int(group_size), s.data_ptr())
     if rc != 0:
         raise RuntimeError(f"kvp_gear_key_extra refused its inputs (code {rc})")
     return s
 
 
-def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, low_rank=None, outliers=None) -> torch.Tensor:
-    """Adds GEAR's value corrections to ``out`` in place.
+def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, parts: GearParts) -> torch.Tensor:
+    """Adds GEAR's value corrections (``parts``' ``v_low``, ``v_out``, ``sinks``) to ``out`` in
+    place: ``sum_c (p_c l_c) rf_c^T``, ``p[t] * corr`` at each outlier's channel, ``p[col] sv_i``
+    (the torch reference is `kvpress.policies.gear.GearLayer._quant_output`).
 
     out : fp32 (B, H, M, D) contiguous; p : fp32 (B, H, M, N) probabilities of the N packed tokens
-    with a contiguous last dim, M <= 8. low_rank as in `gear_key_extra`; outliers : (offsets
-    uint8, corrections fp16), (B, H, >=N, D / G * J), or None. Adds ``sum_c (p_c l_c) rf_c^T`` and
-    ``p[t] * corr`` at each outlier's channel (the torch reference is
-    `kvpress.policies.gear.GearLayer._quant_output`). Returns ``out``.
+    with a contiguous last dim, M <= 8. Returns ``out``.
     """
     lib = _lib()
     B, H, M, N = p.shape
@@ -487,17 +545,14 @@ def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, low_ra
     if p.stride(0) != H * M * p.stride(2) or p.stride(1) != M * p.stride(2):
         p = p.contiguous()
     if not (_fp32_cpu(out, p) and out.is_contiguous() and out.shape[:3] == (B, H, M) and p.stride(3) == 1
-            and 1 <= M <= QUANT_MAX_ROWS):
+            and 1 <= M <= QUANT_MAX_ROWS and D % group_size == 0):
         raise ValueError(f"gear_value_extra needs fp32 CPU outputs (B, H, M, D) contiguous and probabilities "
-                         f"(B, H, M, N) with a contiguous last dim, M <= {QUANT_MAX_ROWS}")
-    if D % group_size or (outliers is not None and (outliers[0].dim() != 4 or outliers[0].shape[3] % (D // group_size))):
-        raise ValueError(f"gear_value_extra: value outliers must be (B, H, N, D / G * J) with G={group_size} dividing "
-                         f"D={D}")
-    if low_rank is not None and low_rank[1].shape[3] != D:
-        raise ValueError(f"GEAR right factors must be (B, H, C, D={D}, R), got {tuple(low_rank[1].shape)}")
-    J = 0 if outliers is None else outliers[0].shape[3] // (D // group_size)
-    parts = _gear_parts(low_rank, outliers, N, N)
-    rc = lib.kvp_gear_value_extra(p.data_ptr(), B, H, M, p.stride(2), D, N, *parts, J, int(group_size), out.data_ptr())
+                         f"(B, H, M, N) with a contiguous last dim, M <= {QUANT_MAX_ROWS}, D divisible by the group")
+    keep = []
+    x = GearParts(parts.bounds, v_low=parts.v_low, v_out=parts.v_out, sinks=parts.sinks,
+                  sink_start=parts.sink_start).struct(B, H, D, N, group_size, group_size, keep)
+    rc = lib.kvp_gear_value_extra(p.data_ptr(), B, H, M, p.stride(2), D, N, ctypes.addressof(x), int(group_size),
+                                  out.data_ptr())
     if rc != 0:
         raise RuntimeError(f"kvp_gear_value_extra refused its inputs (code {rc})")
     return out

@@ -263,38 +263,45 @@ class GearLayer(QuantWindowLayer):
             self._chunk_bounds = torch.tensor(self.chunk_starts + [self.n_quant], dtype=torch.int64, device=device)
         return self._chunk_bounds
 
-    def _native_parts(self, x, keys: bool):
-        """The low-rank and outlier arguments of `native.gear_key_extra` / `gear_value_extra` when
-        this step's packed codes are read natively (then these terms are too), else None."""
-        p, n, g = self.p, self.n_quant, self.p.group_size
-        codes, scale, zero = ((self.kc, self.ks, self.kz) if keys else (self.vc, self.vs, self.vz))
-        if not reads_natively(x, codes[:, :, :n], scale[:, :, : n // g if keys else n], zero[:, :, : n // g if keys else n],
-                              p.backend):
-            return None
-        nc = len(self.chunk_starts)
-        low = None
-        if p.rank:
-            low = (self.kl, self.kr[:, :, :nc], self._bounds(x.device)) if keys else \
-                (self.vl, self.vr[:, :, :nc], self._bounds(x.device))
-        out = None
-        if p.outliers_per_group:
-            out = (self.ko[:, :, : n // g], self.kx[:, :, : n // g]) if keys else (self.vo[:, :, :n], self.vx[:, :, :n])
-        return low, out
+    def _views(self):
+        """``((kc, ks, kz), (vc, vs, vz))``: the packed tokens as views of their buffers."""
+        n, g = self.n_quant, self.p.group_size
+        return ((self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g]),
+                (self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n]))
+
+    def _native_parts(self, device) -> native.GearParts:
+        """The low-rank factors, outliers and sink corrections as the compiled kernels take them."""
+        p, n, g, nc = self.p, self.n_quant, self.p.group_size, len(self.chunk_starts)
+        low, out = p.rank > 0, p.outliers_per_group > 0
+        return native.GearParts(
+            bounds=self._bounds(device) if low else None,
+            k_low=(self.kl, self.kr[:, :, :nc]) if low else None, v_low=(self.vl, self.vr[:, :, :nc]) if low else None,
+            k_out=(self.ko[:, :, : n // g], self.kx[:, :, : n // g]) if out else None,
+            v_out=(self.vo[:, :, :n], self.vx[:, :, :n]) if out else None,
+            sinks=None if self.sk is None else (self.sk, self.sv), sink_start=self.row_start)
+
+    def attend(self, q, k_new, v_new, scaling):
+        keys, values = self._views() if self.n_quant else (None, None)
+        if self.native_step_ok(q, k_new, self.p.backend, [(keys, values)]):  # the whole step in one compiled call
+            g = self.p.group_size
+            seg = native.PackedSegment(keys, values, self.p.bits, g, g, starts=self.row_start,
+                                       gear=self._native_parts(q.device))
+            return self.native_decode(q, k_new, v_new, scaling, [seg])
+        return super().attend(q, k_new, v_new, scaling)
 
     def _quant_scores(self, qg, scaling):
         p, n, g = self.p, self.n_quant, self.p.group_size
         q = qg * scaling
-        s = channel_quant_scores(q, self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g], p.bits, g,
-                                 backend=p.backend)
-        parts = self._native_parts(q, keys=True)
-        if parts is not None:  # low-rank and outliers in one compiled call
-            native.gear_key_extra(s, q, g, *parts)
-        elif p.rank:
+        keys = self._views()[0]
+        s = channel_quant_scores(q, *keys, p.bits, g, backend=p.backend)
+        if reads_natively(q, *keys, p.backend):  # low-rank, outliers and sinks in one compiled call too
+            return self.mask_padding_scores(native.gear_key_extra(s, q, g, self._native_parts(q.device)))
+        if p.rank:
             nc = len(self.chunk_starts)
             qr = torch.einsum("bhmd,bhcdr->bhmcr", q, self.kr[:, :, :nc].float())  # (B, H, M, C, r)
             qr_t = qr[:, :, :, self._chunk_of_token(q.device)]  # (B, H, M, N, r)
             s = s + (qr_t * self.kl[:, :, None, :n].float()).sum(-1)
-        if p.outliers_per_group and parts is None:
+        if p.outliers_per_group:
             M = q.shape[2]
             step = max(1, OUTLIER_CHUNK // g)  # token groups per pass: bounds the (B, H, M, O) temporaries
             for g0 in range(0, n // g, step):
@@ -311,16 +318,16 @@ class GearLayer(QuantWindowLayer):
 
     def _quant_output(self, prob):
         p, n, g = self.p, self.n_quant, self.p.group_size
-        out = token_quant_values(prob, self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n], p.bits, g, backend=p.backend)
-        parts = self._native_parts(prob, keys=False)
-        if parts is not None:  # low-rank and outliers in one compiled call
-            native.gear_value_extra(out, prob, g, *parts)
-        elif p.rank:
+        values = self._views()[1]
+        out = token_quant_values(prob, *values, p.bits, g, backend=p.backend)
+        if reads_natively(prob, *values, p.backend):  # low-rank, outliers and sinks in one compiled call too
+            return native.gear_value_extra(out, prob, g, self._native_parts(prob.device))
+        if p.rank:
             nc = len(self.chunk_starts)
             pl = prob[..., None] * self.vl[:, :, None, :n].float()  # (B, H, M, N, r)
             per_chunk = pl.new_zeros(*pl.shape[:3], nc, p.rank).index_add_(3, self._chunk_of_token(prob.device), pl)
             out = out + torch.einsum("bhmcr,bhcdr->bhmd", per_chunk, self.vr[:, :, :nc].float())
-        if p.outliers_per_group and parts is None:
+        if p.outliers_per_group:
             M, D = prob.shape[2], out.shape[-1]
             for t0 in range(0, n, OUTLIER_CHUNK):
                 t1 = min(n, t0 + OUTLIER_CHUNK)

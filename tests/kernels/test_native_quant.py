@@ -220,25 +220,37 @@ def _gear_terms(B, H, N, D, G, R, J, chunks, seed=0):
             (_spare(v_off), _spare(v_corr)), v_err)
 
 
-@pytest.mark.parametrize("R,J", [(1, 1), (2, 2), (0, 1), (2, 0)])
-def test_gear_corrections_equal_their_dense_errors(R, J, torch_threads):
-    """GEAR's low-rank chunks and outliers added by the compiled kernels equal attention against
-    the dense errors they stand for (R = 0 / J = 0: that part absent); bitwise the same on one
-    and on two threads."""
+def _sink_err(sk, start, N):
+    """The dense (B, H, N, D) error of sink corrections ``sk`` (B, H, S, D) placed at columns
+    start[b] + i, clamped to N - 1 (unflushed sinks carry zero corrections)."""
+    B, H, S, D = sk.shape
+    col = (start[:, None] + torch.arange(S)).clamp(max=N - 1)  # (B, S)
+    return torch.zeros(B, H, N, D).scatter_add_(2, col[:, None, :, None].expand(B, H, S, D), sk.float())
+
+
+@pytest.mark.parametrize("R,J,S", [(1, 1, 2), (2, 2, 0), (0, 1, 0), (2, 0, 3), (0, 0, 2)])
+def test_gear_corrections_equal_their_dense_errors(R, J, S, torch_threads):
+    """GEAR's low-rank chunks, outliers and sink corrections added by the compiled kernels equal
+    attention against the dense errors they stand for (0: that part absent); bitwise the same on
+    one and on two threads."""
     B, H, M, N, D, G = 2, 3, 3, 96, 16, 8
     low, low_err, k_out, k_err, v_out, v_err = _gear_terms(B, H, N, D, G, max(R, 1), max(J, 1), chunks=[32, 40])
-    k_dense = (low_err if R else 0) + (k_err if J else 0)
-    v_dense = (low_err if R else 0) + (v_err if J else 0)
-    low, k_out, v_out = (low if R else None), (k_out if J else None), (v_out if J else None)
     gen = torch.Generator().manual_seed(3)
+    sk, sv = torch.randn(B, H, S, D, generator=gen).half(), torch.randn(B, H, S, D, generator=gen).half()
+    start = torch.tensor([0, 94])  # row 1: its later sinks clamp to the last column
+    k_dense = (low_err if R else 0) + (k_err if J else 0) + (_sink_err(sk, start, N) if S else 0)
+    v_dense = (low_err if R else 0) + (v_err if J else 0) + (_sink_err(sv, start, N) if S else 0)
+    parts = native.GearParts(bounds=low[2] if R else None, k_low=low[:2] if R else None, v_low=low[:2] if R else None,
+                             k_out=k_out if J else None, v_out=v_out if J else None,
+                             sinks=(sk, sv) if S else None, sink_start=start)
     q = torch.randn(B, H, M, D, generator=gen)
     p = torch.softmax(torch.randn(B, H, M, N + 5, generator=gen), -1)[..., :N]  # a slice of wider scores
     base_s, base_o = torch.randn(B, H, M, N, generator=gen), torch.randn(B, H, M, D, generator=gen)
     runs = []
     for n in (1, 2):
         torch_threads(n)
-        runs.append((native.gear_key_extra(base_s.clone(), q, G, low, k_out),
-                     native.gear_value_extra(base_o.clone(), p, G, low, v_out)))
+        runs.append((native.gear_key_extra(base_s.clone(), q, G, parts),
+                     native.gear_value_extra(base_o.clone(), p, G, parts)))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     torch.testing.assert_close(runs[0][0], base_s + q @ k_dense.transpose(-1, -2), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(runs[0][1], base_o + p @ v_dense, atol=1e-5, rtol=1e-5)
@@ -248,18 +260,23 @@ def test_gear_corrections_refuse_what_they_cannot_read():
     B, H, M, N, D, G = 1, 2, 2, 32, 16, 8
     low, _, k_out, _, v_out, _ = _gear_terms(B, H, N, D, G, 1, 1, chunks=[16])
     q, s = torch.randn(B, H, M, D), torch.zeros(B, H, M, N)
-    with pytest.raises(ValueError, match="chunk bounds"):
-        native.gear_key_extra(s, q, G, (low[0], low[1], torch.tensor([0, 16, 24])), None)  # bounds end before N
+    with pytest.raises(ValueError, match="chunk bounds"):  # bounds end before N
+        native.gear_key_extra(s, q, G, native.GearParts(torch.tensor([0, 16, 24]), k_low=low[:2]))
     with pytest.raises(ValueError, match="uint8 offsets and fp16 corrections"):
-        native.gear_key_extra(s, q, G, None, (k_out[0], k_out[1].float()))
+        native.gear_key_extra(s, q, G, native.GearParts(k_out=(k_out[0], k_out[1].float())))
     with pytest.raises(ValueError, match="fp32 CPU contiguous scores"):
-        native.gear_key_extra(s.double(), q, G, low, None)
+        native.gear_key_extra(s.double(), q, G, native.GearParts(low[2], k_low=low[:2]))
+    with pytest.raises(ValueError, match=r"right \(B, H, >=C, D=16"):
+        native.gear_key_extra(s, q, G, native.GearParts(low[2], k_low=(low[0], low[1][:, :, :, :8])))
+    with pytest.raises(ValueError, match="sink corrections must be fp16"):
+        native.gear_key_extra(s, q, G, native.GearParts(sinks=(torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))))
     bad = k_out[0].clone()
     bad[0, 0, 0, 0, 0] = G  # an offset outside its group: skipped, reported, nothing written out of bounds
     with pytest.raises(RuntimeError, match="code -4"):
-        native.gear_key_extra(s, q, G, None, (bad, k_out[1].clone()))
+        native.gear_key_extra(s, q, G, native.GearParts(k_out=(bad, k_out[1].clone())))
     with pytest.raises(ValueError, match="probabilities"):
-        native.gear_value_extra(torch.zeros(B, H, M, D), torch.rand(B, H, M, N).double(), G, low, v_out)
+        native.gear_value_extra(torch.zeros(B, H, M, D), torch.rand(B, H, M, N).double(), G,
+                                native.GearParts(low[2], v_low=low[:2]))
 
 
 def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scales(torch_threads):
@@ -304,3 +321,31 @@ def test_quant_attend_refuses_a_segment_whose_parts_disagree():
                             value_group_size=32, k_win=kw, v_win=vw)
     with pytest.raises(ValueError, match="do not describe"):  # read at another width than packed
         native.quant_attend(q, kc, ks, kz, vc, vs, vz, bits=2, group_size=32, value_group_size=32, k_win=kw, v_win=vw)
+
+
+def test_quant_attend_with_gear_corrections_equals_attention_over_the_corrected_store(torch_threads):
+    """A ``gear`` step in one call: the packed codes plus the low-rank, outlier and sink
+    corrections, left padding inside the store, and the window, under one softmax; a store
+    longer than one span (the corrections cut at span edges); bitwise the same on 1 and 2 threads."""
+    B, H, M, N, D, G, W = 2, 3, 3, 1040, 16, 8, 5
+    (kc, ks, kz), (vc, vs, vz) = _store(2, D, G, G, B=B, H=H, T=N, seed=3)
+    low, low_err, k_out, k_err, v_out, v_err = _gear_terms(B, H, N, D, G, 1, 1, chunks=[500, 530])
+    gen = torch.Generator().manual_seed(6)
+    sk, sv = torch.randn(B, H, 2, D, generator=gen).half(), torch.randn(B, H, 2, D, generator=gen).half()
+    starts = torch.tensor([0, 515])
+    parts = native.GearParts(low[2], k_low=low[:2], v_low=low[:2], k_out=k_out, v_out=v_out, sinks=(sk, sv),
+                             sink_start=starts)
+    q = torch.randn(B, H, M, D, generator=gen) * 0.3
+    kw, vw = _spare(torch.randn(B, H, W, D, generator=gen)), _spare(torch.randn(B, H, W, D, generator=gen))
+    k = dequantize_per_channel(kc, ks, kz, 2, G) + low_err + k_err + _sink_err(sk, starts, N)
+    v = dequantize_per_token(vc, vs, vz, 2, G) + low_err + v_err + _sink_err(sv, starts, N)
+    s = q @ torch.cat([k, kw], 2).transpose(-1, -2)
+    s[1, :, :, :515] = float("-inf")
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        seg = native.PackedSegment((kc, ks, kz), (vc, vs, vz), 2, G, G, starts=starts, gear=parts)
+        runs.append(native.quant_attend(q, k_win=kw, v_win=vw, segments=[seg]))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    torch.testing.assert_close(runs[0][0], torch.softmax(s, -1) @ torch.cat([v, vw], 2), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runs[0][1], s.logsumexp(-1), atol=2e-5, rtol=1e-5)
