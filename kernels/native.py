@@ -14,10 +14,11 @@ bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in on
   (`kvpress.kernels.quant`'s format: per-channel keys, per-token values, fp16 scales and zero
   points) for a few query rows: each packed row is unpacked in registers once for the whole GQA
   group and never written out (``kivi``, ``zipcache`` and ``gear`` decode through them);
-- `quant_attend` -- a whole ``kivi`` decode step: the packed tokens and the full-precision window
-  under one softmax;
+- `quant_attend` -- a whole decode step of a quantized policy: packed segments (`PackedSegment`:
+  ``kivi``'s store, ``zipcache``'s two, ``gear``'s with its corrections, `GearParts`), exact rows
+  (``kivi``'s sinks) and the full-precision window under one softmax;
 - `gear_key_extra` / `gear_value_extra` -- ``gear``'s low-rank error (per-chunk right factors,
-  token-aligned left factors) and its exact outliers, added to a step's scores / outputs.
+  token-aligned left factors), exact outliers and sink corrections, added to scores / outputs.
 
 fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch
 implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.kernels.tail`,
