@@ -63,10 +63,10 @@ class GearPolicy(Policy):
     ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, outliers and sinks by
     scatter-add. No token budget (``with_budget`` raises). On CPU the packed codes are read by
     the compiled kernels of `kvpress.kernels.native` (``backend="auto"``; ``"torch"`` the
-    reference path), and the low-rank and outlier terms are added by two more compiled calls
-    per step (`native.gear_key_extra` / `gear_value_extra`): 1.06x ``full``'s decode speed at 8k
-    on one thread, 0.97x on two (BENCHMARKS "Session 19"; 0.60x when those terms were torch
-    gathers and scatters, session 18; the torch path 0.37x in the same run).
+    reference path), and a decode step is one call of `native.quant_attend` with the low-rank,
+    outlier and sink corrections applied inside it: 1.09x ``full``'s decode speed at 8k on one
+    thread, 1.11x on two (BENCHMARKS "Session 19"; 0.60x when those terms were torch gathers and
+    scatters, session 18; the torch path 0.37x in the same run).
     """
 
     bits: int = 2

@@ -65,14 +65,16 @@ class KiviPolicy(Policy):
     95.0%) (BENCHMARKS "Sessions 13-14"): better, still short of 98%.
 
     On CPU a decode step is one call of the compiled kernel `kvpress.kernels.native.quant_attend`
-    (packed tokens and the fp window under one softmax; each packed row unpacked in registers once
-    for the GQA group; with ``sink_tokens`` the two packed reads are native, the rest torch).
+    (packed tokens, exact sinks and the fp window under one softmax; each packed row unpacked in
+    registers once for the GQA group; until every row's sinks are flushed, the two packed reads
+    are native and the rest torch).
     In one ``OMP_NUM_THREADS=1 kvpress bench --interleave`` run at 8k (the command in BENCHMARKS
     "Session 18"), 4-bit decodes at 1.39x ``full``'s speed (111.5 vs 155.1
     ms/token; attention 45.2 vs 82.4 ms) with 63 vs 366 MiB of cache; the torch path
     (``backend="torch"``, the reference; sessions 5-17's only CPU path) 0.57x in the same run.
-    Since session 19 the kernels run on torch's threads: on two threads 1.25x (the session 19 run,
-    BENCHMARKS "Session 19"; 1.14x single-threaded kernels before).
+    Since session 19 the kernels run on torch's threads and the exact sinks join the one call (the
+    packed part starts after each row's flushed sinks): 1.32x / 1.27x on one / two threads,
+    ``sink_tokens=4`` 1.28x / 1.22x (BENCHMARKS "Session 19"; two threads 1.14x before).
     ``backend`` picks the CPU reader: ``"auto"`` (native when built), ``"torch"``, ``"native"``.
 
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).

@@ -48,8 +48,8 @@ class ZipCachePolicy(Policy):
     policy runs its own prefill (``full_prefill = False``). No token budget (``with_budget``
     raises). On CPU a decode step is one call of `kvpress.kernels.native.quant_attend` (both
     stores, each with its own left padding, the value normaliser and the window under one
-    softmax; ``backend="auto"``, ``"torch"`` the reference path): 1.23x ``full``'s decode speed
-    at 8k on one thread, 1.15x on two (BENCHMARKS "Session 19"; 1.11x / 1.00x when only the two
+    softmax; ``backend="auto"``, ``"torch"`` the reference path): 1.22x ``full``'s decode speed
+    at 8k on one thread, 1.16x on two (BENCHMARKS "Session 19"; 1.11x / 1.00x when only the two
     reads were native, session 18).
     """
 
