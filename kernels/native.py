@@ -75,8 +75,7 @@ _SIGNATURES = {
                            _INT),
     "kvp_token_values": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT, _I64,
                           _P], _INT),
-    "kvp_gear_key_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
-    "kvp_gear_value_extra": ([_P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
+    "kvp_gear_extra": ([_INT, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
     "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
 }
 
@@ -526,9 +525,9 @@ def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, parts: Gea
     keep = []
     x = GearParts(parts.bounds, k_low=parts.k_low, k_out=parts.k_out, sinks=parts.sinks,
                   sink_start=parts.sink_start).struct(B, H, D, N, group_size, group_size, keep)
-    rc = lib.kvp_gear_key_extra(q.data_ptr(), B, H, M, D, N, ctypes.addressof(x), int(group_size), s.data_ptr())
+    rc = lib.kvp_gear_extra(0, q.data_ptr(), B, H, M, D, D, N, ctypes.addressof(x), int(group_size), s.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"kvp_gear_key_extra refused its inputs (code {rc})")
+        raise RuntimeError(f"kvp_gear_extra (keys) refused its inputs (code {rc})")
     return s
 
 
@@ -552,10 +551,10 @@ def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, parts:
     keep = []
     x = GearParts(parts.bounds, v_low=parts.v_low, v_out=parts.v_out, sinks=parts.sinks,
                   sink_start=parts.sink_start).struct(B, H, D, N, group_size, group_size, keep)
-    rc = lib.kvp_gear_value_extra(p.data_ptr(), B, H, M, p.stride(2), D, N, ctypes.addressof(x), int(group_size),
-                                  out.data_ptr())
+    rc = lib.kvp_gear_extra(1, p.data_ptr(), B, H, M, p.stride(2), D, N, ctypes.addressof(x), int(group_size),
+                            out.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"kvp_gear_value_extra refused its inputs (code {rc})")
+        raise RuntimeError(f"kvp_gear_extra (values) refused its inputs (code {rc})")
     return out
 
 

@@ -815,6 +815,13 @@ static int gear_ok(const kvp_gear *x, int64_t n) {
     return x->R >= 0 && x->J >= 0 && x->S >= 0 && (x->R == 0 || (x->C >= 1 && x->bounds[0] == 0 && x->bounds[x->C] == n));
 }
 
+/* the packed column of row b's sink i: its sequence index, clamped into the n packed tokens (a sink
+ * not flushed yet has a zero correction, so any in-range column will do) */
+static inline int64_t sink_col(const kvp_gear *x, int64_t b, int64_t n, int64_t i) {
+    int64_t c = (x->sink_start ? x->sink_start[b] : 0) + i;
+    return c < n - 1 ? c : n - 1;
+}
+
 /* the chunk holding token t: bounds[c] <= t < bounds[c + 1] */
 static int64_t chunk_of(const int64_t *bounds, int64_t C, int64_t t) {
     int64_t lo = 0, hi = C - 1;
@@ -870,14 +877,11 @@ static void gear_key_span(const kvp_gear *x, int64_t b, int64_t h, const float *
                 }
         }
     }
-    if (x->S > 0 && n > 0) {
-        int64_t start = x->sink_start ? x->sink_start[b] : 0;
-        for (int64_t i = 0; i < x->S; ++i) {
-            int64_t col = start + i < n - 1 ? start + i : n - 1;
-            if (col < t0 || col >= t1) continue;
-            halfs_to_floats(row, x->sk + b * x->sk_sb + h * x->sk_sh + i * D, D);
-            for (int64_t m = 0; m < M; ++m) sc[m * s_sm + col - t0] += dot(qh + m * D, row, D);
-        }
+    for (int64_t i = 0; i < x->S && n > 0; ++i) {
+        int64_t col = sink_col(x, b, n, i);
+        if (col < t0 || col >= t1) continue;
+        halfs_to_floats(row, x->sk + b * x->sk_sb + h * x->sk_sh + i * D, D);
+        for (int64_t m = 0; m < M; ++m) sc[m * s_sm + col - t0] += dot(qh + m * D, row, D);
     }
 }
 
@@ -932,51 +936,38 @@ static void gear_value_span(const kvp_gear *x, int64_t b, int64_t h, const float
             }
         }
     }
-    if (x->S > 0 && n > 0) {
-        int64_t start = x->sink_start ? x->sink_start[b] : 0;
-        for (int64_t i = 0; i < x->S; ++i) {
-            int64_t col = start + i < n - 1 ? start + i : n - 1;
-            if (col < a || col >= t1) continue;
-            halfs_to_floats(row, x->sv + b * x->sk_sb + h * x->sk_sh + i * D, D);
-            for (int64_t m = 0; m < M; ++m) axpy(acc + m * D, w[m * w_sm + col - t0], row, D);
-        }
+    for (int64_t i = 0; i < x->S && n > 0; ++i) {
+        int64_t col = sink_col(x, b, n, i);
+        if (col < a || col >= t1) continue;
+        halfs_to_floats(row, x->sv + b * x->sk_sb + h * x->sk_sh + i * D, D);
+        for (int64_t m = 0; m < M; ++m) axpy(acc + m * D, w[m * w_sm + col - t0], row, D);
     }
 }
 
-/* s (B, H, M, N) fp32 contiguous += q (B, H, M, D) (scaled, contiguous) . the key corrections
- * (x's key fields; pieces of work: (row, KV head)). */
-int kvp_gear_key_extra(const float *q, int64_t B, int64_t H, int64_t M, int64_t D, int64_t N, const kvp_gear *x,
-                       int64_t G, float *s) {
-    if (M < 1 || M > 8 || G <= 0 || N < 0 || N % G || !gear_ok(x, N)) return -1;
-    int nt = team(B * H, (double)(B * H) * (double)(M * (N * x->R + (N / G) * x->J * D + x->C * D * x->R))), rc = 0;
+/* GEAR's corrections on their own; pieces of work: (row, KV head).
+ * values == 0: out = s (B, H, M, N) fp32 contiguous += in = q (B, H, M, D) (scaled, contiguous,
+ *   in_sm = D) . the key corrections (x's key fields; G the key group);
+ * values == 1: out (B, H, M, D) fp32 contiguous += in = p (B, H, M, *) (row stride in_sm) applied
+ *   to the value corrections (x's value fields; G the value group). */
+int kvp_gear_extra(int values, const float *in, int64_t B, int64_t H, int64_t M, int64_t in_sm, int64_t D, int64_t N,
+                   const kvp_gear *x, int64_t G, float *out) {
+    if (M < 1 || M > 8 || G <= 0 || N < 0 || (values ? D % G : N % G) || !gear_ok(x, N)) return -1;
+    double per_tok = values ? (double)(D / G) * x->J : (double)x->J * D / G;
+    int nt = team(B * H, (double)(B * H) * M * (N * (x->R + per_tok) + (double)x->C * D * x->R)), rc = 0;
     (void)nt;  /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *scr = malloc(sizeof(float) * (size_t)gear_scratch(x, M, D, G));
         if (!scr) set_rc(&rc, -3);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < B * H; ++bh)
-            if (scr) gear_key_span(x, bh / H, bh % H, q + bh * M * D, M, D, G, N, 0, N, s + bh * M * N, N, scr, &rc);
-        free(scr);
-    }
-    return rc;
-}
-
-/* out (B, H, M, D) fp32 contiguous += p (B, H, M, *) (row stride p_sm) applied to the value
- * corrections (x's value fields; value groups of Gv channels). */
-int kvp_gear_value_extra(const float *p, int64_t B, int64_t H, int64_t M, int64_t p_sm, int64_t D, int64_t N,
-                         const kvp_gear *x, int64_t Gv, float *out) {
-    if (M < 1 || M > 8 || Gv <= 0 || N < 0 || D % Gv || !gear_ok(x, N)) return -1;
-    int nt = team(B * H, (double)(B * H) * (double)(M * (N * x->R + N * (D / Gv) * x->J + x->C * D * x->R))), rc = 0;
-    (void)nt;  /* unused in a build without OpenMP */
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *scr = malloc(sizeof(float) * (size_t)gear_scratch(x, M, D, Gv));
-        if (!scr) set_rc(&rc, -3);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t bh = 0; bh < B * H; ++bh)
-            if (scr) gear_value_span(x, bh / H, bh % H, p + bh * M * p_sm, p_sm, M, D, Gv, N, 0, 0, N, out + bh * M * D,
-                                     scr, &rc);
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!scr) continue;
+            if (values)
+                gear_value_span(x, bh / H, bh % H, in + bh * M * in_sm, in_sm, M, D, G, N, 0, 0, N, out + bh * M * D,
+                                scr, &rc);
+            else
+                gear_key_span(x, bh / H, bh % H, in + bh * M * D, M, D, G, N, 0, N, out + bh * M * N, N, scr, &rc);
+        }
         free(scr);
     }
     return rc;
