@@ -59,7 +59,8 @@ ABI_VERSION = 4
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build
-BUILDS = (FLAGS, tuple(f for f in FLAGS if f != "-march=native"), _SERIAL, tuple(f for f in _SERIAL if f != "-march=native"))
+BUILDS = (FLAGS, tuple(f for f in FLAGS if f != "-march=native"),
+          _SERIAL, tuple(f for f in _SERIAL if f != "-march=native"))
 REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -365,12 +366,12 @@ class GearParts:
                 raise ValueError(f"GEAR low-rank parts need int64 contiguous chunk bounds (C + 1,) from 0 to n={n}")
             x.R, x.bounds, x.C = lows[0][0].shape[-1], bounds.data_ptr(), bounds.numel() - 1
             for left, right in lows:
-                ok = (left.dtype == right.dtype == torch.float16 and _rows_contiguous(left) and right[0, 0].is_contiguous()
-                      and left.shape[:2] == right.shape[:2] == (B, H) and left.shape[2] >= n
+                ok = (left.dtype == right.dtype == torch.float16 and _rows_contiguous(left)
+                      and right[0, 0].is_contiguous() and left.shape[:2] == right.shape[:2] == (B, H) and left.shape[2] >= n
                       and right.shape[2] >= x.C and right.shape[3] == D and left.shape[3] == right.shape[4] == x.R)
                 if not ok:
-                    raise ValueError(f"GEAR low-rank factors must be fp16 left (B, H, >=n, R) and right (B, H, >=C, D={D}, "
-                                     f"R) with dense inner dims, one R for keys and values")
+                    raise ValueError(f"GEAR low-rank factors must be fp16 left (B, H, >=n, R) and right "
+                                     f"(B, H, >=C, D={D}, R) with dense inner dims, one R for keys and values")
         for name, low in (("k", self.k_low), ("v", self.v_low)):
             if low is not None:
                 left, right = low
@@ -387,8 +388,8 @@ class GearParts:
                   and off.shape[2] >= rows and off.dim() == (5 if name == "k" else 4))
             ok = ok and (off.shape[4] == D if name == "k" else off.shape[3] % (D // Gv) == 0)
             if not ok:
-                raise ValueError("GEAR outliers must be uint8 offsets and fp16 corrections of one shape and strides, dense "
-                                 f"after the head dim: keys (B, H, n/G, J, D={D}), values (B, H, n, D/Gv * J)")
+                raise ValueError("GEAR outliers must be uint8 offsets and fp16 corrections of one shape and strides, "
+                                 f"dense after the head dim: keys (B, H, n/G, J, D={D}), values (B, H, n, D/Gv * J)")
             J[name] = off.shape[3] if name == "k" else off.shape[3] // (D // Gv)
             setattr(x, f"{name}o", off.data_ptr()), setattr(x, f"{name}x", corr.data_ptr())
             setattr(x, f"{name}o_sb", off.stride(0)), setattr(x, f"{name}o_sh", off.stride(1))
@@ -469,8 +470,8 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     for st, seg in zip(structs, segments):
         (kc, ks, kz), (vc, vs, vz) = seg.k, seg.v
         n, G, Gv = kc.shape[2], int(seg.group_size), int(seg.value_group_size)
-        if not (kc.shape[:2] == vc.shape[:2] == (B, H) and vc.shape[2] == vs.shape[2] == n and ks.shape[2] == n // max(G, 1)
-                and kc.shape[3] * 8 == D * int(seg.bits) == vc.shape[3] * 8 and ks.shape[3] == D
+        if not (kc.shape[:2] == vc.shape[:2] == (B, H) and vc.shape[2] == vs.shape[2] == n
+                and ks.shape[2] == n // max(G, 1) and kc.shape[3] * 8 == D * int(seg.bits) == vc.shape[3] * 8 and ks.shape[3] == D
                 and vs.shape[3] == D // max(Gv, 1)):
             raise ValueError(f"quant_attend: a segment's codes, scales and zero points do not describe {n} tokens of "
                              f"(B, H, D) = {(B, H, D)} at {seg.bits} bits, groups {G} / {Gv}")

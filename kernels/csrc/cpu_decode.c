@@ -812,7 +812,8 @@ static int64_t gear_scratch(const kvp_gear *x, int64_t M, int64_t D, int64_t Gv)
 }
 
 static int gear_ok(const kvp_gear *x, int64_t n) {
-    return x->R >= 0 && x->J >= 0 && x->S >= 0 && (x->R == 0 || (x->C >= 1 && x->bounds[0] == 0 && x->bounds[x->C] == n));
+    return x->R >= 0 && x->J >= 0 && x->S >= 0
+           && (x->R == 0 || (x->C >= 1 && x->bounds[0] == 0 && x->bounds[x->C] == n));
 }
 
 /* the packed column of row b's sink i: its sequence index, clamped into the n packed tokens (a sink
@@ -1065,10 +1066,12 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                     for (int64_t i = 0; i < len; ++i) { r[i] = expf(r[i] - x); tot += r[i]; }
                     mx[m] = x, sum[m] = tot;
                 }
-                values_span(sc + lo, t1 - t0, M, D, g->vc + b * g->vc_sb + h * g->vc_sh, g->vs + b * g->vs_sb + h * g->vs_sh,
+                values_span(sc + lo, t1 - t0, M, D, g->vc + b * g->vc_sb + h * g->vc_sh,
+                            g->vs + b * g->vs_sb + h * g->vs_sh,
                             g->vz + b * g->vs_sb + h * g->vs_sh, n0, t1, (int)bits, g->Gv, gidx + piece[3 * kk] * D,
                             acc, vscr);
-                if (g->gear) gear_value_span(g->gear, b, h, sc, t1 - t0, M, D, g->Gv, g->n, t0, n0, t1, acc2, vscr, &rc);
+                if (g->gear)
+                    gear_value_span(g->gear, b, h, sc, t1 - t0, M, D, g->Gv, g->n, t0, n0, t1, acc2, vscr, &rc);
             } else {  /* the window: rows [w0, W), values in channel order */
                 int64_t w0 = w_starts ? w_starts[b] : 0;
                 w0 = w0 < 0 ? 0 : w0;

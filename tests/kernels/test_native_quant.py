@@ -309,7 +309,8 @@ def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scale
     with pytest.raises(ValueError, match="not both"):
         native.quant_attend(q, *k8, *v8, bits=8, group_size=32, value_group_size=32, k_win=kw, v_win=vw, segments=segs)
     with pytest.raises(ValueError, match="value_scale must be fp16"):
-        native.quant_attend(q, k_win=kw, v_win=vw, segments=[native.PackedSegment(k8, v8, 8, 32, 32, value_scale=vn.float())])
+        native.quant_attend(q, k_win=kw, v_win=vw,
+                            segments=[native.PackedSegment(k8, v8, 8, 32, 32, value_scale=vn.float())])
 
 
 def test_quant_attend_refuses_a_segment_whose_parts_disagree():
