@@ -15,6 +15,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
+from kvpress.kernels import native
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 
@@ -126,8 +127,6 @@ class QuantWindowLayer(CacheLayer):
         one-token step over packed tokens, ``backend`` (a `READ_BACKENDS` name) allowing it, the
         kernels built, and every store of ``stores`` (``((kc, ks, kz), (vc, vs, vz))`` views)
         readable by them (``backend="native"`` raises naming why not)."""
-        from kvpress.kernels import native
-
         if (backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant
                 or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
             return False
@@ -146,8 +145,6 @@ class QuantWindowLayer(CacheLayer):
         and the window under one softmax, then the usual bookkeeping (probes, flush). ``exact``:
         ``(k, v)`` (B, H, S, D) rows attended beside the window, every row of them by every query
         (``kivi``'s flushed sinks; the caller makes sure no row's window is padded then)."""
-        from kvpress.kernels import native
-
         B, H_q, _, D = q.shape
         H = k_new.shape[1]
         q_start = self.seen
