@@ -117,7 +117,7 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     Parameters
     ----------
     model : transformers.PreTrainedModel
-        A loaded Llama / Qwen2 / Mistral causal LM.
+        A loaded causal LM of a supported family (``kvpress.adapters.SUPPORTED_FAMILIES``).
     policy : Policy
         From :func:`kvpress.get_policy`.
 

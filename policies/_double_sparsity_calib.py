@@ -89,7 +89,7 @@ def calibrate(model, token_ids: torch.Tensor, *, seq_len: int = 1024,
 
     Parameters
     ----------
-    model : PreTrainedModel (Llama / Qwen2 / Mistral family)
+    model : PreTrainedModel of a supported family (``kvpress.adapters.SUPPORTED_FAMILIES``)
     token_ids : Tensor [N] (long)
         Calibration tokens; chunks shorter than 2 tokens are dropped.
     seq_len : int

@@ -311,7 +311,7 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
     Parameters
     ----------
     model : PreTrainedModel
-        Llama / Qwen2 / Mistral causal LM (kept frozen; restored afterwards).
+        Causal LM of a supported family (kept frozen; restored afterwards).
     tokenizer
         Its tokenizer, for the passkey prompts (chat template used when present).
     samples : iterable of (LongTensor [1, T], int), optional

@@ -10,7 +10,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Under pytest-xdist every worker gets one core; oversubscribed BLAS threads slow everything down.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
-FAMILIES = ("llama", "qwen2", "mistral")
+# every family kvpress.adapters supports; the contract tests run each policy on each
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "olmo2", "gemma", "granite")
 
 
 @pytest.fixture
@@ -24,25 +25,21 @@ def torch_threads():
 def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
                head_dim: int = 16):
     """A randomly initialised causal LM of ``family`` with ``head_dim``-dim heads (fp32, eval mode)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }
-    config_cls, model_cls = classes[family]
     kwargs = dict(
         vocab_size=256, hidden_size=head_dim * heads, intermediate_size=96, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
         pad_token_id=0, bos_token_id=1, eos_token_id=255,
     )
     if family == "mistral":
-        kwargs["sliding_window"] = None
-    if family == "qwen2":
+        kwargs["sliding_window"] = None  # the default 4096-token window is refused (full attention only)
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
+    if family == "qwen3_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs)).eval()
     model.generation_config.pad_token_id = 0
     return model
 

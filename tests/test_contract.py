@@ -1,4 +1,4 @@
-"""Contract tests every registered policy joins automatically (tiny Llama / Qwen2 / Mistral)."""
+"""Contract tests every registered policy joins automatically (a tiny random model of every supported family)."""
 
 import copy
 

@@ -4,9 +4,17 @@ An adapter answers what policies need to know about a loaded model — its decod
 attention modules, head counts, head_dim, and how its rotary position embedding (RoPE) rotates
 a vector — so policies never walk ``model.model.layers`` themselves.
 
-Supported families: Llama (SmolLM2, Llama 2/3), Qwen2 and Mistral. They share the HF attention
-layout (``q_proj/k_proj/v_proj``, ``rotate_half`` RoPE applied to the whole head, no q/k norm),
-so one class serves all three; another family gets a clear error.
+Supported families (``config.model_type``): Llama (SmolLM2, Llama 2/3), Mistral, Qwen2, Qwen3,
+Qwen3-MoE, OLMo 2, Gemma and Granite. kvpress meets a model at two of transformers' own
+integration points -- the cache's ``update`` receives post-RoPE keys and values, the registered
+attention function receives post-RoPE queries -- so what a family does before RoPE (Qwen3's and
+OLMo 2's q/k norms, Granite's attention multiplier as ``scaling``, Gemma's embedding scale, a
+MoE MLP) is invisible to the policies. What they do rely on, and what the families above share
+(checked per family by tests/test_adapters.py): ``rotate_half`` RoPE over the whole head with
+frequencies from ``base_model.rotary_emb`` (pre-RoPE keys are recovered by an exact inverse
+rotation), full causal attention in every layer, and no extra terms in the softmax (logit
+soft-capping, attention sinks). Another family, or a model whose layers use sliding-window
+attention, gets a clear error.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "gemma", "granite")
 # RoPE variants whose frequencies do not depend on the sequence length, so a rotation by an
 # angle difference is exact. "dynamic" NTK scaling re-derives frequencies per length: refused.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -29,7 +37,7 @@ class ModelAdapter:
     Attributes
     ----------
     family : str
-        ``config.model_type`` ("llama", "mistral" or "qwen2").
+        ``config.model_type``, one of ``SUPPORTED_FAMILIES``.
     num_layers, num_heads, num_kv_heads, head_dim : int
         Decoder layers, query heads, key/value heads and the per-head dimension.
     """
@@ -106,7 +114,8 @@ def get_adapter(model) -> ModelAdapter:
         ``model`` is not a transformers ``PreTrainedModel``.
     ValueError
         The family is not supported (the message lists the supported ones), the model has no KV
-        cache support, or its RoPE variant cannot be rotated exactly.
+        cache support, its RoPE variant cannot be rotated exactly, or some of its layers use
+        sliding-window attention.
     """
     try:
         from transformers import PreTrainedModel
@@ -130,6 +139,14 @@ def get_adapter(model) -> ModelAdapter:
     rope_type = _rope_type(config)
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    sliding = _sliding_layers(model)
+    if sliding:
+        layers = ", ".join(str(i) for i in sliding[:8]) + (" ..." if len(sliding) > 8 else "")
+        raise ValueError(
+            f"{type(model).__name__} uses sliding-window attention in layers {layers} (sliding_window="
+            f"{getattr(config, 'sliding_window', None)}); kvpress policies assume full causal attention in every layer, "
+            "so they would attend past the window. Supported: models whose layers all attend the whole context "
+            "(e.g. Mistral v0.2+ and Qwen2/Qwen3 configs with sliding_window=None / use_sliding_window=False)")
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -142,6 +159,19 @@ def get_adapter(model) -> ModelAdapter:
         head_dim=head_dim,
         model_id=str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "")),
     )
+
+
+def _sliding_layers(model) -> list[int]:
+    """Indices of the decoder layers whose attention is limited to a sliding window."""
+    config = model.config
+    types = getattr(config, "layer_types", None) or []
+    out = {i for i, t in enumerate(types) if t != "full_attention"}
+    # Mistral passes config.sliding_window to every layer; Qwen2/Qwen3 set it per layer on the module
+    every = config.sliding_window if config.model_type == "mistral" else None
+    for i, layer in enumerate(model.base_model.layers):
+        if every is not None or getattr(layer.self_attn, "sliding_window", None) is not None:
+            out.add(i)
+    return sorted(out)
 
 
 def _rope_type(config) -> str:

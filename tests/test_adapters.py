@@ -1,0 +1,76 @@
+"""What the adapter promises per family: its RoPE is the model's, and unsupported layouts are refused."""
+
+import importlib
+
+import pytest
+import torch
+
+import kvpress
+
+from conftest import FAMILIES, random_ids, tiny_model
+
+
+def _cached_keys(model, ids):
+    out = model(ids, use_cache=True)
+    return [layer.keys.clone() for layer in out.past_key_values.layers]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_rope_is_the_models_own(family, monkeypatch):
+    """The adapter's rotation maps the keys the model caches without RoPE onto the keys it caches
+    with RoPE, and its inverse maps them back: whatever the family does before RoPE (q/k norms,
+    multipliers) ShadowKV's and StreamingLLM's pre-RoPE keys are the model's."""
+    model = tiny_model(family, seed=3)
+    adapter = kvpress.get_adapter(model)
+    assert (adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim) == (
+        family, 2, 4, 2, 16)
+    ids = random_ids(40, seed=1)
+    with torch.no_grad():
+        post = _cached_keys(model, ids)
+        modeling = importlib.import_module(type(adapter.attention_modules()[0]).__module__)
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, *args, **kwargs: (q, k))
+        pre = _cached_keys(model, ids)
+    pos = torch.arange(ids.shape[1])[None, None, :]
+    # only layer 0 sees the same input in both runs (later layers see what RoPE changed upstream)
+    for k_post, k_pre in zip(post[:1], pre[:1]):
+        assert k_post.shape == (1, 2, 40, 16)
+        assert not torch.allclose(k_post, k_pre, atol=1e-3)  # RoPE did rotate them
+        torch.testing.assert_close(adapter.invert_rope(k_post, pos), k_pre, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(adapter.rotate(k_pre, pos), k_post, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_under_apply_equals_the_unpatched_model(family):
+    """Our cache and attention function reproduce each family's own attention (its scaling,
+    norms, masks): same logits for a prompt, same greedy continuation and scores."""
+    model = tiny_model(family, seed=4)
+    ids = random_ids(33, seed=2)
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        ref_logits, ref = model(ids).logits, model.generate(ids, **kw)
+        with kvpress.apply(model, kvpress.get_policy("full")):
+            logits, out = model(ids, use_cache=True).logits, model.generate(ids, **kw)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=1e-4, rtol=0)
+    assert isinstance(out.past_key_values, kvpress.PolicyCache)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("mistral", dict(sliding_window=4096)),  # Mistral v0.1's config: every layer slides
+    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
+])
+def test_sliding_window_layers_are_refused(family, overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=1, **overrides)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match="sliding-window attention in layers .*full causal attention"):
+        kvpress.get_adapter(model)
+    with pytest.raises(ValueError, match="sliding-window"):
+        with kvpress.apply(model, kvpress.get_policy("full")):
+            pass
+    assert model.config.to_dict() == before  # refused before anything was patched
