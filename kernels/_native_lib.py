@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build
@@ -47,6 +47,9 @@ _SIGNATURES = {
                           _P], _INT),
     "kvp_gear_extra": ([_INT, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
     "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
+    "kvp_shadowkv_select": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P,
+                             _I64, _I64, _F32, _INT, _P, _P], _INT),
+    "kvp_attend_rows": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _F32, _P, _P], _INT),
 }
 
 

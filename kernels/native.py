@@ -17,12 +17,17 @@ bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in on
 - `quant_attend` -- a whole decode step of a quantized policy: packed segments (`PackedSegment`:
   ``kivi``'s store, ``zipcache``'s two, ``gear``'s with its corrections, `GearParts`), exact rows
   (``kivi``'s sinks) and the full-precision window under one softmax;
+- `shadowkv_select` -- ``shadowkv``'s chunk selection: landmark scores, the shortlist, its keys
+  rebuilt from the low-rank factors with RoPE and re-scored exactly, the chosen chunks' ids and
+  rebuilt keys (`kvpress.kernels.shadowkv_rebuild`'s math);
+- `attend_rows` -- exact attention over a few row sets (a prefix of rows per (row, KV head) each)
+  under one softmax: ``sparse_decode`` of each set merged by ``merge_states``, in one call;
 - `gear_key_extra` / `gear_value_extra` -- ``gear``'s low-rank error (per-chunk right factors,
   token-aligned left factors), exact outliers and sink corrections, added to scores / outputs.
 
 fp32 only (queries, probabilities, outputs; the codes are uint8, the scales fp16). The torch
 implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.kernels.tail`,
-`kvpress.kernels.scores`, `kvpress.kernels.quant`, ``gear``'s torch path);
+`kvpress.kernels.scores`, `kvpress.kernels.quant`, ``gear``'s and ``shadowkv``'s torch paths);
 ``tests/kernels/test_native.py`` and ``tests/kernels/test_native_quant.py`` compare them. The
 library is built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
 ``-O3 -march=native -fopenmp``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
@@ -41,6 +46,8 @@ Files: ``_native_lib.py`` builds and loads the library (and holds the input help
 ``native_quant.py`` holds the packed-store readers, re-exported here; this module the sparse ones.
 """
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -153,3 +160,112 @@ def label_select(q: torch.Tensor, channels: torch.Tensor, labels: torch.Tensor, 
     if rc != 0:
         raise RuntimeError(f"kvp_label_select refused its inputs (code {rc})")
     return ids
+
+
+def shadowkv_unsupported(q: torch.Tensor, landmarks: torch.Tensor, factor: torch.Tensor, basis: torch.Tensor) -> str | None:
+    """Why `shadowkv_select` cannot run these tensors, or None when it can."""
+    if not _fp32_cpu(q, landmarks, factor, basis):
+        return "it needs fp32 CPU tensors"
+    if q.shape[-1] % 2 or q.shape[-1] > 512 or q.shape[1] // landmarks.shape[1] > 8:
+        return "it needs an even head_dim <= 512 and at most 8 query heads per KV head"
+    return None
+
+
+def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
+                    basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
+                    k: int, shortlist: int, chunk_size: int, scale: float,
+                    reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """ShadowKV's chunk selection of one decode step (the math of ``ShadowKVLayer._attend_selected``).
+
+    Parameters
+    ----------
+    q : (B, H_q, D) fp32
+    landmarks : (B, H_kv, C, D) fp32 chunk mean keys
+    selectable : bool (B, H_kv, C), the chunks each KV head may select
+    factor, basis : (B, T_pad, R) and (B, R, H_kv, D) fp32, the low-rank pre-RoPE keys
+    inv_freq : (D / 2,) fp32; rope_start : (B,) int, each row's RoPE position 0 (padded index)
+    allow : (B, H_kv) int, chunks each (row, KV head) may take (<= ``k``)
+    k : slots of the result; shortlist : landmark shortlist size (> ``k``: re-scored on rebuilt keys)
+    reduction : one of ``kvpress.kernels.REDUCTIONS``
+
+    Returns
+    -------
+    ids int32 (B, H_kv, k): chosen chunks ascending, -1 after; keys fp32 (B, H_kv, k * chunk_size, D):
+    their rebuilt post-RoPE keys, zeros in empty slots.
+    """
+    lib = _lib()
+    B, H_q, D = q.shape
+    H, C = landmarks.shape[1], landmarks.shape[2]
+    T_pad, R = factor.shape[1], factor.shape[2]
+    why = shadowkv_unsupported(q, landmarks, factor, basis)
+    if why is not None:
+        raise ValueError(f"shadowkv_select cannot run these inputs: {why}")
+    if reduction not in REDUCTION_CODES:
+        raise ValueError(f"reduction must be one of {tuple(REDUCTION_CODES)}, got {reduction!r}")
+    if (landmarks.shape != (B, H, C, D) or selectable.shape != (B, H, C) or factor.shape[0] != B
+            or basis.shape != (B, R, H, D) or inv_freq.shape != (D // 2,) or rope_start.shape != (B,)
+            or allow.shape != (B, H) or C * chunk_size > T_pad or not 0 <= k <= C or max(k, shortlist) > C):
+        raise ValueError(f"shadowkv_select got inconsistent shapes: q {tuple(q.shape)}, landmarks "
+                         f"{tuple(landmarks.shape)}, selectable {tuple(selectable.shape)}, factor {tuple(factor.shape)}, "
+                         f"basis {tuple(basis.shape)}, k={k}, shortlist={shortlist}, chunk_size={chunk_size}")
+    sel = selectable.to(torch.uint8).contiguous()
+    any_sel = selectable.any(1).to(torch.uint8).contiguous()
+    ids = torch.empty(B, H, k, dtype=torch.int32)
+    keys = torch.empty(B, H, k * chunk_size, D, dtype=torch.float32)
+    q, landmarks, factor, basis = (t.contiguous() for t in (q, landmarks, factor, basis))
+    inv_freq = inv_freq.to(torch.float32).contiguous()
+    rope_start = rope_start.to(torch.int64).contiguous()
+    allow = allow.to(torch.int32).contiguous()
+    rc = lib.kvp_shadowkv_select(
+        q.data_ptr(), B, H_q, H, D, landmarks.data_ptr(), C, sel.data_ptr(), any_sel.data_ptr(),
+        factor.data_ptr(), T_pad, R, basis.data_ptr(), inv_freq.data_ptr(), rope_start.data_ptr(), chunk_size,
+        allow.data_ptr(), k, shortlist, float(scale), REDUCTION_CODES[reduction], ids.data_ptr(), keys.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_shadowkv_select refused its inputs (code {rc})")
+    return ids, keys
+
+
+class _Rows(ctypes.Structure):
+    """``kvp_rows`` of csrc/cpu_decode.c (field order and types must match)."""
+
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64),
+                ("cnt", ctypes.c_void_p), ("n", ctypes.c_int64)]
+
+
+def attend_rows(q: torch.Tensor, sets: list[tuple], *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of ``q`` (B, H_q, D) fp32 over the union of up to 8 row sets, one softmax.
+
+    Each set is ``(k, v, cnt, n)``: fp32 (B, H_kv, n_cap, D) keys and values with dense (n, D) dims
+    and the same strides, and the rows in use -- the first ``cnt[b, h]`` (int32 (B, H_kv)) or, with
+    ``cnt=None``, the first ``n`` of every (row, KV head); ``n <= n_cap``. Returns fp32 out
+    (B, H_q, D) and lse (B, H_q) (zeros / -inf where no row is in use), as `sparse_decode` of each
+    set merged with `merge_states`.
+    """
+    lib = _lib()
+    B, H_q, D = q.shape
+    if not sets or len(sets) > 8:
+        raise ValueError(f"attend_rows takes 1 to 8 row sets, got {len(sets)}")
+    rows, keep = (_Rows * len(sets))(), []
+    for i, (k, v, cnt, n) in enumerate(sets):
+        H = k.shape[1]
+        if (not _fp32_cpu(q, k, v) or k.shape != v.shape or k.stride() != v.stride() or not _rows_contiguous(k)
+                or k.shape[0] != B or k.shape[3] != D or H_q % H or H_q // H > 8 or not 0 <= n <= k.shape[2]):
+            raise ValueError(f"attend_rows set {i}: needs fp32 CPU k / v (B={B}, H_kv, n_cap >= n={n}, D={D}) of one "
+                             f"shape and strides with dense (n, D) dims, at most 8 query heads per KV head; got "
+                             f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)}")
+        if cnt is not None:
+            cnt = cnt.to(torch.int32).contiguous()
+            if cnt.shape != (B, H):
+                raise ValueError(f"attend_rows set {i}: cnt must have shape (B, H_kv) = {(B, H)}, got {tuple(cnt.shape)}")
+            keep.append(cnt)
+        rows[i] = _Rows(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), _ptr(cnt), int(n))
+    if len({s[0].shape[1] for s in sets}) != 1:
+        raise ValueError("attend_rows: every set must have the same number of KV heads")
+    q = q.contiguous()
+    out = torch.empty(B, H_q, D, dtype=torch.float32)
+    lse = torch.empty(B, H_q, dtype=torch.float32)
+    rc = lib.kvp_attend_rows(q.data_ptr(), B, H_q, sets[0][0].shape[1], D, ctypes.addressof(rows), len(sets),
+                             float(scale), out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvp_attend_rows refused its inputs (code {rc})")
+    return out, lse

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
+from kvpress.kernels import native
 from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_scores, landmark_tail_estimate,
                              merge_states, sparse_decode)
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
@@ -339,11 +340,28 @@ class ShadowKVLayer(CacheLayer):
 
     def _decode(self, q, k_new, v_new, scaling):
         p = self.policy
-        B, H_q, _, D = q.shape
-        H, dev = k_new.shape[1], q.device
         self._append_generated(k_new, v_new)
         self.seen += 1
         q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
+        # chunks each (row, KV head) may add: what its own exact tokens and the generated ones leave
+        allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
+        allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
+        k_sel = int(allow.max()) if allow.numel() else 0
+        if self._native_step_ok(q0):
+            out, lse, ids, values = self._native_step(q0, k_sel, allow, scaling)
+        else:
+            out, lse, ids, values = self._torch_step(q0, k_sel, allow, scaling)
+        if p.tail_chunk and self.max_selectable:
+            o, l = self._tail(q0, ids, values, scaling)
+            out, lse = merge_states(out, lse, o.to(out.dtype), l)
+        attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
+        self.max_attended = max(self.max_attended, attended + self.gen_len)
+        return out[:, :, None]
+
+    def _torch_step(self, q0, k_sel, allow, scaling):
+        """Generated tokens, exact tokens and selected chunks, each through `sparse_decode`, merged."""
+        B, _, D = q0.shape
+        H, dev = self.gen_k.shape[1], q0.device
         full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
         gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
         out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._decode_backend,
@@ -353,31 +371,51 @@ class ShadowKVLayer(CacheLayer):
             o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
                                  validate_index=False)
             out, lse = merge_states(out, lse, o, l)
-        # chunks each (row, KV head) may add: what its own exact tokens and the generated ones leave
-        allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
-        allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
-        k_sel = int(allow.max()) if allow.numel() else 0
         ids = values = None
         if k_sel:
             o, l, ids, values = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
             out, lse = merge_states(out, lse, o, l)
-        if p.tail_chunk and self.max_selectable:
-            o, l = self._tail(q0, ids, values, scaling)
-            out, lse = merge_states(out, lse, o.to(out.dtype), l)
-        attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
-        self.max_attended = max(self.max_attended, attended + self.gen_len)
-        return out[:, :, None]
+        return out, lse, ids, values
+
+    def _native_step_ok(self, q0: torch.Tensor) -> bool:
+        """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
+        return (self.policy.backend == "auto" and q0.device.type == "cpu" and q0.dtype == torch.float32
+                and self.gen_k.dtype == torch.float32 and native.available()
+                and (self.landmarks is None
+                     or native.shadowkv_unsupported(q0, self.landmarks, self.factor, self.basis) is None))
+
+    def _native_step(self, q0, k_sel, allow, scaling):
+        """`native.shadowkv_select` (selection and the chosen chunks' keys), the values fetched, then
+        `native.attend_rows` over generated tokens, exact tokens and chosen chunks under one softmax."""
+        p = self.policy
+        B, _, D = q0.shape
+        H, cs = self.gen_k.shape[1], p.chunk_size
+        sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
+        if self.exact_max:
+            sets.append((self.exact_k, self.exact_v, self.exact_cnt, self.exact_max))
+        ids = values = None
+        if k_sel:
+            n_cand = min(k_sel * p.rerank, self.max_selectable)
+            ids, keys = native.shadowkv_select(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                                               self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
+                                               shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                                               reduction=p.score_reduction)
+            values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
+            self.sel_idx, self.sel_values = ids, values
+            rows = (ids >= 0).sum(-1).to(torch.int32) * cs
+            sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
+        out, lse = native.attend_rows(q0, sets, scale=scaling)
+        return out, lse, ids, values
 
     def _attend_selected(self, q0, k_sel, allow, scaling):
         """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head: rebuild their keys, fetch their values, attend."""
         p = self.policy
-        B, H, C, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
+        inv_freq = self._rope_inv_freq(dev)
+        n_cand = min(k_sel * p.rerank, self.max_selectable)
         scores = landmark_scores(q0, self.landmarks, scale=scaling, reduction=p.score_reduction,
                                  mask=self.selectable.any(1))  # (B, H, C) GQA group reduced
         scores = scores.masked_fill(~self.selectable, float("-inf"))
-        inv_freq = self._rope_inv_freq(dev)
-        n_cand = min(k_sel * p.rerank, self.max_selectable)
         if n_cand > k_sel:
             ids, keys = self._rerank(q0, scores, n_cand, k_sel, allow, scaling, inv_freq)
         else:
@@ -385,6 +423,12 @@ class ShadowKVLayer(CacheLayer):
         if keys is None:
             keys = shadowkv_rebuild(self.factor, self.basis, ids, inv_freq, self.rope_start,
                                     chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
+        return self._attend_chunks(q0, ids, keys, k_sel, scaling)
+
+    def _attend_chunks(self, q0, ids, keys, k_sel, scaling):
+        """Fetch the values of chunks ``ids`` (B, H, k_sel) and attend them with their ``keys``."""
+        B, H, _, D = self.landmarks.shape
+        cs, dev = self.policy.chunk_size, q0.device
         values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
         self.sel_idx, self.sel_values = ids, values
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)

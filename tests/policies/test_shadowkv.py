@@ -310,3 +310,30 @@ def test_tail_left_padded_rows_estimate_as_when_run_alone(model):
     both = scores(batch, mask)
     torch.testing.assert_close(both[0], scores(long)[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(both[1], scores(short)[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not kvpress.kernels.native.available(), reason="native CPU kernels not built here")
+@pytest.mark.parametrize("kw", [dict(), dict(rerank=1), dict(rerank=4, tail_chunk=16),
+                                dict(score_reduction="mean", rerank=3), dict(budget=200)])
+def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
+    """On fp32 CPU tensors ``backend="auto"`` runs a step as `native.shadowkv_select` +
+    `native.attend_rows` (+ the tail in torch): same tokens, logits and host transfers as the torch
+    path, left-padded batch included; ``budget=200`` covers the prompt (no selection at all)."""
+    from kvpress.kernels import native
+
+    calls = []
+    real = native.attend_rows
+    monkeypatch.setattr(native, "attend_rows", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    ids = random_ids(PROMPT, batch=2, seed=8)
+    mask = torch.ones_like(ids)
+    mask[1, :29] = 0
+    outs = {}
+    for backend in ("torch", "auto"):
+        with torch.no_grad(), kvpress.apply(model, policy(backend=backend, **kw)):
+            outs[backend] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                           return_dict_in_generate=True, output_scores=True)
+    assert len(calls) == 2 * 5  # layers x decode steps, all native under "auto", none under "torch"
+    assert torch.equal(outs["torch"].sequences, outs["auto"].sequences)
+    torch.testing.assert_close(torch.stack(outs["auto"].scores), torch.stack(outs["torch"].scores), atol=1e-4, rtol=0)
+    for a, b in zip(outs["torch"].past_key_values.layers, outs["auto"].past_key_values.layers):
+        assert a.transfer_stats() == b.transfer_stats()
