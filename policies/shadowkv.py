@@ -108,8 +108,20 @@ class ShadowKVPolicy(Policy):
     to 72.5% of ``full``: there the low-rank keys are the loss (see above); ``rerank=32`` with the
     tail scores 90.0% of ``full`` over all 32 (session 13; 92.2% over the first 22). At 8k over
     39 samples that configuration keeps 20 of ``full``'s 22 needles (90.9%; sessions 13-14, two
-    digits dropped in the copy). It is slow on CPU (0.32x ``full``'s decode speed at 8k, the
-    default 0.65x), so defaults stay.
+    digits dropped in the copy). In that configuration the keys are not what loses at 4k (session
+    20, five of the multivalue samples it loses, BENCHMARKS "Session 20"): exact keys
+    (``rank=192``), ``rank=96``, no outlier chunks with every chunk re-scored on exact keys, and a
+    320-token budget each leave samples 8, 16 and 21 lost, which exact *token* selection
+    (``exact_topk@256``) keeps -- the chunk granularity at this budget is.
+
+    CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
+    calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
+    shortlist's keys rebuilt with RoPE, exact re-scoring, the chosen chunks' keys) and
+    ``attend_rows`` (generated, exact and chosen tokens under one softmax), with the value fetch
+    (and the tail) in Python between them; same tokens and transfers as the torch path (tests).
+    At 8k on SmolLM2 (``kvpress bench --interleave``, budget 256, one / two threads) the default
+    decodes at 1.32x / 1.24x ``full`` (the torch path 0.74x / 0.69x) and ``rerank=32:tail_chunk=64``
+    at 0.82x / 0.77x (torch 0.38x) -- its 32x shortlist's key rebuild is the cost -- so defaults stay.
     """
 
     budget: int = 2048
