@@ -1305,8 +1305,10 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
     if (G * H != Hq || G > 8 || D % 2 || D > 512 || cs <= 0 || T_pad < 0 || k < 0 || C * cs > T_pad || M > C
         || reduction < 0 || reduction > 3) return -1;
     int soft = reduction >= 2, rerank = n_cand > k;
+    int64_t max_pos = 0;  /* the largest position any row's chunk can start at */
+    for (int64_t b = 0; b < B; ++b) max_pos = T_pad - rope_start[b] > max_pos ? T_pad - rope_start[b] : max_pos;
     kvp_rope rope;
-    if (rope_init(&rope, inv_freq, half, cs, T_pad) != 0) return -3;
+    if (rope_init(&rope, inv_freq, half, cs, max_pos) != 0) return -3;
     int64_t nk = rerank ? n_cand * cs : 0;
     int nt = team(B * H, (double)(B * H) * (double)(G * C * D + (rerank ? nk * (R + G) * D : k * cs * R * D))), rc = 0;
     (void)nt;  /* unused in a build without OpenMP */
