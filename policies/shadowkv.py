@@ -435,12 +435,7 @@ class ShadowKVLayer(CacheLayer):
         if keys is None:
             keys = shadowkv_rebuild(self.factor, self.basis, ids, inv_freq, self.rope_start,
                                     chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
-        return self._attend_chunks(q0, ids, keys, k_sel, scaling)
-
-    def _attend_chunks(self, q0, ids, keys, k_sel, scaling):
-        """Fetch the values of chunks ``ids`` (B, H, k_sel) and attend them with their ``keys``."""
         B, H, _, D = self.landmarks.shape
-        cs, dev = self.policy.chunk_size, q0.device
         values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
         self.sel_idx, self.sel_values = ids, values
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
