@@ -8,7 +8,7 @@ import torch
 from .index import SparseIndex
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_GROUP = 8
+MAX_GROUP = 8  # largest GQA group (query heads per KV head) of the Triton and native kernels; torch: any
 
 
 class DecodeDims(NamedTuple):
@@ -58,8 +58,8 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"k_cache batch size {B_k} != q batch size {B}")
     if D_k != D:
         raise ValueError(f"k_cache head_dim {D_k} != q head_dim {D}")
-    if H_kv == 0 or H_q % H_kv != 0 or not 1 <= H_q // H_kv <= MAX_GROUP:
-        raise ValueError(f"H_q ({H_q}) must be G * H_kv ({H_kv}) with G in 1..{MAX_GROUP}")
+    if H_kv == 0 or H_q % H_kv != 0:
+        raise ValueError(f"H_q ({H_q}) must be a multiple G * H_kv of the KV heads ({H_kv})")
     if index.batch_size != B or index.num_kv_heads != H_kv:
         raise ValueError(f"index is for (B, H_kv) = {(index.batch_size, index.num_kv_heads)}, "
                          f"cache has {(B, H_kv)}")

@@ -6,6 +6,7 @@ import importlib.util
 
 import torch
 
+from .checks import MAX_GROUP
 from .index import SparseIndex
 from .torch_decode import torch_sparse_decode
 from .triton_decode import TRITON_HEAD_DIMS
@@ -28,8 +29,9 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Parameters
     ----------
     q : torch.Tensor
-        ``(B, H_q, D)``, fp16 / bf16 / fp32, last dim contiguous. ``H_q = G * H_kv`` with G in
-        1..8; query head ``h`` uses KV head ``h // G`` (HF ``repeat_kv`` order).
+        ``(B, H_q, D)``, fp16 / bf16 / fp32, last dim contiguous. ``H_q = G * H_kv``; query head
+        ``h`` uses KV head ``h // G`` (HF ``repeat_kv`` order). The triton and native kernels take
+        G up to ``MAX_GROUP`` (8); ``"auto"`` runs larger groups on the torch path.
     k_cache, v_cache : torch.Tensor
         ``(B, H_kv, T_cap, D)``, q's dtype and device. Only the last dim must be contiguous
         (stride 1); batch, head and token strides are free, so the tokens of one head are rows
@@ -40,7 +42,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
     backend : {"auto", "triton", "torch", "native"}
-        ``"triton"``: CUDA tensors, head_dim 64 or 128. ``"torch"``: any device (the fast path
+        ``"triton"``: CUDA tensors, head_dim 64 or 128, G <= 8. ``"torch"``: any device (the fast path
         on CPU: it gathers only the selected rows). ``"native"``: fp32 CPU tensors and a clean
         index (no padding slots), one compiled C call (`kvpress.kernels.native`; an error when
         it cannot run the inputs). ``"auto"``: triton for CUDA tensors with a supported
@@ -69,7 +71,8 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         backend, validate_index = "torch", False  # validated by _native_decode
     if backend == "auto":
         use_triton = (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 3
-                      and q.shape[-1] in TRITON_HEAD_DIMS and triton_available())
+                      and q.shape[-1] in TRITON_HEAD_DIMS and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4
+                      and k_cache.shape[1] and q.shape[1] // k_cache.shape[1] <= MAX_GROUP and triton_available())
         backend = "triton" if use_triton else "torch"
     if backend == "triton":
         from .triton_decode import triton_sparse_decode

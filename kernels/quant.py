@@ -452,7 +452,8 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     seq_starts : int (B,) or None
         Tokens before ``seq_starts[b]`` are not attended (left padding).
     scale : float, default ``D ** -0.5``.
-    backend : "auto" (triton on CUDA when importable), "triton", or "torch".
+    backend : "auto" (triton on CUDA when importable, for the head dims and GQA groups (<= 8) it
+        takes), "triton", or "torch".
 
     Returns
     -------
@@ -463,7 +464,11 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     if backend == "auto":
         from .decode import triton_available
 
-        backend = "triton" if (q.is_cuda and triton_available()) else "torch"
+        # the triton kernel takes GQA groups up to 8 and its head dims; the torch path everything else
+        from .triton_quant import TRITON_QUANT_HEAD_DIMS
+
+        fits = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= 8
+        backend = "triton" if (q.is_cuda and fits and triton_available()) else "torch"
     if backend == "triton":
         from .triton_quant import triton_quant_decode
 

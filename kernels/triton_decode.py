@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .checks import check_decode_inputs
+from .checks import MAX_GROUP, check_decode_inputs
 from .index import SparseIndex
 
 TRITON_HEAD_DIMS = (64, 128)
@@ -67,6 +67,9 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     B, H_q, H_kv, G, T_cap, D = check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
     if D not in TRITON_HEAD_DIMS:
         raise ValueError(f"triton backend supports head_dim in {TRITON_HEAD_DIMS}, got {D}; "
+                         "use backend='torch' (or 'auto', which falls back to it)")
+    if G > MAX_GROUP:
+        raise ValueError(f"triton backend supports GQA groups of 1..{MAX_GROUP} query heads per KV head, got {G}; "
                          "use backend='torch' (or 'auto', which falls back to it)")
     require_cuda_or_interpreter(q, "the triton sparse_decode backend")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):

@@ -385,7 +385,7 @@ class DoubleSparsityLayer(DenseLayer):
         """Whether `select`'s unpadded hot path can run natively: backend ``auto``, fp32 CPU
         labels and keys in this layer's layout, and the native kernels built."""
         return (self.policy.backend == "auto" and self.policy.label_bits == 16 and q0.device.type == "cpu"
-                and q0.dtype == torch.float32 and self.labels.dtype == torch.float32
+                and q0.shape[1] // self.channels.shape[0] <= 8 and q0.dtype == torch.float32 and self.labels.dtype == torch.float32
                 and self.buffer.k.dtype == torch.float32 and self.buffer.k.is_contiguous() and native.available())
 
     def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:

@@ -392,7 +392,7 @@ class ShadowKVLayer(CacheLayer):
     def _native_step_ok(self, q0: torch.Tensor) -> bool:
         """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
         return (self.policy.backend == "auto" and q0.device.type == "cpu" and q0.dtype == torch.float32
-                and self.gen_k.dtype == torch.float32 and native.available()
+                and self.gen_k.dtype == torch.float32 and q0.shape[1] // self.gen_k.shape[1] <= 8 and native.available()
                 and (self.landmarks is None
                      or native.shadowkv_unsupported(q0, self.landmarks, self.factor, self.basis) is None))
 

@@ -34,6 +34,7 @@ CLEAN = [  # (B, H_kv, G, D, T_cap, index builder) -- every one a clean index
     (1, 2, 8, 64, 96, lambda: SparseIndex(16, torch.tensor([[[1, 3], [2, 4]]], dtype=torch.int32),
                                            torch.full((1, 2), 2, dtype=torch.int32), torch.tensor([96], dtype=torch.int32),
                                            None, 2, 16)),  # pages of 16 tokens
+    (1, 2, 16, 32, 80, lambda: token_index(1, 2, 80, 10, 2, 4, seed=3)),  # a GQA group of 16 (Qwen3-235B's)
 ]
 
 
