@@ -49,8 +49,11 @@ def check_quant_config(bits: int, group_size: int, head_dim: int | None = None) 
     if group_size not in ALLOWED_GROUP_SIZES:
         raise ValueError(f"group_size={group_size!r} is not supported; allowed: {list(ALLOWED_GROUP_SIZES)}")
     if head_dim is not None and head_dim % group_size:
-        raise ValueError(f"head_dim={head_dim} is not divisible by group_size={group_size}; "
-                         f"pick a group_size in {[g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]}")
+        fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
+        hint = (f"pick a group_size in {fits}" if fits else
+                f"no supported group size ({list(ALLOWED_GROUP_SIZES)}) divides it, so this model's KV cache "
+                "cannot be quantized in channel groups; use a policy that does not quantize")
+        raise ValueError(f"head_dim={head_dim} is not divisible by group_size={group_size}; {hint}")
 
 
 def _shifts(bits: int, device) -> torch.Tensor:

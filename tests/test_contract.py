@@ -8,7 +8,7 @@ import torch
 import kvpress
 from kvpress.stats import tensor_bytes
 
-from conftest import random_ids
+from conftest import random_ids, tiny_model
 
 POLICIES = kvpress.list_policies()
 PROMPT = 48
@@ -267,3 +267,38 @@ def test_cuda_matches_cpu_and_runs_in_bf16(name):
     half = greedy(model.to(torch.bfloat16), ids.cuda(), policy)
     assert all(torch.isfinite(s).all() for s in half.scores)
     assert kvpress.cache_stats(half.past_key_values).tokens == 160 + NEW - 1
+
+
+@pytest.fixture(scope="module")
+def odd_head_dim_model():
+    """head_dim 36: not a multiple of 8 (the compiled kernels' scalar tails) nor of any channel group."""
+    return tiny_model("llama", heads=6, kv_heads=2, head_dim=36)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_head_dim_off_the_vector_width_runs_or_is_refused_up_front(odd_head_dim_model, name):
+    """Every policy either runs on a head_dim of 36 (budget covering the sequence: ``full``'s
+    tokens) or, for the quantizers (channel groups of 8..128 cannot divide 36), refuses with a clear
+    error before anything is patched."""
+    model, adapter = odd_head_dim_model, kvpress.get_adapter(odd_head_dim_model)
+    ids = random_ids(PROMPT, seed=4)
+    ref = greedy(model, ids, kvpress.get_policy("full"))
+    try:
+        policy = example(name, adapter)
+    except ValueError as exc:
+        assert "head_dim=36" in str(exc)
+        return
+    try:
+        policy = policy.with_budget(4 * (PROMPT + NEW))
+    except ValueError:
+        pass  # no token budget
+    before = model.config.to_dict()
+    try:
+        out = greedy(model, ids, policy)
+    except ValueError as exc:
+        assert "head_dim=36 is not divisible" in str(exc) and model.config.to_dict() == before, exc
+        return
+    if policy.name in ("kivi", "zipcache", "gear"):
+        pytest.fail(f"{name} quantized a head_dim no channel group divides")
+    if getattr(policy, "budget", None) is not None:
+        assert torch.equal(out.sequences, ref.sequences)
