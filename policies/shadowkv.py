@@ -108,7 +108,8 @@ class ShadowKVPolicy(Policy):
     to 72.5% of ``full``: there the low-rank keys are the loss (see above); ``rerank=32`` with the
     tail scores 90.0% of ``full`` over all 32 (session 13; 92.2% over the first 22). At 8k over
     39 samples that configuration keeps 20 of ``full``'s 22 needles (90.9%; sessions 13-14, two
-    digits dropped in the copy). In that configuration the keys are not what loses at 4k (session
+    digits dropped in the copy), over all 48 25 of 29 (86.2%; samples 39-47 in session 20 lose
+    #43 and #46). In that configuration the keys are not what loses at 4k (session
     20, five of the multivalue samples it loses, BENCHMARKS "Session 20"): exact keys
     (``rank=192``), ``rank=96``, no outlier chunks with every chunk re-scored on exact keys, and a
     320-token budget each leave samples 8, 16 and 21 lost, which exact *token* selection
