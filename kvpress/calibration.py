@@ -85,7 +85,9 @@ def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_
         wrong = {k: (meta.get(k), expected[k]) for k in check if meta.get(k) != expected[k]}
         if wrong:
             detail = ", ".join(f"{k}: artifact {a} vs model {b}" for k, (a, b) in wrong.items())
-            raise ValueError(f"{path} was calibrated for another model ({meta.get('model_id')}): {detail}")
+            raise ValueError(f"{path} was calibrated for another model ({meta.get('model_id')}): {detail}; "
+                             f"calibrate this one with `kvpress calibrate {policy} --model MODEL --out FILE.safetensors` "
+                             "and pass artifact=FILE")
     return tensors, meta
 
 
