@@ -123,6 +123,9 @@ class ShadowKVPolicy(Policy):
     At 8k on SmolLM2 (``kvpress bench --interleave``, budget 256, one / two threads) the default
     decodes at 1.32x / 1.24x ``full`` (the torch path 0.74x / 0.69x) and ``rerank=32:tail_chunk=64``
     at 0.82x / 0.77x (torch 0.38x) -- its 32x shortlist's key rebuild is the cost -- so defaults stay.
+    At 4k, where ``full``'s attention costs half as much, the default is at 0.85x (two threads;
+    torch 0.46x): per layer its step is mostly the 8x shortlist's rebuild (rank x head_dim
+    multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
     """
 
     budget: int = 2048
