@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
-from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_scores, landmark_tail_estimate,
-                             merge_states, sparse_decode)
-from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
+from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_tail_estimate, merge_states,
+                             sparse_decode)
+from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
+from ._shadowkv_select import select_chunks
 from ._shadowkv_store import TransferCounters, fetch_chunks, low_rank, to_host, transfer_summary  # noqa: F401 (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -426,20 +427,13 @@ class ShadowKVLayer(CacheLayer):
     def _attend_selected(self, q0, k_sel, allow, scaling):
         """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head: rebuild their keys, fetch their values, attend."""
         p = self.policy
-        cs, dev = p.chunk_size, q0.device
-        inv_freq = self._rope_inv_freq(dev)
-        n_cand = min(k_sel * p.rerank, self.max_selectable)
-        scores = landmark_scores(q0, self.landmarks, scale=scaling, reduction=p.score_reduction,
-                                 mask=self.selectable.any(1))  # (B, H, C) GQA group reduced
-        scores = scores.masked_fill(~self.selectable, float("-inf"))
-        if n_cand > k_sel:
-            ids, keys = self._rerank(q0, scores, n_cand, k_sel, allow, scaling, inv_freq)
-        else:
-            ids, keys = _top_chunks(scores, k_sel, allow), None
-        if keys is None:
-            keys = shadowkv_rebuild(self.factor, self.basis, ids, inv_freq, self.rope_start,
-                                    chunk_size=cs, backend=p.backend)  # (B, H, k*cs, D)
         B, H, _, D = self.landmarks.shape
+        cs, dev = p.chunk_size, q0.device
+        n_cand = min(k_sel * p.rerank, self.max_selectable)
+        ids, keys = select_chunks(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                                  self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
+                                  shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                                  reduction=p.score_reduction, backend=p.backend)
         values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
         self.sel_idx, self.sel_values = ids, values
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
@@ -449,41 +443,6 @@ class ShadowKVLayer(CacheLayer):
         out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
                                  backend=self._decode_backend, validate_index=False)
         return out, lse, ids, values
-
-    def _rerank(self, q0, scores, n_cand, k_sel, allow, scaling, inv_freq):
-        """Landmarks shortlist ``n_cand`` chunks; their rebuilt keys' exact scores pick the top ``allow``.
-
-        A landmark is a chunk's mean key, so a chunk holding one key the query matches strongly
-        (a needle among filler) can score below chunks of uniformly mediocre keys. The rebuilt
-        low-rank keys cost ``rank`` MACs per element, and only the kept chunks' values are fetched.
-        Returns the chosen ids ``(B, H, k_sel)`` (ascending, -1 last) and their keys ``(B, H, k_sel*cs, D)``.
-        """
-        p = self.policy
-        B, H, C, D = self.landmarks.shape
-        cs, dev = p.chunk_size, q0.device
-        cand = _top_chunks(scores, n_cand, torch.full_like(allow, n_cand))  # (B, H, M) ascending, -1 last
-        keys = shadowkv_rebuild(self.factor, self.basis, cand, inv_freq, self.rope_start,
-                                chunk_size=cs, backend=p.backend)  # (B, H, M*cs, D)
-        G = q0.shape[1] // H
-        logits = (q0.float().view(B, H, G, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
-        tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
-        logits = logits.masked_fill(~tok_ok, float("-inf"))
-        if p.score_reduction.startswith("softmax"):  # normalise per query head before the group reduction
-            logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
-        tok = logits.mean(2) if p.score_reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
-        exact = tok.view(B, H, n_cand, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
-        exact = exact.masked_fill(cand < 0, float("-inf"))
-        top, slot = torch.topk(exact, k_sel, dim=-1)  # (B, H, k)
-        ok = torch.isfinite(top) & (torch.arange(k_sel, device=dev) < allow[..., None])
-        ids = torch.gather(cand, 2, slot)
-        # ascending chunk order, empty slots last (as `_top_chunks`); keys follow their chunk
-        order = torch.where(ok, ids, C).sort(dim=-1)
-        ids = torch.where(order.values < C, order.values, -1).to(torch.int32)
-        slot = torch.gather(slot, 2, order.indices)  # (B, H, k) candidate slot of each chosen chunk
-        tok_idx = (slot[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, k*cs)
-        chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k_sel * cs, D))
-        chosen = chosen * (ids >= 0).repeat_interleave(cs, dim=-1)[..., None].to(chosen.dtype)  # empty slots: zeros
-        return ids, chosen
 
     @property
     def _decode_backend(self) -> str:
@@ -528,14 +487,3 @@ def default_rank(key_dim: int) -> int:
     """Components kept when ``rank`` is None: a quarter of ``num_kv_heads * head_dim`` (at least 1)."""
     return max(1, key_dim // 4)
 
-
-def _top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tensor:
-    """Top ``allow[b, h]`` (<= ``k``) finite-scored chunks, int32 ``(B, H, k)``: ascending ids, -1 last.
-
-    Ascending order gives contiguous host reads and keeps a chunk's slot stable across steps.
-    """
-    C = scores.shape[-1]
-    top, ids = torch.topk(scores, k, dim=-1)  # (B, H, k)
-    ok = torch.isfinite(top) & (torch.arange(k, device=scores.device) < allow[..., None])
-    ids = torch.where(ok, ids, C).sort(dim=-1).values
-    return torch.where(ids < C, ids, -1).to(torch.int32)

@@ -1,12 +1,9 @@
 """ShadowKV's compiled step (`native.shadowkv_select`, `native.attend_rows`) against the torch references."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from kvpress.kernels import (REDUCTIONS, SparseIndex, landmark_scores, merge_states, native, reference_sparse_decode,
-                             torch_shadowkv_rebuild)
-from kvpress.policies.shadowkv import ShadowKVLayer, _top_chunks
+from kvpress.kernels import REDUCTIONS, SparseIndex, merge_states, native, reference_sparse_decode, torch_shadowkv_rebuild
+from kvpress.policies._shadowkv_select import select_chunks
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here (no C compiler?)")
 
@@ -23,19 +20,6 @@ def inputs(B=2, H=2, G=3, D=32, C=24, cs=8, R=12, seed=0, rope_start=(0, 5)):
     return q, landmarks, selectable, factor, basis, inv_freq, torch.tensor(rope_start, dtype=torch.long)
 
 
-def reference_select(q, landmarks, selectable, factor, basis, inv_freq, rope_start, allow, *, k, shortlist, cs,
-                     scale, reduction):
-    """The torch path of `ShadowKVLayer._attend_selected`: landmark scores, shortlist, rerank, rebuild."""
-    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction, mask=selectable.any(1))
-    scores = scores.masked_fill(~selectable, float("-inf"))
-    if shortlist > k:
-        layer = SimpleNamespace(policy=SimpleNamespace(chunk_size=cs, score_reduction=reduction, backend="torch"),
-                                landmarks=landmarks, factor=factor, basis=basis, rope_start=rope_start)
-        return ShadowKVLayer._rerank(layer, q, scores, shortlist, k, allow, scale, inv_freq)
-    ids = _top_chunks(scores, k, allow)
-    return ids, torch_shadowkv_rebuild(factor, basis, ids, inv_freq, rope_start, chunk_size=cs)
-
-
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shortlist", [5, 12, 24])
 def test_select_equals_the_torch_path(reduction, shortlist):
@@ -43,7 +27,7 @@ def test_select_equals_the_torch_path(reduction, shortlist):
     allow = torch.tensor([[5, 3], [0, 5]], dtype=torch.int32)  # per (row, KV head); one takes nothing
     kw = dict(k=5, shortlist=shortlist, scale=0.3, reduction=reduction)
     ids, keys = native.shadowkv_select(q, lm, sel, factor, basis, inv_freq, rs, allow, chunk_size=8, **kw)
-    ref_ids, ref_keys = reference_select(q, lm, sel, factor, basis, inv_freq, rs, allow, cs=8, **kw)
+    ref_ids, ref_keys = select_chunks(q, lm, sel, factor, basis, inv_freq, rs, allow, chunk_size=8, backend="torch", **kw)
     assert torch.equal(ids, ref_ids)
     assert (ids[1, 0] == -1).all() and (keys[1, 0] == 0).all()
     torch.testing.assert_close(keys, ref_keys, atol=2e-5, rtol=1e-5)

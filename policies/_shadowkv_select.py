@@ -1,0 +1,75 @@
+"""ShadowKV's chunk selection of one decode step, in torch (the reference of `native.shadowkv_select`).
+
+Same arguments and results as `kvpress.kernels.native.shadowkv_select`, plus the ``backend`` of
+the key rebuild (`kvpress.kernels.shadowkv_rebuild`): landmark scores (GQA group reduced), the
+top chunks per KV head -- or, with ``shortlist > k``, a landmark shortlist whose rebuilt keys are
+re-scored exactly -- and the chosen chunks' rebuilt post-RoPE keys.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpress.kernels import landmark_scores
+from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
+
+
+def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
+                  basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
+                  k: int, shortlist: int, chunk_size: int, scale: float, reduction: str,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``allow[b, h]`` (<= ``k``) chunks per KV head: ids int32 (B, H_kv, k) ascending, -1 after,
+    and their rebuilt keys (B, H_kv, k * chunk_size, D), zeros in empty slots."""
+    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction,
+                             mask=selectable.any(1))  # (B, H, C) GQA group reduced
+    scores = scores.masked_fill(~selectable, float("-inf"))
+    if shortlist > k:
+        return _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, k=k, shortlist=shortlist,
+                       chunk_size=chunk_size, scale=scale, reduction=reduction, backend=backend)
+    ids = top_chunks(scores, k, allow)
+    return ids, shadowkv_rebuild(factor, basis, ids, inv_freq, rope_start, chunk_size=chunk_size, backend=backend)
+
+
+def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortlist, chunk_size, scale, reduction,
+            backend):
+    """Landmarks shortlist ``shortlist`` chunks; their rebuilt keys' exact scores pick the top ``allow``.
+
+    A landmark is a chunk's mean key, so a chunk holding one key the query matches strongly
+    (a needle among filler) can score below chunks of uniformly mediocre keys. The rebuilt
+    low-rank keys cost ``rank`` MACs per element, and only the kept chunks' values are fetched.
+    """
+    B, H, C = scores.shape
+    D, cs, dev = q.shape[-1], chunk_size, q.device
+    cand = top_chunks(scores, shortlist, torch.full_like(allow, shortlist))  # (B, H, M) ascending, -1 last
+    keys = shadowkv_rebuild(factor, basis, cand, inv_freq, rope_start, chunk_size=cs, backend=backend)  # (B, H, M*cs, D)
+    G = q.shape[1] // H
+    logits = (q.float().view(B, H, G, D) * scale) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
+    tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
+    logits = logits.masked_fill(~tok_ok, float("-inf"))
+    if reduction.startswith("softmax"):  # normalise per query head before the group reduction
+        logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
+    tok = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
+    exact = tok.view(B, H, shortlist, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
+    exact = exact.masked_fill(cand < 0, float("-inf"))
+    top, slot = torch.topk(exact, k, dim=-1)  # (B, H, k)
+    ok = torch.isfinite(top) & (torch.arange(k, device=dev) < allow[..., None])
+    ids = torch.gather(cand, 2, slot)
+    # ascending chunk order, empty slots last (as `top_chunks`); keys follow their chunk
+    order = torch.where(ok, ids, C).sort(dim=-1)
+    ids = torch.where(order.values < C, order.values, -1).to(torch.int32)
+    slot = torch.gather(slot, 2, order.indices)  # (B, H, k) candidate slot of each chosen chunk
+    tok_idx = (slot[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, k*cs)
+    chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k * cs, D))
+    chosen = chosen * (ids >= 0).repeat_interleave(cs, dim=-1)[..., None].to(chosen.dtype)  # empty slots: zeros
+    return ids, chosen
+
+
+def top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tensor:
+    """Top ``allow[b, h]`` (<= ``k``) finite-scored chunks, int32 ``(B, H, k)``: ascending ids, -1 last.
+
+    Ascending order gives contiguous host reads and keeps a chunk's slot stable across steps.
+    """
+    C = scores.shape[-1]
+    top, ids = torch.topk(scores, k, dim=-1)  # (B, H, k)
+    ok = torch.isfinite(top) & (torch.arange(k, device=scores.device) < allow[..., None])
+    ids = torch.where(ok, ids, C).sort(dim=-1).values
+    return torch.where(ids < C, ids, -1).to(torch.int32)
