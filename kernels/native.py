@@ -208,8 +208,7 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
         raise ValueError(f"shadowkv_select got inconsistent shapes: q {tuple(q.shape)}, landmarks "
                          f"{tuple(landmarks.shape)}, selectable {tuple(selectable.shape)}, factor {tuple(factor.shape)}, "
                          f"basis {tuple(basis.shape)}, k={k}, shortlist={shortlist}, chunk_size={chunk_size}")
-    sel = selectable.to(torch.uint8).contiguous()
-    any_sel = selectable.any(1).to(torch.uint8).contiguous()
+    sel = selectable.contiguous() if selectable.dtype == torch.bool else (selectable != 0).contiguous()  # 1 byte each
     ids = torch.empty(B, H, k, dtype=torch.int32)
     keys = torch.empty(B, H, k * chunk_size, D, dtype=torch.float32)
     q, landmarks, factor, basis = (t.contiguous() for t in (q, landmarks, factor, basis))
@@ -217,7 +216,7 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
     rope_start = rope_start.to(torch.int64).contiguous()
     allow = allow.to(torch.int32).contiguous()
     rc = lib.kvp_shadowkv_select(
-        q.data_ptr(), B, H_q, H, D, landmarks.data_ptr(), C, sel.data_ptr(), any_sel.data_ptr(),
+        q.data_ptr(), B, H_q, H, D, landmarks.data_ptr(), C, sel.data_ptr(),
         factor.data_ptr(), T_pad, R, basis.data_ptr(), inv_freq.data_ptr(), rope_start.data_ptr(), chunk_size,
         allow.data_ptr(), k, shortlist, float(scale), REDUCTION_CODES[reduction], ids.data_ptr(), keys.data_ptr())
     if rc != 0:

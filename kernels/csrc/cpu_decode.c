@@ -1284,8 +1284,8 @@ static void softmax_or_zero(float *row, int64_t n) {
 
 /* ShadowKV's chunk selection of one decode step (kvpress/policies/shadowkv.py, `_attend_selected`).
  *
- * Row b, KV head h: landmark scores scale * q_g . lm[c] over the chunks any head may select
- * (any_sel[b, c]; the others -inf), softmax per query head for the softmax_* reductions, reduced
+ * Row b, KV head h: landmark scores scale * q_g . lm[c] over the chunks any head of the row may
+ * select (the others -inf), softmax per query head for the softmax_* reductions, reduced
  * over the group; chunks this head may not select -> -inf. With n_cand > k the top n_cand finite
  * chunks are a shortlist whose keys are rebuilt (factor @ basis[:, h], RoPE at t - rope_start[b]) and
  * re-scored exactly (softmax per query head over the shortlist's tokens, group-reduced, max over a
@@ -1293,10 +1293,10 @@ static void softmax_or_zero(float *row, int64_t n) {
  * written to ids_out (B, H, k) ascending, -1 after, and their rebuilt keys to keys_out
  * (B, H, k * cs, D), zeros in empty slots.
  *
- * q (B, Hq, D); lm (B, H, C, D); sel (B, H, C), any_sel (B, C) bytes; factor (B, T_pad, R); basis
+ * q (B, Hq, D); lm (B, H, C, D); sel (B, H, C) bytes (0 / 1: a torch bool tensor); factor (B, T_pad, R); basis
  * (B, R, H, D); inv_freq (D / 2); rope_start (B) int64; allow (B, H) int32. All fp32, contiguous. */
 int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t D,
-                        const float *lm, int64_t C, const uint8_t *sel, const uint8_t *any_sel,
+                        const float *lm, int64_t C, const uint8_t *sel,
                         const float *factor, int64_t T_pad, int64_t R, const float *basis,
                         const float *inv_freq, const int64_t *rope_start, int64_t cs,
                         const int32_t *allow, int64_t k, int64_t n_cand, float scale, int reduction,
@@ -1318,7 +1318,8 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
         int32_t *ib = malloc(sizeof(int32_t) * (size_t)(3 * C + 2 * M));
         uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)C);
         uint64_t *mark = malloc(sizeof(uint64_t) * (size_t)((C + 63) / 64 + 1));
-        int ok = fb && ib && keys && mark;
+        uint8_t *anyb = malloc((size_t)C + 1);
+        int ok = fb && ib && keys && mark && anyb;
         if (!ok) set_rc(&rc, -3);
         float *qs = fb, *sg = qs + G * D, *red = sg + G * C, *kb = red + C, *ex = kb + nk * D, *tok = ex + G * nk,
               *csc = tok + nk, *cosv = csc + M, *sinv = cosv + cs * half;
@@ -1329,7 +1330,10 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
             int64_t b = bh / H, h = bh % H, rs = rope_start[b];
             const float *qh = q + (b * Hq + h * G) * D, *lmh = lm + bh * C * D;
             const float *fac = factor + b * T_pad * R, *bas = basis + (b * R * H + h) * D;
-            const uint8_t *selh = sel + bh * C, *anyb = any_sel + b * C;
+            const uint8_t *selh = sel + bh * C;
+            memset(anyb, 0, (size_t)C);
+            for (int64_t hh = 0; hh < H; ++hh)
+                for (int64_t c = 0; c < C; ++c) anyb[c] |= sel[(b * H + hh) * C + c];
             int32_t *ids = ids_out + bh * k;
             float *kout = keys_out + bh * k * cs * D;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = qh[i] * scale;
@@ -1392,6 +1396,7 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
         free(ib);
         free(keys);
         free(mark);
+        free(anyb);
     }
     free(rope.lo);
     return rc;
