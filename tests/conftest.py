@@ -49,11 +49,16 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
 CONTRACT_MODELS = FAMILIES + ("llama-g16",)
 
 
+def contract_model(name: str, seed: int = 0):
+    """The tiny model of a ``CONTRACT_MODELS`` entry."""
+    if name == "llama-g16":
+        return tiny_model("llama", heads=16, kv_heads=1, seed=seed)
+    return tiny_model(name, seed=seed)
+
+
 @pytest.fixture(scope="session", params=CONTRACT_MODELS)
 def family_model(request):
-    if request.param == "llama-g16":
-        return tiny_model("llama", heads=16, kv_heads=1)
-    return tiny_model(request.param)
+    return contract_model(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 
 import kvpress
 
-from conftest import FAMILIES, random_ids, tiny_model
+from conftest import CONTRACT_MODELS, FAMILIES, contract_model, random_ids, tiny_model
 
 
 def _cached_keys(model, ids):
@@ -39,12 +39,12 @@ def test_adapter_rope_is_the_models_own(family, monkeypatch):
         torch.testing.assert_close(adapter.rotate(k_pre, pos), k_post, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES + ("llama-g16",))
+@pytest.mark.parametrize("family", CONTRACT_MODELS)
 def test_full_under_apply_equals_the_unpatched_model(family):
     """Our cache and attention function reproduce each family's own attention (its scaling,
     norms, masks): same logits for a prompt, same greedy continuation and scores. ``llama-g16``:
     16 query heads per KV head, above the compiled kernels' group limit (the torch paths run it)."""
-    model = tiny_model("llama", heads=16, kv_heads=1, seed=4) if family == "llama-g16" else tiny_model(family, seed=4)
+    model = contract_model(family, seed=4)
     ids = random_ids(33, seed=2)
     kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_scores=True)
     with torch.no_grad():
