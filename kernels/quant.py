@@ -468,10 +468,12 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
         from .decode import triton_available
 
         # the triton kernel takes GQA groups up to 8 and its head dims; the torch path everything else
-        from .triton_quant import TRITON_QUANT_HEAD_DIMS
+        backend = "torch"
+        if q.is_cuda and triton_available():
+            from .triton_quant import TRITON_QUANT_HEAD_DIMS
 
-        fits = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= 8
-        backend = "triton" if (q.is_cuda and fits and triton_available()) else "torch"
+            if q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= 8:
+                backend = "triton"
     if backend == "triton":
         from .triton_quant import triton_quant_decode
 
