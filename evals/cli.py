@@ -135,13 +135,18 @@ def cmd_report(args) -> int:
     records = load(args.dirs)
     if not records:
         raise ValueError(f"no kvpress eval results (results.jsonl) in {args.dirs}")
-    print(format_report(records, args.min_full))
+    print(format_report(records, args.min_full, n_boot=args.bootstrap))
     return 0
 
 
 def configure_report(p) -> None:
+    from .report import BOOTSTRAP_RESAMPLES  # stdlib-only module: cheap for --help
+
     p.add_argument("dirs", nargs="+", help="output folders of kvpress eval (cells seen twice count once)")
     p.add_argument("--min-full", type=float, default=0.5, help="tasks count where full scores at least this (default 0.5)")
+    p.add_argument("--bootstrap", type=int, default=BOOTSTRAP_RESAMPLES, metavar="N",
+                   help="paired bootstrap resamples behind each retention cell's 95%% interval "
+                        f"(default {BOOTSTRAP_RESAMPLES}; 0: no intervals)")
     p.set_defaults(func=cmd_report)
 
 

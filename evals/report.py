@@ -7,7 +7,11 @@ every input length:
 - a *retention* table: one row per policy spec, one column per budget (or ``-`` for policies
   without one), each cell the *lowest* over the qualifying tasks of ``score / full's score`` —
   the issues' "keeps >= X% of full's score on every task where full scores >= 0.5";
-  qualifying tasks are those where ``full`` averages at least ``--min-full`` at that length;
+  qualifying tasks are those where ``full`` averages at least ``--min-full`` at that length.
+  Each ratio is taken on the samples the cell shares with ``full``, and is followed by its 95%
+  paired bootstrap interval (``86.2% [72.4–100%]``: ``--bootstrap N`` resamples of those samples,
+  seed 0, default 2000; ``--bootstrap 0`` prints the ratios alone), so a shortfall against a
+  target can be told from sampling noise over a few dozen samples;
 - a *detail* table: one row per policy config, the mean score on every task, resident KV MiB
   and the number of samples behind each score;
 - for the ``ppl`` task, a *perplexity* table: each policy's perplexity (lower is better) and
@@ -18,14 +22,16 @@ Scores are means over samples; ``full`` must be in the results at each length it
 
 from __future__ import annotations
 
-import argparse
+import functools
 import math
-import sys
+import random
 from collections import defaultdict
+from operator import itemgetter
 
 from . import results as res
 
 REFERENCE = "full"
+BOOTSTRAP_RESAMPLES = 2000  # `kvpress report --bootstrap`'s default
 
 
 def load(dirs) -> list[dict]:
@@ -83,8 +89,8 @@ def _perplexity_lines(table: dict) -> list[str]:
     return lines + [""]
 
 
-def _task_mean(samples: dict, only=None) -> float:
-    return _mean(score for index, (score, _) in samples.items() if only is None or index in only)
+def _task_mean(samples: dict) -> float:
+    return _mean(score for score, _ in samples.values())
 
 
 def qualifying_tasks(table: dict, min_full: float) -> dict[str, float]:
@@ -94,24 +100,104 @@ def qualifying_tasks(table: dict, min_full: float) -> dict[str, float]:
     return {task: score for task, score in means.items() if score >= min_full}
 
 
-def retention(table: dict, tasks) -> dict[tuple, tuple[float, int]]:
-    """``{(spec, budget): (lowest score/full over the tasks, tasks measured)}``.
+def _paired(samples: dict, full_samples: dict) -> tuple[list[float], list[float]]:
+    """The cell's and full's scores on the samples both have, in sample order (so the bootstrap
+    does not depend on the order the logs were read in)."""
+    shared = sorted(index for index in samples if index in full_samples)
+    return [samples[i][0] for i in shared], [full_samples[i][0] for i in shared]
 
-    Each ratio compares the samples the cell has with ``full`` on the *same* samples, so a
-    partly finished cell is not judged against full's other samples.
-    """
+
+def _lowest(table: dict, tasks) -> dict[tuple, tuple]:
+    """``{(spec, budget): ((ratio, policy scores, full scores) of the lowest-ratio task, tasks measured)}``."""
     full = table.get((REFERENCE, None), {})
     out = {}
     for key, by_task in table.items():
-        ratios = []
+        measured = []
         for task in tasks:
             if task in by_task:
-                reference = _task_mean(full[task], only=by_task[task])
-                if reference > 0:
-                    ratios.append(_task_mean(by_task[task]) / reference)
-        if ratios:
-            out[key] = (min(ratios), len(ratios))
+                policy, reference = _paired(by_task[task], full[task])
+                if reference and _mean(reference) > 0:
+                    measured.append((_mean(policy) / _mean(reference), policy, reference))
+        if measured:
+            out[key] = (min(measured, key=itemgetter(0)), len(measured))
     return out
+
+
+def retention(table: dict, tasks) -> dict[tuple, tuple[float, int]]:
+    """``{(spec, budget): (lowest score/full over the tasks, tasks measured)}``.
+
+    Each ratio compares the cell with ``full`` on the samples both have, so a partly finished
+    cell is not judged against full's other samples.
+    """
+    return {key: (worst[0], count) for key, (worst, count) in _lowest(table, tasks).items()}
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    # linear interpolation between order statistics (numpy's default), exact when they are equal
+    position = q * (len(ordered) - 1)
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+@functools.lru_cache(maxsize=8)
+def _resamples(num_samples: int, n_boot: int, seed: int) -> tuple[itemgetter, ...]:
+    # a fresh Random(seed) per call draws the same indices for every cell with as many samples,
+    # so they are drawn once per report; an itemgetter picks a resample's scores in C
+    rng = random.Random(seed)
+    population = range(num_samples)
+    return tuple(itemgetter(*rng.choices(population, k=num_samples)) for _ in range(n_boot))
+
+
+def bootstrap_ratio(policy_scores, full_scores, n_boot: int = BOOTSTRAP_RESAMPLES,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """95% paired bootstrap interval of ``mean(policy_scores) / mean(full_scores)``.
+
+    The samples are resampled with replacement ``n_boot`` times, the same indices for the policy
+    and ``full`` (paired: a sample hard for both stays hard for both); resamples where full's mean
+    is not positive have no ratio and are skipped.
+
+    Parameters
+    ----------
+    policy_scores : sequence of float, shape (n,)
+        The policy's score on each sample.
+    full_scores : sequence of float, shape (n,)
+        ``full``'s score on the same samples, in the same order.
+    n_boot : int
+        Resamples, at least 1.
+    seed : int
+        Seed of the ``random.Random`` that draws them: the same seed gives the same interval.
+
+    Returns
+    -------
+    (float, float) or None
+        The 2.5th and 97.5th percentiles of the resampled ratios (linear interpolation);
+        ``None`` with fewer than 2 samples or when no resample has a ratio.
+
+    Raises
+    ------
+    ValueError
+        If the two sequences differ in length or ``n_boot < 1``.
+    """
+    policy = [float(s) for s in policy_scores]
+    full = [float(s) for s in full_scores]
+    if len(policy) != len(full):
+        raise ValueError(f"bootstrap_ratio pairs scores sample by sample: got {len(policy)} policy scores "
+                         f"and {len(full)} full scores")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1 resample, got {n_boot}")
+    if len(policy) < 2:
+        return None
+    ratios = []
+    for pick in _resamples(len(policy), n_boot, seed):
+        # the ratio of sums is the ratio of means (same count) with one rounding fewer
+        full_sum = sum(pick(full))
+        if full_sum > 0:
+            ratios.append(sum(pick(policy)) / full_sum)
+    if not ratios:
+        return None
+    ratios.sort()
+    return _percentile(ratios, 0.025), _percentile(ratios, 0.975)
 
 
 def _budget_sort(budget) -> float:
@@ -125,8 +211,34 @@ def percent(ratio: float) -> str:
     return f"{tenths:.0f}%" if tenths == int(tenths) else f"{tenths:.1f}%"
 
 
-def format_report(records: list[dict], min_full: float = 0.5) -> str:
-    """The markdown report (both tables per length)."""
+def _retention_cell(lowest: tuple, num_tasks: int, n_boot: int, seed: int) -> str:
+    (ratio, policy, reference), count = lowest
+    text = percent(ratio)
+    interval = bootstrap_ratio(policy, reference, n_boot, seed) if n_boot else None
+    if interval is not None:
+        # both ends floored like the ratio, so neither end is rounded up onto a target
+        text += f" [{percent(interval[0])}–{percent(interval[1])}]"
+    return text + ("" if count == num_tasks else f" ({count}/{num_tasks})")
+
+
+def format_report(records: list[dict], min_full: float = 0.5, n_boot: int = BOOTSTRAP_RESAMPLES,
+                  seed: int = 0) -> str:
+    """The markdown report (both tables per length).
+
+    Parameters
+    ----------
+    records : list of dict
+        ``kvpress eval`` result records, as :func:`load` returns them.
+    min_full : float
+        A task counts in the retention table where ``full`` averages at least this.
+    n_boot : int
+        Paired bootstrap resamples behind each retention cell's 95% interval (see
+        :func:`bootstrap_ratio`); 0 prints the ratios alone (``kvpress report --bootstrap``).
+    seed : int
+        The bootstrap's seed.
+    """
+    if n_boot < 0:
+        raise ValueError(f"n_boot must be >= 0 resamples (0: no intervals), got {n_boot}")
     lines = []
     for length in sorted({r["length"] for r in records}):
         table = score_table(records, length)
@@ -142,26 +254,24 @@ def format_report(records: list[dict], min_full: float = 0.5) -> str:
         lines += [f"## {length} tokens", "",
                   f"Lowest score / full's score over the tasks where full >= {min_full} ({full_desc}); "
                   "each ratio against full on the same samples; `(n/k)`: only n of the k tasks measured.", ""]
-        ratios = retention(table, tasks)
-        budgets = sorted({b for (_, b) in ratios}, key=_budget_sort)
+        if n_boot:
+            lines += [f"`[lo–hi]`: 95% paired bootstrap interval of that lowest task's ratio over its samples "
+                      f"({n_boot} resamples, seed {seed}; none with fewer than 2 samples).", ""]
+        lowest = _lowest(table, tasks)
+        budgets = sorted({b for (_, b) in lowest}, key=_budget_sort)
         specs = list(dict.fromkeys(s for (s, _) in table))
         lines.append("| policy | " + " | ".join("-" if b is None else str(b) for b in budgets) + " |")
         lines.append("|---" * (len(budgets) + 1) + "|")
         for spec in specs:
-            row = []
-            for b in budgets:
-                value = ratios.get((spec, b))
-                if value is None:
-                    row.append("")
-                else:
-                    ratio, count = value
-                    row.append(percent(ratio) + ("" if count == len(tasks) else f" ({count}/{len(tasks)})"))
+            row = [_retention_cell(lowest[(spec, b)], len(tasks), n_boot, seed) if (spec, b) in lowest else ""
+                   for b in budgets]
             if any(row):
                 lines.append(f"| {spec} | " + " | ".join(row) + " |")
         all_tasks = list(dict.fromkeys(t for by_task in table.values() for t in by_task))
         lines += ["", "| policy | budget | " + " | ".join(all_tasks) + " | samples | resident KV MiB |",
                   "|---" * (len(all_tasks) + 4) + "|"]
-        for (spec, budget), by_task in sorted(table.items(), key=lambda kv: (specs.index(kv[0][0]), _budget_sort(kv[0][1]))):
+        order = sorted(table.items(), key=lambda kv: (specs.index(kv[0][0]), _budget_sort(kv[0][1])))
+        for (spec, budget), by_task in order:
             scores = [f"{_task_mean(by_task[t]):.2f}" if t in by_task else "" for t in all_tasks]
             counts = sorted({len(samples) for samples in by_task.values()})
             mib = _mean(b for samples in by_task.values() for (_, b) in samples.values()) / res.MIB

@@ -44,7 +44,7 @@ def test_report_tables_and_cli(tmp_path, capsys):
     for record in _records() + _records()[:3]:  # a repeated cell counts once
         res.append_record(tmp_path, record)
     assert len(load([tmp_path, tmp_path])) == len(_records())
-    text = format_report(load([tmp_path]))
+    text = format_report(load([tmp_path]), n_boot=0)
     assert "| policy | - | 256 |" in text
     assert "| quest |  | 50% |" in text
     assert "| duo:random_heads_seed=0 | 0% (1/2) |  |" in text
@@ -61,7 +61,7 @@ def test_perplexity_cells_get_their_own_table(tmp_path):
         return {**cell, "metric": "perplexity", "key": cell["key"] + "|ppl"}
 
     records = _records() + [ppl("full", 30.0, 1024), ppl("kivi", 31.0, 1024), ppl("kivi", 40.0, 2048)]
-    text = format_report(records)
+    text = format_report(records, n_boot=0)
     assert "| full | - | ppl | 30.000 | 100% | 1.0 |" in text
     assert "| kivi | - | ppl | 31.000 | 96.7% | 1.0 |" in text  # 30 / 31, floored to a tenth
     assert "| quest |  | 50% |" in text  # the score tables are unchanged beside it
@@ -75,3 +75,74 @@ def test_ratios_just_under_a_target_are_not_rounded_onto_it():
     assert [percent(r) for r in (0.5, 0.0, 1.0, 1.2)] == ["50%", "0%", "100%", "120%"]
     assert percent(0.500 / 0.559) == "89.4%" and percent(0.8999) == "89.9%"  # not "90%"
     assert percent(2 / 3) == "66.6%"
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_is_seeded():
+    from kvpress.evals.report import bootstrap_ratio
+
+    full = [float(i % 4 != 0) for i in range(32)]  # 24 of 32 right
+    policy = [f if i % 7 else 0.0 for i, f in enumerate(full)]  # loses 3 of them: 21 / 24
+    lo, hi = bootstrap_ratio(policy, full)
+    assert lo < sum(policy) / sum(full) == 0.875 < hi <= 1.0
+    assert bootstrap_ratio(tuple(policy), full, n_boot=2000, seed=0) == (lo, hi)  # any sequence
+
+    full = [(i * 37 % 101) / 100 for i in range(48)]  # continuous scores: seeds tell apart
+    policy = [f * (0.6 + (i * 13 % 17) / 40) for i, f in enumerate(full)]
+    interval = bootstrap_ratio(policy, full, seed=0)
+    assert interval[0] < sum(policy) / sum(full) < interval[1]
+    assert bootstrap_ratio(policy, full, seed=0) == interval  # the same seed, the same interval
+    assert bootstrap_ratio(policy, full, seed=1) != interval
+
+
+def test_bootstrap_intervals_that_can_be_worked_out():
+    from kvpress.evals.report import bootstrap_ratio, percent
+
+    full = [0.2, 0.9, 0.0, 0.7, 1.0]  # a sample full misses: resamples of only it are skipped
+    assert bootstrap_ratio(full, full) == (1.0, 1.0)
+    lo, hi = bootstrap_ratio([0.5 * f for f in full], full)
+    assert (lo, hi) == (0.5, 0.5) and percent(lo) == "50%"  # halving is exact in binary
+    # two samples, the policy right on one: resample ratios 0, 1/2, 1 with odds 1/4, 1/2, 1/4,
+    # so the 2.5th and 97.5th percentiles of 2000 of them are 0 and 1
+    assert bootstrap_ratio([1.0, 0.0], [1.0, 1.0]) == (0.0, 1.0)
+    assert bootstrap_ratio([1.0, 0.0], [1.0, 1.0], n_boot=1) in {(0.0, 0.0), (0.5, 0.5), (1.0, 1.0)}
+
+
+def test_bootstrap_without_an_interval_or_with_bad_arguments():
+    from kvpress.evals.report import bootstrap_ratio
+
+    assert bootstrap_ratio([1.0], [1.0]) is None  # one sample: nothing to resample
+    assert bootstrap_ratio([], []) is None
+    assert bootstrap_ratio([1.0, 1.0], [0.0, 0.0]) is None  # full never positive: no resample counts
+    with pytest.raises(ValueError, match="3 policy scores and 2 full scores"):
+        bootstrap_ratio([1.0, 1.0, 0.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="n_boot must be >= 1"):
+        bootstrap_ratio([1.0, 1.0], [1.0, 1.0], n_boot=0)
+
+
+def test_retention_cells_get_a_bootstrap_interval(tmp_path, capsys):
+    records = _records()
+    old = format_report(records, n_boot=0)
+    assert "[" not in old and "bootstrap" not in old
+    text = format_report(records, n_boot=2000)
+    assert "95% paired bootstrap interval" in text and "(2000 resamples, seed 0;" in text
+    assert "| full | 100% [100%–100%] |  |" in text
+    # quest's lowest task is "mixed", 1/2 on two samples (see the worked case above), not "easy"'s 3/4
+    assert "| quest |  | 50% [0%–100%] |" in text
+    assert "| duo:random_heads_seed=0 | 0% [0%–0%] (1/2) |  |" in text  # the (n/k) suffix stays last
+    assert "| full | - | 1.00 | 0.50 | 0.00 | 4 | 8.0 |" in text  # the detail table is unchanged
+    with pytest.raises(ValueError, match="n_boot must be >= 0"):
+        format_report(records, n_boot=-1)
+
+    for record in records:
+        res.append_record(tmp_path, record)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "| quest |  | 50% [0%–100%] |" in capsys.readouterr().out  # the CLI bootstraps by default
+    assert main(["report", str(tmp_path), "--bootstrap", "0"]) == 0
+    assert capsys.readouterr().out == old + "\n"
+    assert main(["report", str(tmp_path), "--bootstrap", "-5"]) == 2
+
+
+def test_a_sample_full_lacks_does_not_count_in_the_ratio():
+    records = _records() + [_cell("quest", "mixed", 9, 1.0, budget=256)]  # full has samples 0-3 only
+    table = score_table(records, 1024)
+    assert retention(table, qualifying_tasks(table, 0.5))[("quest", 256)] == (pytest.approx(0.5), 2)
