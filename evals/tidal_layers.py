@@ -206,6 +206,9 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_eval_model(args.model)
     adapter = kvpress.get_adapter(model)
+    if adapter.sliding_windows:
+        raise SystemExit("measuring tidal's layers does not support models with sliding-window layers yet; "
+                         f"pass selection_layer / reselection_layer among the full-attention layers {list(adapter.policy_layers)}")
     n = adapter.num_layers
     hi = args.max_selection_layer if args.max_selection_layer is not None else max(1, n // 5)
     if not 0 <= args.min_selection_layer <= hi < n - 1:

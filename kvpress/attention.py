@@ -111,6 +111,21 @@ def dense_causal_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, window: int,
+                             row_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a whole sequence where query ``p`` sees keys ``p - window + 1 .. p``
+    (transformers' sliding-window layers), without a cache.
+
+    q [B, H_q, T, D], k / v [B, H_kv, T, D] at sequence indices ``0 .. T - 1``; ``row_start`` [B]
+    (long) or None as in :func:`dense_causal_attention`. Returns [B, H_q, T, D] in q's dtype.
+    """
+    batch, heads, _, dim = k.shape
+    empty = k.new_zeros(batch, heads, 0, dim)
+    rs = torch.zeros(batch, dtype=torch.long, device=q.device) if row_start is None else row_start
+    return streaming_attention(q, empty, empty, torch.zeros(batch, 0, dtype=torch.long, device=q.device), k, v,
+                               scaling, q_start=0, row_start=rs, sinks=0, window=window)
+
+
 def streaming_attention(
     q: torch.Tensor,
     k_cached: torch.Tensor,

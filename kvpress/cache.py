@@ -204,7 +204,11 @@ class PolicyCache(Cache):
         self._row_start_by_device: dict[torch.device, torch.Tensor] = {}
         self._min_row_start = self._max_row_start = 0
         self._session = None
-        layers = [policy.make_layer(self, i) for i in range(adapter.num_layers)]
+        from .layers import SlidingWindowLayer  # kvpress.layers builds on this module
+
+        # layers the model itself slides keep its window exactly; the policy runs the others
+        layers = [policy.make_layer(self, i) if adapter.sliding_window(i) is None
+                  else SlidingWindowLayer(self, i, adapter.sliding_window(i)) for i in range(adapter.num_layers)]
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------ transformers' cache API

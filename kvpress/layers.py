@@ -312,6 +312,40 @@ class SinkWindowLayer(CacheLayer):
         return 2 * b * h * t * d
 
 
+class SlidingWindowLayer(SinkWindowLayer):
+    """A layer the *model* limits to a sliding window (``config.layer_types``: ``"sliding_attention"``):
+    kept exactly as the model runs it, whatever the policy.
+
+    A query at sequence index ``p`` sees the tokens ``p - window + 1 .. p`` (transformers'
+    ``sliding_window_overlay``), during prefill too, and the layer stores the last ``window``
+    tokens (`SinkWindowLayer` without sinks). Such a layer's cache is already bounded, so
+    :class:`~kvpress.cache.PolicyCache` gives it this class and the policy the full-attention
+    layers (``ModelAdapter.policy_layers``).
+    """
+
+    def __init__(self, cache, layer_idx: int, window: int):
+        super().__init__(cache, layer_idx, sinks=0, window=window)
+
+    def ingest_prefill(self, k, v):
+        """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
+
+    def copy_from(self, other: "SlidingWindowLayer") -> None:
+        """This layer's state from ``other`` (the same layer of another cache; tensors cloned)."""
+        if other.window != self.window:
+            raise ValueError(f"cannot copy a {other.window}-token sliding window into a {self.window}-token one")
+        for name in ("k", "v", "pos"):
+            t = getattr(other, name)
+            setattr(self, name, None if t is None else t.clone())
+        self._slot = getattr(other, "_slot", None)
+        if self.k is not None:
+            self.lazy_initialization(self.k, self.v)
+        self.seen = other.seen
+
+
 class ChunkTail:
     """Running fp32 key / value sums per ``chunk_size``-token chunk, for the tail estimate.
 

@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .adapters import ModelAdapter, get_adapter
-from .attention import dense_causal_attention
+from .attention import dense_causal_attention, sliding_causal_attention
 from .compat import cache_keyword
 from .cache import PolicyCache, left_padding
 from .registry import Policy
@@ -77,9 +77,12 @@ def kvpress_attention(module, query, key, value, attention_mask, scaling=None, d
     cache = session.current_cache
     if cache is None:  # use_cache=False: plain causal attention, no policy state to keep
         row_start = session.row_start
-        out = dense_causal_attention(
-            query, key, value, scaling, q_start=0, row_start=None if row_start is None else row_start.to(query.device)
-        )
+        row_start = None if row_start is None else row_start.to(query.device)
+        window = session.adapter.sliding_window(module.layer_idx)
+        if window is None:
+            out = dense_causal_attention(query, key, value, scaling, q_start=0, row_start=row_start)
+        else:  # a layer the model slides: its window, as with a cache
+            out = sliding_causal_attention(query, key, value, scaling, window=window, row_start=row_start)
     else:
         layer = cache.layers[module.layer_idx]
         k_new, v_new = layer.take_pending()

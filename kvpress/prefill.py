@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .compat import output_cache
+from .layers import SlidingWindowLayer
 from .patching import apply, make_cache
 from .registry import Policy, get_policy
 
@@ -29,5 +30,8 @@ def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.T
     if attention_mask is not None:
         cache.begin_forward(attention_mask, attention_mask.shape[0], attention_mask.shape[1])
     for layer, dense in zip(cache.layers, dense_cache.layers):
-        layer.ingest_prefill(dense.buffer.keys.clone(), dense.buffer.values.clone())
+        if isinstance(layer, SlidingWindowLayer):  # a layer the model slides: the same window in both caches
+            layer.copy_from(dense)
+        else:
+            layer.ingest_prefill(dense.buffer.keys.clone(), dense.buffer.values.clone())
     return cache

@@ -320,6 +320,10 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
     from kvpress.adapters import get_adapter
 
     adapter = get_adapter(model)
+    if adapter.sliding_windows:
+        raise ValueError(f"duo calibration does not support models with sliding-window layers yet (layers "
+                         f"{[i for i, w in enumerate(adapter.sliding_windows) if w is not None]} slide): it gates "
+                         "every layer's attention between full and streaming")
     if samples is None:
         if tokenizer is None:
             raise ValueError("calibrate needs a tokenizer (or explicit samples)")

@@ -245,8 +245,17 @@ class DuoPolicy(Policy):
         return gates
 
     def retrieval_mask(self, adapter) -> torch.Tensor:
-        """bool [num_layers, num_kv_heads]: True where the head keeps its full KV."""
-        return split_heads(self.load_gates(adapter), self.sparsity, self.threshold, self.random_heads_seed)
+        """bool [num_layers, num_kv_heads]: True where the head keeps its full KV.
+
+        Only the full-attention layers (``adapter.policy_layers``) are split, so ``sparsity`` is
+        their share of streaming heads; the rows of sliding-window layers (the model's own window,
+        never a duo layer) are left True.
+        """
+        gates = self.load_gates(adapter)
+        layers = list(adapter.policy_layers)
+        mask = torch.ones(gates.shape, dtype=torch.bool)
+        mask[layers] = split_heads(gates[layers], self.sparsity, self.threshold, self.random_heads_seed)
+        return mask
 
     def check_model(self, adapter):
         self.load_gates(adapter)

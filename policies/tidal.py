@@ -142,6 +142,10 @@ class TidalPolicy(Policy):
         selection, reselection = self.layers_for(adapter, warn=False)
         if reselection is not None:
             check_int("reselection_layer", reselection, selection + 1, adapter.num_layers - 1)
+        for name, layer in (("selection_layer", selection), ("reselection_layer", reselection)):
+            if layer is not None and adapter.sliding_window(layer) is not None:
+                raise ValueError(f"{name}={layer} is a sliding-window layer of this model (kept as the model runs "
+                                 f"it); a selection layer must be a full-attention layer: {list(adapter.policy_layers)}")
 
     def layers_for(self, adapter, warn: bool = True) -> tuple[int, int | None]:
         """``(selection_layer, reselection_layer)`` for ``adapter``'s model (None: no re-selection)."""
@@ -150,11 +154,12 @@ class TidalPolicy(Policy):
         if selection is None:
             selection = measured[0] if measured is not None else DEFAULT_SELECTION_LAYER
             selection = min(selection, adapter.num_layers - 2)  # a tiny model still gets a sparse layer
+            selection = _full_layer_from(adapter, selection, fallback=selection)
         if self.reselection_layer is not None:
             return selection, None if self.reselection_layer == -1 else self.reselection_layer
         if measured is not None and measured[0] == selection:
             return selection, None if measured[1] == -1 else measured[1]
-        middle = adapter.num_layers // 2
+        middle = _full_layer_from(adapter, adapter.num_layers // 2, fallback=selection)
         if middle <= selection:
             return selection, None
         if warn:
@@ -173,6 +178,12 @@ class TidalPolicy(Policy):
     def example(cls, adapter):
         # layer 0 selects, layer 1 (and any later one) reuses: the sparse path really runs
         return cls(budget=24, selection_layer=0, reselection_layer=-1, sink_tokens=2, recent_tokens=4)
+
+
+def _full_layer_from(adapter, layer: int, *, fallback: int) -> int:
+    """The first full-attention layer at or after ``layer`` (sliding-window layers keep the model's
+    own attention and cannot select), else ``fallback``."""
+    return next((i for i in adapter.policy_layers if i >= layer), fallback)
 
 
 class TidalLayer(SelectiveLayer):

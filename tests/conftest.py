@@ -23,8 +23,9 @@ def torch_threads():
 
 
 def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0,
-               head_dim: int = 16):
-    """A randomly initialised causal LM of ``family`` with ``head_dim``-dim heads (fp32, eval mode)."""
+               head_dim: int = 16, **config):
+    """A randomly initialised causal LM of ``family`` with ``head_dim``-dim heads (fp32, eval mode);
+    ``config`` overrides fields of its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(
@@ -38,6 +39,7 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
         kwargs["use_sliding_window"] = False
     if family == "qwen3_moe":
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    kwargs.update(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs)).eval()
     model.generation_config.pad_token_id = 0
@@ -45,15 +47,24 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
 
 
 # the contract tests also run on a GQA group above the compiled kernels' 8 (Qwen3-235B has 16):
-# the torch paths take any group, "auto" falls back to them
-CONTRACT_MODELS = FAMILIES + ("llama-g16",)
+# the torch paths take any group, "auto" falls back to them; and on a model whose last layer
+# slides (an 8-token window, shorter than the test prompts): the policy runs layers 0-1 only
+CONTRACT_MODELS = FAMILIES + ("llama-g16", "qwen2-sliding")
 
 
 def contract_model(name: str, seed: int = 0):
     """The tiny model of a ``CONTRACT_MODELS`` entry."""
     if name == "llama-g16":
         return tiny_model("llama", heads=16, kv_heads=1, seed=seed)
+    if name == "qwen2-sliding":
+        return sliding_model(seed=seed)
     return tiny_model(name, seed=seed)
+
+
+def sliding_model(family: str = "qwen2", *, layers: int = 3, full_layers: int = 2, window: int = 8, seed: int = 0):
+    """A tiny model whose layers from ``full_layers`` on attend a sliding window of ``window`` tokens."""
+    return tiny_model(family, layers=layers, seed=seed, use_sliding_window=True, sliding_window=window,
+                      max_window_layers=full_layers)
 
 
 @pytest.fixture(scope="session", params=CONTRACT_MODELS)

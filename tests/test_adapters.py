@@ -59,19 +59,71 @@ def test_full_under_apply_equals_the_unpatched_model(family):
 
 @pytest.mark.parametrize("family, overrides", [
     ("mistral", dict(sliding_window=4096)),  # Mistral v0.1's config: every layer slides
-    ("qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)),
     ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
 ])
-def test_sliding_window_layers_are_refused(family, overrides):
+def test_models_whose_every_layer_slides_are_refused(family, overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                   num_attention_heads=2, num_key_value_heads=1, **overrides)
     model = AutoModelForCausalLM.from_config(config).eval()
     before = model.config.to_dict()
-    with pytest.raises(ValueError, match="sliding-window attention in layers .*full causal attention"):
+    with pytest.raises(ValueError, match="sliding-window attention in every layer.*no full-attention layer"):
         kvpress.get_adapter(model)
     with pytest.raises(ValueError, match="sliding-window"):
         with kvpress.apply(model, kvpress.get_policy("full")):
             pass
     assert model.config.to_dict() == before  # refused before anything was patched
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_sliding_window_layers_run_as_the_model_runs_them(family):
+    """Layers the model limits to a window keep that window exactly under any policy: ``full``
+    equals the unpatched model on prompts longer than the window (left-padded batch, with and
+    without a cache), and a policy's cache holds its own layers for the full-attention layers only."""
+    from kvpress.layers import SlidingWindowLayer
+    from conftest import sliding_model
+
+    model = sliding_model(family, seed=5)
+    adapter = kvpress.get_adapter(model)
+    assert adapter.sliding_windows == (None, None, 8) and adapter.policy_layers == (0, 1)
+    ids = torch.cat([random_ids(30, seed=3), random_ids(30, seed=4)])
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
+              output_scores=True)
+    with torch.no_grad():
+        ref_logits, ref = model(ids, attention_mask=mask).logits, model.generate(ids, **kw)
+        with kvpress.apply(model, kvpress.get_policy("full")):
+            logits = model(ids, attention_mask=mask, use_cache=False).logits
+            out = model.generate(ids, **kw)
+        no_window = tiny_model(family, layers=3, seed=5)  # same weights, every layer full
+        assert not torch.allclose(no_window(ids, attention_mask=mask).logits[mask.bool()],
+                                  ref_logits[mask.bool()], atol=1e-3)  # the window matters at this length
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], ref_logits[real], atol=1e-5, rtol=0)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), atol=1e-4, rtol=0)
+
+    cache = kvpress.make_cache(model, kvpress.get_policy("streaming", sink_tokens=2, window_size=12))
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds[2] == "SlidingWindowLayer" and "SlidingWindowLayer" not in kinds[:2]
+    with torch.no_grad(), kvpress.apply(model, cache.policy):
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[2], SlidingWindowLayer) and cache.layers[2].k.shape[2] == 8
+
+
+def test_policies_that_name_layers_respect_sliding_ones():
+    from conftest import sliding_model
+    from kvpress.policies._duo_calibrate import CalibrationSettings, calibrate
+
+    model = sliding_model(seed=6)
+    adapter = kvpress.get_adapter(model)
+    with pytest.raises(ValueError, match=r"selection_layer=2 is a sliding-window layer.*full-attention layer: \[0, 1\]"):
+        kvpress.get_policy("tidal", selection_layer=2).check_model(adapter)
+    with pytest.raises(ValueError, match="duo calibration does not support models with sliding-window layers"):
+        calibrate(model, samples=[], settings=CalibrationSettings())
+    # duo's sparsity counts the heads of the full-attention layers only
+    gates = ((0.1, 0.9), (0.2, 0.8), (0.0, 0.0))
+    mask = kvpress.get_policy("duo", gates=gates, sparsity=0.5).retrieval_mask(adapter)
+    assert mask.tolist() == [[False, True], [False, True], [True, True]]

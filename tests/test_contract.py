@@ -8,7 +8,7 @@ import torch
 import kvpress
 from kvpress.stats import tensor_bytes
 
-from conftest import random_ids, tiny_model
+from conftest import contract_model, random_ids, tiny_model
 
 POLICIES = kvpress.list_policies()
 PROMPT = 48
@@ -17,6 +17,13 @@ NEW = 6
 
 def example(name, adapter):
     return kvpress.policy_class(name).example(adapter)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-sliding"])
+def cache_model(request):
+    """The cache-handling tests run on a plain model and on one whose last layer slides (the cache
+    mixes the policy's layers with the model's own window there)."""
+    return contract_model(request.param)
 
 
 def greedy(model, ids, policy=None, **kwargs):
@@ -107,16 +114,16 @@ def test_restores_model_on_exit_even_after_exception(llama, name):
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_left_padded_batch_matches_single_rows(llama, name):
-    policy = example(name, kvpress.get_adapter(llama))
+def test_left_padded_batch_matches_single_rows(cache_model, name):
+    policy = example(name, kvpress.get_adapter(cache_model))
     long, short = random_ids(40, seed=4), random_ids(27, seed=5)
     batch = torch.zeros(2, 40, dtype=torch.long)
     mask = torch.zeros(2, 40, dtype=torch.long)
     batch[0], mask[0] = long[0], 1
     batch[1, 13:], mask[1, 13:] = short[0], 1
-    both = greedy(llama, batch, policy, attention_mask=mask).sequences
-    one = greedy(llama, long, policy).sequences
-    two = greedy(llama, short, policy).sequences
+    both = greedy(cache_model, batch, policy, attention_mask=mask).sequences
+    one = greedy(cache_model, long, policy).sequences
+    two = greedy(cache_model, short, policy).sequences
     assert torch.equal(both[0, 40:], one[0, 40:])
     assert torch.equal(both[1, 40:], two[0, 27:])
 
@@ -158,19 +165,19 @@ def test_registry_metadata(name):
 
 
 @pytest.mark.parametrize("name", [n for n in POLICIES if kvpress.policy_class(n).full_prefill])
-def test_shared_dense_prefill_equals_own_prefill(llama, name):
+def test_shared_dense_prefill_equals_own_prefill(cache_model, name):
     """full_prefill policies accept a copy of one dense prefill and then decode identically."""
     from kvpress.prefill import cache_from_dense, dense_prefill
 
-    policy = example(name, kvpress.get_adapter(llama))
+    policy = example(name, kvpress.get_adapter(cache_model))
     ids = random_ids(PROMPT, seed=6)
-    logits, dense = dense_prefill(llama, ids)
-    cache = cache_from_dense(llama, policy, dense)
+    logits, dense = dense_prefill(cache_model, ids)
+    cache = cache_from_dense(cache_model, policy, dense)
     nxt = logits.argmax(-1, keepdim=True)
-    with torch.no_grad(), kvpress.apply(llama, policy):
-        own = llama(ids, use_cache=True)
-        own_next = llama(nxt, past_key_values=own.past_key_values, use_cache=True).logits
-        shared_next = llama(nxt, past_key_values=cache, use_cache=True).logits
+    with torch.no_grad(), kvpress.apply(cache_model, policy):
+        own = cache_model(ids, use_cache=True)
+        own_next = cache_model(nxt, past_key_values=own.past_key_values, use_cache=True).logits
+        shared_next = cache_model(nxt, past_key_values=cache, use_cache=True).logits
     assert torch.equal(own.logits[:, -1].argmax(-1, keepdim=True), nxt)
     torch.testing.assert_close(shared_next, own_next, atol=1e-5, rtol=0)
 
@@ -207,20 +214,20 @@ def test_second_generate_on_the_same_cache_continues_the_conversation(llama, nam
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_prompt_fed_in_chunks_then_decoded(llama, name):
+def test_prompt_fed_in_chunks_then_decoded(cache_model, name):
     """A prompt fed as two forwards, then decode steps: every token is counted, and a policy whose
     budget covers the sequence gives full's logits."""
-    adapter = kvpress.get_adapter(llama)
+    adapter = kvpress.get_adapter(cache_model)
     ids = random_ids(PROMPT, seed=8)
 
     def chunked(policy):
-        with torch.no_grad(), kvpress.apply(llama, policy):
-            out = llama(ids[:, :30], use_cache=True)
-            out = llama(ids[:, 30:], past_key_values=out.past_key_values, use_cache=True)
+        with torch.no_grad(), kvpress.apply(cache_model, policy):
+            out = cache_model(ids[:, :30], use_cache=True)
+            out = cache_model(ids[:, 30:], past_key_values=out.past_key_values, use_cache=True)
             logits = [out.logits[:, -1]]
             for _ in range(3):
                 nxt = logits[-1].argmax(-1, keepdim=True)
-                out = llama(nxt, past_key_values=out.past_key_values, use_cache=True)
+                out = cache_model(nxt, past_key_values=out.past_key_values, use_cache=True)
                 logits.append(out.logits[:, -1])
         return torch.stack(logits, 1), out.past_key_values
 
@@ -232,16 +239,16 @@ def test_prompt_fed_in_chunks_then_decoded(llama, name):
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_beam_search_reorders_the_policy_cache(llama, name):
+def test_beam_search_reorders_the_policy_cache(cache_model, name):
     """num_beams=2 expands and reorders the cache's rows (``batch_select`` / ``reorder_cache``)."""
-    adapter = kvpress.get_adapter(llama)
+    adapter = kvpress.get_adapter(cache_model)
     ids = random_ids(PROMPT, seed=9)
-    out = greedy(llama, ids, example(name, adapter), num_beams=2)
+    out = greedy(cache_model, ids, example(name, adapter), num_beams=2)
     assert out.sequences.shape == (1, PROMPT + NEW) and torch.equal(out.sequences[:, :PROMPT], ids)
     covering = _budget_covering(name, adapter)
     if covering is not None:
-        got = greedy(llama, ids, covering, num_beams=2).sequences
-        assert torch.equal(got, greedy(llama, ids, kvpress.get_policy("full"), num_beams=2).sequences)
+        got = greedy(cache_model, ids, covering, num_beams=2).sequences
+        assert torch.equal(got, greedy(cache_model, ids, kvpress.get_policy("full"), num_beams=2).sequences)
 
 
 @pytest.mark.gpu

@@ -12,9 +12,16 @@ OLMo 2's q/k norms, Granite's attention multiplier as ``scaling``, Gemma's embed
 MoE MLP) is invisible to the policies. What they do rely on, and what the families above share
 (checked per family by tests/test_adapters.py): ``rotate_half`` RoPE over the whole head with
 frequencies from ``base_model.rotary_emb`` (pre-RoPE keys are recovered by an exact inverse
-rotation), full causal attention in every layer, and no extra terms in the softmax (logit
-soft-capping, attention sinks). Another family, or a model whose layers use sliding-window
-attention, gets a clear error.
+rotation) and no extra terms in the softmax (logit soft-capping, attention sinks). Another family
+gets a clear error.
+
+Sliding-window layers. Some configurations limit some layers to a window of the last ``W``
+tokens (Qwen2 / Qwen3 with ``use_sliding_window`` from ``max_window_layers`` on, any family whose
+``config.layer_types`` names ``"sliding_attention"``). Those layers already hold a bounded cache,
+so kvpress leaves them as the model runs them: the cache gives each one a
+:class:`~kvpress.layers.SlidingWindowLayer` (the last ``W`` tokens, exact) and the policy acts on
+the full-attention layers only (``ModelAdapter.policy_layers``). A model whose layers all slide
+(Mistral v0.1's ``sliding_window=4096``) leaves a policy nothing to act on and is refused.
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ class ModelAdapter:
     num_kv_heads: int
     head_dim: int
     model_id: str
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: the model's window, None = full attention
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        """The window (tokens, current one included) of a sliding-window layer; None for full attention."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
+
+    @property
+    def policy_layers(self) -> tuple[int, ...]:
+        """The full-attention layers: the ones a policy's cache layers run (the others keep the
+        model's own sliding window, see the module docstring)."""
+        return tuple(i for i in range(self.num_layers) if self.sliding_window(i) is None)
 
     @property
     def group_size(self) -> int:
@@ -114,8 +132,8 @@ def get_adapter(model) -> ModelAdapter:
         ``model`` is not a transformers ``PreTrainedModel``.
     ValueError
         The family is not supported (the message lists the supported ones), the model has no KV
-        cache support, its RoPE variant cannot be rotated exactly, or some of its layers use
-        sliding-window attention.
+        cache support, its RoPE variant cannot be rotated exactly, or every one of its layers uses
+        sliding-window attention (nothing left for a policy).
     """
     try:
         from transformers import PreTrainedModel
@@ -139,14 +157,13 @@ def get_adapter(model) -> ModelAdapter:
     rope_type = _rope_type(config)
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
-    sliding = _sliding_layers(model)
-    if sliding:
-        layers = ", ".join(str(i) for i in sliding[:8]) + (" ..." if len(sliding) > 8 else "")
+    windows = _sliding_windows(model)
+    if all(w is not None for w in windows):
         raise ValueError(
-            f"{type(model).__name__} uses sliding-window attention in layers {layers} (sliding_window="
-            f"{getattr(config, 'sliding_window', None)}); kvpress policies assume full causal attention in every layer, "
-            "so they would attend past the window. Supported: models whose layers all attend the whole context "
-            "(e.g. Mistral v0.2+ and Qwen2/Qwen3 configs with sliding_window=None / use_sliding_window=False)")
+            f"{type(model).__name__} uses sliding-window attention in every layer (sliding_window="
+            f"{getattr(config, 'sliding_window', None)}): its cache is already bounded and no full-attention "
+            "layer is left for a kvpress policy to act on. Supported: models with at least one full-attention "
+            "layer (e.g. Mistral v0.2+, Qwen2/Qwen3 with use_sliding_window=False or max_window_layers > 0)")
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -158,20 +175,35 @@ def get_adapter(model) -> ModelAdapter:
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         model_id=str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "")),
+        sliding_windows=windows if any(w is not None for w in windows) else (),
     )
 
 
-def _sliding_layers(model) -> list[int]:
-    """Indices of the decoder layers whose attention is limited to a sliding window."""
+def _sliding_windows(model) -> tuple[int | None, ...]:
+    """Per decoder layer: the window of a sliding-window layer (tokens), None for full attention.
+
+    Raises ValueError for a layer type kvpress does not know (e.g. chunked attention), or a
+    sliding layer without a positive window.
+    """
     config = model.config
-    types = getattr(config, "layer_types", None) or []
-    out = {i for i, t in enumerate(types) if t != "full_attention"}
+    types = list(getattr(config, "layer_types", None) or [])
+    known = ("full_attention", "sliding_attention")
+    unknown = sorted({t for t in types if t not in known})
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported; supported: {', '.join(known)}")
     # Mistral passes config.sliding_window to every layer; Qwen2/Qwen3 set it per layer on the module
     every = config.sliding_window if config.model_type == "mistral" else None
+    out = []
     for i, layer in enumerate(model.base_model.layers):
-        if every is not None or getattr(layer.self_attn, "sliding_window", None) is not None:
-            out.add(i)
-    return sorted(out)
+        window = every if every is not None else getattr(layer.self_attn, "sliding_window", None)
+        if window is None and i < len(types) and types[i] == "sliding_attention":
+            window = getattr(config, "sliding_window", None)
+            if window is None:
+                raise ValueError(f"layer {i} is a sliding_attention layer but config.sliding_window is None")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"layer {i} has sliding_window={window!r}; expected a positive token count")
+        out.append(window)
+    return tuple(out)
 
 
 def _rope_type(config) -> str:
