@@ -11,7 +11,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 # every family kvpress.adapters supports; the contract tests run each policy on each
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "olmo2", "gemma", "granite")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "olmo2", "gemma", "gemma3_text", "granite")
 
 
 @pytest.fixture
@@ -39,6 +39,8 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
         kwargs["use_sliding_window"] = False
     if family == "qwen3_moe":
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "gemma3_text":  # its default pattern slides 5 of every 6 layers: all of 2
+        kwargs["layer_types"] = ["full_attention"] * layers
     kwargs.update(config)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs)).eval()
@@ -47,22 +49,25 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
 
 
 # the contract tests also run on a GQA group above the compiled kernels' 8 (Qwen3-235B has 16):
-# the torch paths take any group, "auto" falls back to them; and on a model whose last layer
+# the torch paths take any group, "auto" falls back to them; and on models whose last layer
 # slides (an 8-token window, shorter than the test prompts): the policy runs layers 0-1 only
-CONTRACT_MODELS = FAMILIES + ("llama-g16", "qwen2-sliding")
+CONTRACT_MODELS = FAMILIES + ("llama-g16", "qwen2-sliding", "gemma3_text-sliding")
 
 
 def contract_model(name: str, seed: int = 0):
     """The tiny model of a ``CONTRACT_MODELS`` entry."""
     if name == "llama-g16":
         return tiny_model("llama", heads=16, kv_heads=1, seed=seed)
-    if name == "qwen2-sliding":
-        return sliding_model(seed=seed)
+    if name.endswith("-sliding"):
+        return sliding_model(name.removesuffix("-sliding"), seed=seed)
     return tiny_model(name, seed=seed)
 
 
 def sliding_model(family: str = "qwen2", *, layers: int = 3, full_layers: int = 2, window: int = 8, seed: int = 0):
     """A tiny model whose layers from ``full_layers`` on attend a sliding window of ``window`` tokens."""
+    if family == "gemma3_text":  # per-layer types (and a local RoPE base for the sliding ones)
+        types = ["full_attention"] * full_layers + ["sliding_attention"] * (layers - full_layers)
+        return tiny_model(family, layers=layers, seed=seed, sliding_window=window, layer_types=types)
     return tiny_model(family, layers=layers, seed=seed, use_sliding_window=True, sliding_window=window,
                       max_window_layers=full_layers)
 

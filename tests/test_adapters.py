@@ -76,7 +76,7 @@ def test_models_whose_every_layer_slides_are_refused(family, overrides):
     assert model.config.to_dict() == before  # refused before anything was patched
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3_text"])
 def test_sliding_window_layers_run_as_the_model_runs_them(family):
     """Layers the model limits to a window keep that window exactly under any policy: ``full``
     equals the unpatched model on prompts longer than the window (left-padded batch, with and
@@ -127,3 +127,21 @@ def test_policies_that_name_layers_respect_sliding_ones():
     gates = ((0.1, 0.9), (0.2, 0.8), (0.0, 0.0))
     mask = kvpress.get_policy("duo", gates=gates, sparsity=0.5).retrieval_mask(adapter)
     assert mask.tolist() == [[False, True], [False, True], [True, True]]
+
+
+def test_attention_logit_soft_capping_is_refused():
+    model = tiny_model("gemma3_text", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="soft-capping .*attn_logit_softcapping=50.0"):
+        kvpress.get_adapter(model)
+
+
+def test_gemma3_policies_rotate_with_the_full_attention_layers_rope():
+    """Gemma 3 rotates sliding layers with a local base (10k) and full layers with 1M: the adapter's
+    RoPE, which ShadowKV and StreamingLLM use on the policy's (full-attention) layers, is the latter."""
+    from conftest import sliding_model
+
+    model = sliding_model("gemma3_text", seed=2)
+    rotary = model.base_model.rotary_emb
+    adapter = kvpress.get_adapter(model)
+    assert not torch.equal(rotary.full_attention_inv_freq, rotary.sliding_attention_inv_freq)
+    assert torch.equal(adapter.inv_freq("cpu"), rotary.full_attention_inv_freq)

@@ -5,15 +5,16 @@ attention modules, head counts, head_dim, and how its rotary position embedding 
 a vector — so policies never walk ``model.model.layers`` themselves.
 
 Supported families (``config.model_type``): Llama (SmolLM2, Llama 2/3), Mistral, Qwen2, Qwen3,
-Qwen3-MoE, OLMo 2, Gemma and Granite. kvpress meets a model at two of transformers' own
-integration points -- the cache's ``update`` receives post-RoPE keys and values, the registered
+Qwen3-MoE, OLMo 2, Gemma, Gemma 3 (text-only checkpoints: ``gemma3_text``) and Granite. kvpress
+meets a model at two of transformers' own integration points -- the cache's ``update`` receives post-RoPE keys and values, the registered
 attention function receives post-RoPE queries -- so what a family does before RoPE (Qwen3's and
 OLMo 2's q/k norms, Granite's attention multiplier as ``scaling``, Gemma's embedding scale, a
 MoE MLP) is invisible to the policies. What they do rely on, and what the families above share
 (checked per family by tests/test_adapters.py): ``rotate_half`` RoPE over the whole head with
 frequencies from ``base_model.rotary_emb`` (pre-RoPE keys are recovered by an exact inverse
-rotation) and no extra terms in the softmax (logit soft-capping, attention sinks). Another family
-gets a clear error.
+rotation; Gemma 3's full-attention layers have their own base, which is the one returned, since
+policies act on those layers) and no extra terms in the softmax (logit soft-capping, attention
+sinks: refused). Another family gets a clear error.
 
 Sliding-window layers. Some configurations limit some layers to a window of the last ``W``
 tokens (Qwen2 / Qwen3 with ``use_sliding_window`` from ``max_window_layers`` on, any family whose
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "gemma", "granite")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmo2", "gemma", "gemma3_text", "granite")
 # RoPE variants whose frequencies do not depend on the sequence length, so a rotation by an
 # angle difference is exact. "dynamic" NTK scaling re-derives frequencies per length: refused.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -89,9 +90,16 @@ class ModelAdapter:
 
     # ------------------------------------------------------------------ RoPE
     def inv_freq(self, device) -> torch.Tensor:
-        """RoPE inverse frequencies, fp32 [head_dim // 2]."""
+        """RoPE inverse frequencies of the full-attention layers, fp32 [head_dim // 2].
+
+        Gemma 3 rotates its sliding-window layers with another base (``rope_local_base_freq``);
+        policies act on the full-attention layers only, so theirs are the ones returned.
+        """
         rotary = self.base_model.rotary_emb
-        return rotary.inv_freq.detach().to(device=device, dtype=torch.float32)
+        inv_freq = getattr(rotary, "full_attention_inv_freq", None)
+        if inv_freq is None:
+            inv_freq = rotary.inv_freq
+        return inv_freq.detach().to(device=device, dtype=torch.float32)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` by RoPE angles ``positions * inv_freq`` (negative positions invert).
@@ -154,6 +162,9 @@ def get_adapter(model) -> ModelAdapter:
         raise ValueError(f"{type(model).__name__} has no decoder layers / rotary embedding kvpress can use")
     if getattr(config, "use_cache", True) is False and not hasattr(model, "generate"):
         raise ValueError(f"{type(model).__name__} does not use a KV cache")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping}) is "
+                         "not supported: kvpress' attention has no soft-capping term")
     rope_type = _rope_type(config)
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
@@ -208,6 +219,8 @@ def _sliding_windows(model) -> tuple[int | None, ...]:
 
 def _rope_type(config) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (Gemma 3): the full-attention layers' RoPE
     if isinstance(params, dict):
         return params.get("rope_type", params.get("type", "default")) or "default"
     return "default"
