@@ -1,9 +1,13 @@
-"""Builds and loads ``csrc/cpu_decode.c`` (the compiled CPU kernels of `kvpress.kernels.native`).
+"""Builds and loads ``csrc/`` (the compiled CPU kernels of `kvpress.kernels.native`) as one library.
 
-Built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
-``-O3 -march=native -fopenmp``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
-compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
-build, or ``KVPRESS_NATIVE=0`` -> `available()` is False.
+``csrc/kvp.h`` holds what the C files share (inline helpers, the hidden internal functions);
+``common.c`` the ABI version, thread cap and top-k selection; ``sparse.c``, ``quant.c``,
+``quant_attend.c`` and ``shadowkv.c`` the kernels (their ``kvp_*`` functions are `_SIGNATURES`,
+the only symbols the library exports). Built on first use with the system C compiler (``$CC``,
+else ``cc`` / ``gcc``; ``-O3 -march=native -fopenmp``, every ``.c`` file in one invocation) into
+``<kvpress cache>/native/<key>/`` (key: every source file and header, compiler, flags and CPU),
+atomically, so parallel processes are safe. No compiler, a failed build, or ``KVPRESS_NATIVE=0``
+-> `available()` is False.
 
 Threads: built with ``-fopenmp``, the library shares the OpenMP runtime torch has loaded (same
 ``libgomp.so.1``), so its kernels run on torch's worker threads and follow
@@ -24,8 +28,10 @@ import tempfile
 
 import torch
 
-SOURCE = pathlib.Path(__file__).with_name("csrc") / "cpu_decode.c"
-ABI_VERSION = 5
+CSRC = pathlib.Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.c")))  # compiled together into one library
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+ABI_VERSION = 6  # KVP_ABI_VERSION of csrc/kvp.h
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build
@@ -73,8 +79,10 @@ def _cpu_key() -> str:
 
 def _build_dir(cc: str) -> pathlib.Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    files = sorted(SOURCES + HEADERS, key=lambda p: p.name)  # an edit to any of them rebuilds
     key = hashlib.sha256(b"\0".join(x.encode() if isinstance(x, str) else x for x in (
-        SOURCE.read_bytes(), cc, version, " ".join(FLAGS), _cpu_key()))).hexdigest()[:16]
+        *(f.name.encode() + b"\0" + f.read_bytes() for f in files), cc, version, " ".join(FLAGS),
+        _cpu_key()))).hexdigest()[:16]
     from kvpress.smollm2_cache import cache_root
 
     root = cache_root() / "native"
@@ -102,13 +110,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f"libkvpress_cpu.{os.getpid()}.tmp.so"
             for flags in BUILDS:
-                done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True,
+                done = subprocess.run([cc, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True,
                                       text=True, timeout=300)
                 if done.returncode == 0:
                     break
             if done.returncode != 0:
                 tmp.unlink(missing_ok=True)
-                return None, f"building {SOURCE.name} with {cc} failed: {done.stderr.strip()[-600:]}"
+                return None, f"building {CSRC.name}/*.c with {cc} failed: {done.stderr.strip()[-600:]}"
             os.replace(tmp, lib)
         handle = ctypes.CDLL(str(lib))
     except (OSError, subprocess.SubprocessError) as exc:

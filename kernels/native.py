@@ -2,7 +2,7 @@
 
 On a CPU, a query-aware decode step at a small budget is dominated by the fixed cost of ~100
 torch operators per layer (scores, top-k, gathers, softmax, the tail estimate), not by the
-bytes it reads. ``csrc/cpu_decode.c`` does a whole step per (row, KV head) in one call:
+bytes it reads. The C kernels of ``csrc/`` do a whole step per (row, KV head) in one call:
 
 - `sparse_decode` -- attention over a *clean* `SparseIndex` (no padding slots, every row long
   enough; `kvpress.kernels.torch_fast.clean_rows`), optionally merged with the chunk-mean
@@ -30,10 +30,11 @@ implementations are the references (`kvpress.kernels.torch_decode`, `kvpress.ker
 `kvpress.kernels.scores`, `kvpress.kernels.quant`, ``gear``'s and ``shadowkv``'s torch paths);
 ``tests/kernels/test_native.py`` and ``tests/kernels/test_native_quant.py`` compare them. The
 library is built on first use with the system C compiler (``$CC``, else ``cc`` / ``gcc``;
-``-O3 -march=native -fopenmp``, ~1 s) into ``<kvpress cache>/native/<key>/`` (key: source,
-compiler, flags and CPU), atomically, so parallel processes are safe. No compiler, a failed
-build, or ``KVPRESS_NATIVE=0`` -> `available()` is False and ``backend="auto"`` uses torch;
-``backend="native"`` then raises with the reason.
+``-O3 -march=native -fopenmp``, every ``csrc/*.c`` in one invocation) into
+``<kvpress cache>/native/<key>/`` (key: the C sources and header, compiler, flags and CPU),
+atomically, so parallel processes are safe. No compiler, a failed build, or ``KVPRESS_NATIVE=0``
+-> `available()` is False and ``backend="auto"`` uses torch; ``backend="native"`` then raises
+with the reason.
 
 Threads: built with ``-fopenmp``, the library shares the OpenMP runtime torch has loaded (same
 ``libgomp.so.1``), so its kernels run on torch's worker threads and follow
@@ -51,7 +52,7 @@ import ctypes
 
 import torch
 
-from ._native_lib import (ABI_VERSION, BUILDS, FLAGS, SOURCE, _fp32_cpu, _lib, _ptr, _rows_contiguous,  # noqa: F401
+from ._native_lib import (ABI_VERSION, BUILDS, FLAGS, SOURCES, _fp32_cpu, _lib, _ptr, _rows_contiguous,  # noqa: F401
                           available, openmp_runtimes, threads)
 from .index import SparseIndex
 from .native_quant import (MAX_SEGMENTS, QUANT_MAX_ROWS, GearParts, PackedSegment, channel_scores,  # noqa: F401
@@ -225,7 +226,7 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
 
 
 class _Rows(ctypes.Structure):
-    """``kvp_rows`` of csrc/cpu_decode.c (field order and types must match)."""
+    """``kvp_rows`` of csrc/sparse.c (field order and types must match)."""
 
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("sb", ctypes.c_int64), ("sh", ctypes.c_int64),
                 ("cnt", ctypes.c_void_p), ("n", ctypes.c_int64)]

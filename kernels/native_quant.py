@@ -73,7 +73,7 @@ def token_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
 
 
 class _Segment(ctypes.Structure):
-    """``kvp_segment`` of csrc/cpu_decode.c (field order and types must match)."""
+    """``kvp_segment`` of csrc/quant_attend.c (field order and types must match)."""
 
     _fields_ = [(name, _P) for name in ("kc", "ks", "kz", "vc", "vs", "vz")] + \
         [(name, _I64) for name in ("kc_sb", "kc_sh", "ks_sb", "ks_sh", "vc_sb", "vc_sh", "vs_sb", "vs_sh",
@@ -83,7 +83,7 @@ class _Segment(ctypes.Structure):
 
 
 class _Gear(ctypes.Structure):
-    """``kvp_gear`` of csrc/cpu_decode.c (field order and types must match)."""
+    """``kvp_gear`` of csrc/quant_attend.c (field order and types must match)."""
 
     _fields_ = [("R", _I64), ("bounds", _P), ("C", _I64)] + [(n, _P) for n in ("kl", "kr", "vl", "vr")] + \
         [(n, _I64) for n in ("kl_sb", "kl_sh", "kr_sb", "kr_sh", "vl_sb", "vl_sh", "vr_sb", "vr_sh", "J")] + \
