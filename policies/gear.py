@@ -293,9 +293,10 @@ class GearLayer(QuantWindowLayer):
         p, n, g = self.p, self.n_quant, self.p.group_size
         q = qg * scaling
         keys = self._views()[0]
-        s = channel_quant_scores(q, *keys, p.bits, g, backend=p.backend)
         if reads_natively(q, *keys, p.backend):  # low-rank, outliers and sinks in one compiled call too
+            s = native.channel_scores(q, *keys, p.bits, g)
             return self.mask_padding_scores(native.gear_key_extra(s, q, g, self._native_parts(q.device)))
+        s = channel_quant_scores(q, *keys, p.bits, g, backend="torch")
         if p.rank:
             nc = len(self.chunk_starts)
             qr = torch.einsum("bhmd,bhcdr->bhmcr", q, self.kr[:, :, :nc].float())  # (B, H, M, C, r)
@@ -319,9 +320,10 @@ class GearLayer(QuantWindowLayer):
     def _quant_output(self, prob):
         p, n, g = self.p, self.n_quant, self.p.group_size
         values = self._views()[1]
-        out = token_quant_values(prob, *values, p.bits, g, backend=p.backend)
         if reads_natively(prob, *values, p.backend):  # low-rank, outliers and sinks in one compiled call too
+            out = native.token_values(prob, *values, p.bits, g)
             return native.gear_value_extra(out, prob, g, self._native_parts(prob.device))
+        out = token_quant_values(prob, *values, p.bits, g, backend="torch")
         if p.rank:
             nc = len(self.chunk_starts)
             pl = prob[..., None] * self.vl[:, :, None, :n].float()  # (B, H, M, N, r)
