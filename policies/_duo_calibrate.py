@@ -198,16 +198,23 @@ class GatedAttention:
     only decode steps see the streaming heads' sinks + window. None mixes at every position.
     """
 
-    def __init__(self, logits: torch.Tensor, group: int, sinks: int, window: int):
+    def __init__(self, logits: torch.Tensor, group: int, sinks: int, window: int,
+                 model_windows: tuple[int | None, ...] = ()):
         self.logits = logits  # (L, H_kv), requires grad
         self.group = group
         self.sinks, self.window = sinks, window
+        self.model_windows = model_windows  # per layer: the model's own sliding window, or None
         self.mix_from: int | None = None
         self._mask: torch.Tensor | None = None
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (1, H_q, T, D); key/value (1, H_kv, T, D); no cache during calibration.
         t = query.shape[2]
+        model_window = self.model_windows[module.layer_idx] if self.model_windows else None
+        if model_window is not None:  # a layer the model slides: its own attention, never a duo layer
+            mask = streaming_mask(t, 0, model_window, query.device)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
         if self._mask is None or self._mask.shape[0] != t:
             self._mask = streaming_mask(t, self.sinks, self.window, query.device)
         full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
@@ -276,7 +283,7 @@ def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: 
     expected = (adapter.num_layers, adapter.num_kv_heads)
     if tuple(logits.shape) != expected:
         raise ValueError(f"gate logits have shape {tuple(logits.shape)}; this model needs {expected} [layers, KV heads]")
-    attention = GatedAttention(logits, adapter.group_size, sink_tokens, window_size)
+    attention = GatedAttention(logits, adapter.group_size, sink_tokens, window_size, adapter.sliding_windows)
     AttentionInterface.register(ATTN_NAME, attention)
     AttentionMaskInterface.register(ATTN_NAME, _no_mask)
     attn_before = model.config._attn_implementation
@@ -320,10 +327,6 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
     from kvpress.adapters import get_adapter
 
     adapter = get_adapter(model)
-    if adapter.sliding_windows:
-        raise ValueError(f"duo calibration does not support models with sliding-window layers yet (layers "
-                         f"{[i for i, w in enumerate(adapter.sliding_windows) if w is not None]} slide): it gates "
-                         "every layer's attention between full and streaming")
     if samples is None:
         if tokenizer is None:
             raise ValueError("calibrate needs a tokenizer (or explicit samples)")
@@ -355,7 +358,8 @@ def calibrate(model, tokenizer=None, settings: CalibrationSettings = Calibration
             else:
                 distill = distill_loss(student, teacher_all, span, settings.normalize_dims)
             gates = torch.sigmoid(logits)
-            loss = distill + settings.reg * gates.mean()
+            # layers the model slides keep its window (GatedAttention): their gates are unused
+            loss = distill + settings.reg * gates[list(adapter.policy_layers)].mean()
             (grad,) = torch.autograd.grad(loss, logits)
         with torch.no_grad():
             # Max-normalised gradient step: every sample moves the gates by at most lr, and the

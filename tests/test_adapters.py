@@ -121,8 +121,16 @@ def test_policies_that_name_layers_respect_sliding_ones():
     adapter = kvpress.get_adapter(model)
     with pytest.raises(ValueError, match=r"selection_layer=2 is a sliding-window layer.*full-attention layer: \[0, 1\]"):
         kvpress.get_policy("tidal", selection_layer=2).check_model(adapter)
-    with pytest.raises(ValueError, match="duo calibration does not support models with sliding-window layers"):
-        calibrate(model, samples=[], settings=CalibrationSettings())
+    # duo's calibration gates the full-attention layers; the sliding one keeps the model's window
+    # (so with every gate open the gated model is the model itself: no distillation loss)
+    ids = random_ids(40, seed=2)
+    settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=4, init_logit=30.0, lr=0.0)
+    gates, info = calibrate(model, settings=settings, samples=[(ids, 30)] * 2, log=lambda *_: None)
+    assert gates.shape == (3, 2) and all(h["distill"] < 1e-6 for h in info["history"])
+    settings = CalibrationSettings(steps=2, sink_tokens=2, window_size=4)
+    gates, _ = calibrate(model, settings=settings, samples=[(ids, 30)] * 2, log=lambda *_: None)
+    assert bool((gates[2] == torch.sigmoid(torch.tensor(settings.init_logit))).all())  # untouched: unused
+    assert not bool((gates[:2] == torch.sigmoid(torch.tensor(settings.init_logit))).all())
     # duo's sparsity counts the heads of the full-attention layers only
     gates = ((0.1, 0.9), (0.2, 0.8), (0.0, 0.0))
     mask = kvpress.get_policy("duo", gates=gates, sparsity=0.5).retrieval_mask(adapter)
