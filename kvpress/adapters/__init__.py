@@ -6,10 +6,10 @@ a vector — so policies never walk ``model.model.layers`` themselves.
 
 Supported families (``config.model_type``): Llama (SmolLM2, Llama 2/3), Mistral, Qwen2, Qwen3,
 Qwen3-MoE, OLMo 2, Gemma, Gemma 3 (text-only checkpoints: ``gemma3_text``) and Granite. kvpress
-meets a model at two of transformers' own integration points -- the cache's ``update`` receives post-RoPE keys and values, the registered
-attention function receives post-RoPE queries -- so what a family does before RoPE (Qwen3's and
-OLMo 2's q/k norms, Granite's attention multiplier as ``scaling``, Gemma's embedding scale, a
-MoE MLP) is invisible to the policies. What they do rely on, and what the families above share
+meets a model at two of transformers' own integration points -- the cache's ``update`` receives
+post-RoPE keys and values, the registered attention function receives post-RoPE queries -- so
+what a family does before RoPE (Qwen3's and OLMo 2's q/k norms, Granite's attention multiplier
+as ``scaling``, Gemma's embedding scale, a MoE MLP) is invisible to the policies. What they do rely on, and what the families above share
 (checked per family by tests/test_adapters.py): ``rotate_half`` RoPE over the whole head with
 frequencies from ``base_model.rotary_emb`` (pre-RoPE keys are recovered by an exact inverse
 rotation; Gemma 3's full-attention layers have their own base, which is the one returned, since
