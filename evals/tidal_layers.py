@@ -17,6 +17,8 @@ heads losing a little, which a plain mean hides. Both layers are searched (``s``
 ``--max-selection-layer``: the layers before ``s`` stay dense, so a later ``s`` costs speed);
 among pairs within ``--tolerance`` of the best score the earliest ``s`` wins. The command prints
 the table and writes a ``tidal`` artifact (``layers = [s, r]``) that the policy reads by default.
+On a model with sliding-window layers (Gemma 3, Qwen2 with ``use_sliding_window``) only the
+full-attention layers are recorded, select and count as sparse: the others keep the model's window.
 
 Measured on SmolLM2-135M: with ``s`` fixed at 2 and a plain mean, the best ``r`` was 3 (a
 re-selection right after the selection: useless for the 26 later layers, and the needle tasks
@@ -75,8 +77,10 @@ def layer_recalls(records, budget: int, min_source: int = 0) -> dict[int, dict[i
 
     Parameters
     ----------
-    records : list of (q [1, H_q, M, D], k [1, H_kv, T, D], scaling)
-        Per layer, the last M queries (positions T - M .. T - 1) and all keys.
+    records : list or dict of (q [1, H_q, M, D], k [1, H_kv, T, D], scaling)
+        Per layer, the last M queries (positions T - M .. T - 1) and all keys: a list over all
+        layers, or a dict by layer index holding only the layers that can select and be
+        sparse (a model's full-attention layers; the sliding-window ones keep their own window).
     budget : int
         Tokens selected per KV head, the current token included (it is always attended, as
         with ``recent_tokens=1``).
@@ -88,8 +92,9 @@ def layer_recalls(records, budget: int, min_source: int = 0) -> dict[int, dict[i
     dict
         ``recall[s][l]`` float ``(H_q, M)`` in [0, 1].
     """
-    num_layers = len(records)
-    q0, k0, _ = records[0]
+    records = dict(enumerate(records)) if isinstance(records, (list, tuple)) else dict(records)
+    layers = sorted(records)
+    q0, k0, _ = records[layers[0]]
     _, H_q, M, _ = q0.shape
     H_kv, T = k0.shape[1], k0.shape[2]
     G = H_q // H_kv
@@ -99,24 +104,26 @@ def layer_recalls(records, budget: int, min_source: int = 0) -> dict[int, dict[i
     candidates = pos[None, :] < q_pos[:, None]  # the current token is always attended
     current = (pos[None, :] == q_pos[:, None]).float()  # (M, T)
     k_top = max(0, min(budget - 1, T))
-    probs, chosen = [], []
-    for q, k, scaling in records:
+    probs, chosen = {}, {}
+    for layer in layers:
+        q, k, scaling = records[layer]
         logits = (q[0] @ k[0].repeat_interleave(G, 0).transpose(-1, -2)) * scaling  # (H_q, M, T)
-        probs.append(torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1))
+        probs[layer] = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
         scores = exact_scores(q[0].transpose(0, 1), k.expand(M, -1, -1, -1), scale=scaling,
                               mask=candidates)  # (M, H_kv, T)
         top = torch.topk(scores, k_top, dim=-1).indices  # (M, H_kv, k_top)
         sel = torch.zeros(M, H_kv, T).scatter_(-1, top, 1.0) * candidates[:, None, :]  # masked ties stay out
         sel = torch.maximum(sel, current[:, None, :])
-        chosen.append(sel.repeat_interleave(G, 1).transpose(0, 1))  # (H_q, M, T)
-    return {s: {l: (probs[l] * chosen[s]).sum(-1) for l in range(s + 1, num_layers)}
-            for s in range(min_source, num_layers)}
+        chosen[layer] = sel.repeat_interleave(G, 1).transpose(0, 1)  # (H_q, M, T)
+    return {s: {l: (probs[l] * chosen[s]).sum(-1) for l in layers if l > s}
+            for s in layers if s >= min_source}
 
 
 def pair_score(recall, num_layers: int, selection: int, reselection: int) -> float:
-    """Mean log recall over the sparse layers' (head, query) pairs for ``(selection, reselection)``."""
+    """Mean log recall over the sparse layers' (head, query) pairs for ``(selection, reselection)``
+    (the sparse layers: the recorded layers after ``selection``)."""
     vals = []
-    for l in range(selection + 1, num_layers):
+    for l in sorted(recall[selection]):
         if l == reselection:
             continue  # exact
         source = reselection if 0 <= reselection < l else selection
@@ -130,9 +137,14 @@ def pick_layers(recall, num_layers: int, selection_layers, tolerance: float = 0.
     Among pairs scoring within ``tolerance`` of the best, the earliest selection layer wins
     (fewer dense layers), then the best score.
     """
+    # a selection layer must be recorded (not a sliding-window layer) and have sparse layers after it
+    candidates = [s for s in selection_layers if recall.get(s)]
+    if not candidates:
+        raise ValueError(f"none of the selection layers {list(selection_layers)} is a recorded layer with a later one "
+                         f"(recorded: {sorted(recall)})")
     scores = {}
-    for s in selection_layers:
-        for r in [-1, *range(s + 1, num_layers)]:
+    for s in candidates:
+        for r in [-1, *sorted(recall[s])]:
             scores[(s, r)] = pair_score(recall, num_layers, s, r)
     top = max(scores.values())
     near = [pair for pair, v in scores.items() if v >= top - tolerance]
@@ -166,7 +178,8 @@ def _recorded(model, ids: torch.Tensor, queries: int) -> list:
 
     with torch.no_grad(), kvpress.apply(model, _RecordPolicy(queries=queries)):
         cache = output_cache(model(ids, use_cache=True))
-    return [layer.record for layer in cache.layers]
+    # the layers the policy ran (a model's sliding-window layers keep their own window, unrecorded)
+    return {i: layer.record for i, layer in enumerate(cache.layers) if isinstance(layer, _RecordLayer)}
 
 
 def calibration_recalls(model, tokenizer, text: str, length: int, queries: int, budget: int, min_source: int,
@@ -206,20 +219,21 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_eval_model(args.model)
     adapter = kvpress.get_adapter(model)
-    if adapter.sliding_windows:
-        raise SystemExit("measuring tidal's layers does not support models with sliding-window layers yet; "
-                         f"pass selection_layer / reselection_layer among the full-attention layers {list(adapter.policy_layers)}")
     n = adapter.num_layers
     hi = args.max_selection_layer if args.max_selection_layer is not None else max(1, n // 5)
     if not 0 <= args.min_selection_layer <= hi < n - 1:
         raise SystemExit(f"need 0 <= --min-selection-layer <= --max-selection-layer <= {n - 2}")
+    full = adapter.policy_layers  # sliding-window layers keep the model's window: they neither select nor reuse
+    if not any(args.min_selection_layer <= s <= hi and s < full[-1] for s in full):
+        raise SystemExit(f"no full-attention layer with a later one in --min-selection-layer..--max-selection-layer "
+                         f"= {args.min_selection_layer}..{hi}; full-attention layers: {list(full)}")
     recall = calibration_recalls(model, tokenizer, args.text, args.length, args.queries, args.budget,
                                  args.min_selection_layer, samples=args.samples)
     (sel, resel), scores = pick_layers(recall, n, range(args.min_selection_layer, hi + 1), args.tolerance)
     queries = args.queries if args.text == "ppl" else f"the answers of {args.samples} passkey prompts"
     print(f"model {adapter.model_id}  text {args.text}  length {args.length}  queries {queries}  budget {args.budget}")
     print("mean log recall of the sparse layers (rows: selection layer; best re-selection layer)")
-    for s in range(args.min_selection_layer, hi + 1):
+    for s in sorted({s2 for s2, _ in scores}):
         row = {r: v for (s2, r), v in scores.items() if s2 == s}
         r_best = max(row, key=row.get)
         mark = "  <- chosen" if s == sel else ""

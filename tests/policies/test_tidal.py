@@ -224,3 +224,20 @@ def test_layer_finder_on_passkey_prompts_reads_the_answer_queries(model):
             assert values.shape == (4, sum(answers)) and bool(((values >= 0) & (values <= 1 + 1e-5)).all())
     covered = calibration_recalls(model, tok, "passkey", 400, queries=0, budget=10_000, min_source=1, samples=2)
     assert all(torch.allclose(v, torch.ones_like(v)) for per in covered.values() for v in per.values())
+
+
+def test_layer_finder_skips_layers_the_model_slides():
+    """With only some layers recorded (a model's full-attention layers), recalls, pair scores and
+    the chosen pair use those layers alone; a selection layer without a later one never wins."""
+    records = _records(6, planted_from=3)
+    recorded = {i: records[i] for i in (0, 1, 3, 5)}  # layers 2 and 4 slide
+    recall = layer_recalls(recorded, budget=6)
+    assert sorted(recall) == [0, 1, 3, 5] and sorted(recall[1]) == [3, 5] and recall[5] == {}
+    for s in recall:
+        for l, r in recall[s].items():
+            torch.testing.assert_close(r, layer_recalls(records, budget=6)[s][l])  # the same numbers
+    (sel, resel), scores = pick_layers(recall, 6, selection_layers=[1, 2, 5], tolerance=0.0)
+    assert {s for s, _ in scores} == {1} and {r for _, r in scores} == {-1, 3, 5}
+    assert (sel, resel) == (1, 3)  # layer 3 refreshes for the retrieval heads planted from layer 3
+    with pytest.raises(ValueError, match="none of the selection layers"):
+        pick_layers(recall, 6, selection_layers=[2, 5])
