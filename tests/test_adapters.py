@@ -7,7 +7,7 @@ import torch
 
 import kvpress
 
-from conftest import CONTRACT_MODELS, FAMILIES, contract_model, random_ids, tiny_model
+from conftest import CONTRACT_MODELS, FAMILIES, contract_model, random_ids, sliding_model, tiny_model
 
 
 def _cached_keys(model, ids):
@@ -82,7 +82,6 @@ def test_sliding_window_layers_run_as_the_model_runs_them(family):
     equals the unpatched model on prompts longer than the window (left-padded batch, with and
     without a cache), and a policy's cache holds its own layers for the full-attention layers only."""
     from kvpress.layers import SlidingWindowLayer
-    from conftest import sliding_model
 
     model = sliding_model(family, seed=5)
     adapter = kvpress.get_adapter(model)
@@ -114,7 +113,6 @@ def test_sliding_window_layers_run_as_the_model_runs_them(family):
 
 
 def test_policies_that_name_layers_respect_sliding_ones():
-    from conftest import sliding_model
     from kvpress.policies._duo_calibrate import CalibrationSettings, calibrate
 
     model = sliding_model(seed=6)
@@ -146,7 +144,6 @@ def test_attention_logit_soft_capping_is_refused():
 def test_gemma3_policies_rotate_with_the_full_attention_layers_rope():
     """Gemma 3 rotates sliding layers with a local base (10k) and full layers with 1M: the adapter's
     RoPE, which ShadowKV and StreamingLLM use on the policy's (full-attention) layers, is the latter."""
-    from conftest import sliding_model
 
     model = sliding_model("gemma3_text", seed=2)
     rotary = model.base_model.rotary_emb
