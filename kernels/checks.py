@@ -8,7 +8,10 @@ import torch
 from .index import SparseIndex
 
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_GROUP = 8  # largest GQA group (query heads per KV head) of the Triton and native kernels; torch: any
+# largest GQA group (query heads per KV head) the Triton kernels take: a KV head's group is one tile of
+# max(16, next_pow2(G)) query rows, so 9..16 cost the same rows as 1..8 (Llama-3.1-405B and Qwen3-235B have 16).
+# The compiled CPU kernels (`native`) take up to 8; larger groups run the torch path there. torch: any.
+MAX_GROUP = 16
 
 
 class DecodeDims(NamedTuple):
@@ -29,7 +32,7 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     ------
     ValueError
         Naming the argument and what is allowed, for wrong ranks, shapes, dtypes, devices,
-        a non-contiguous last dimension, a GQA group outside 1..8, or (with
+        a non-contiguous last dimension, query heads not a multiple of the KV heads, or (with
         ``validate_index``) index values out of range for the cache.
     """
     if not isinstance(index, SparseIndex):

@@ -455,7 +455,7 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     seq_starts : int (B,) or None
         Tokens before ``seq_starts[b]`` are not attended (left padding).
     scale : float, default ``D ** -0.5``.
-    backend : "auto" (triton on CUDA when importable, for the head dims and GQA groups (<= 8) it
+    backend : "auto" (triton on CUDA when importable, for the head dims and GQA groups (<= 16) it
         takes), "triton", or "torch".
 
     Returns
@@ -465,14 +465,15 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     if backend not in QUANT_BACKENDS:
         raise ValueError(f"backend must be one of {QUANT_BACKENDS}, got {backend!r}")
     if backend == "auto":
+        from .checks import MAX_GROUP
         from .decode import triton_available
 
-        # the triton kernel takes GQA groups up to 8 and its head dims; the torch path everything else
+        # the triton kernel takes GQA groups up to MAX_GROUP and its head dims; the torch path everything else
         backend = "torch"
         if q.is_cuda and triton_available():
             from .triton_quant import TRITON_QUANT_HEAD_DIMS
 
-            if q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= 8:
+            if q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= MAX_GROUP:
                 backend = "triton"
     if backend == "triton":
         from .triton_quant import triton_quant_decode

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from .checks import MAX_GROUP
 from .quant import _check_decode, check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
@@ -36,8 +37,9 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
                                                          bits, group_size, value_group_size)
     if D not in TRITON_QUANT_HEAD_DIMS:
         raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
-    if H_q // H_kv > 8:
-        raise ValueError(f"GQA group {H_q // H_kv} > 8 is not supported by the triton kernel")
+    if H_q // H_kv > MAX_GROUP:
+        raise ValueError(f"triton quant_decode supports GQA groups of 1..{MAX_GROUP} query heads per KV head, "
+                         f"got {H_q // H_kv}; use backend='torch'")
     require_cuda_or_interpreter(q, "the triton quant_decode kernel")
     for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         if t.dtype != torch.float16 or t.stride(-1) != 1:

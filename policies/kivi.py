@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpress.kernels import native
+from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quant_decode,
                                    quantize_per_channel, quantize_per_token, token_quant_values)
@@ -202,7 +203,7 @@ class KiviLayer(QuantWindowLayer):
         return out if p_sink is None else out + p_sink @ self.sv.float()
 
     def attend(self, q, k_new, v_new, scaling):
-        fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= 8 * k_new.shape[1]
+        fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= MAX_GROUP * k_new.shape[1]
         if (q.is_cuda or self.decode_backend == "triton") and fused_ok and q.shape[2] == 1 and self.n_quant:
             return self._fused_decode(q, k_new, v_new, scaling)
         if self._native_step(q, k_new):

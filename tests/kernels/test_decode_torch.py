@@ -67,7 +67,7 @@ def _inputs():
     (lambda q, k, v, i: (q.half(), k, v, i, {}), "share one dtype"),
     (lambda q, k, v, i: (q, k, v[:, :, :20], i, {}), "same shape"),
     (lambda q, k, v, i: (q[:, :3], k, v, i, {}), r"multiple G \* H_kv of the KV heads \(2\)"),
-    (lambda q, k, v, i: (q.repeat(1, 5, 1), k, v, i, {"backend": "triton"}), r"GQA groups of 1\.\.8 .* got 10"),
+    (lambda q, k, v, i: (q.repeat(1, 9, 1), k, v, i, {"backend": "triton"}), r"GQA groups of 1\.\.16 .* got 18"),
     (lambda q, k, v, i: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, i, {}), "contiguous last"),
     (lambda q, k, v, i: (q, k, v, "idx", {}), "index must be a SparseIndex"),
     (lambda q, k, v, i: (q, k, v, i, {"backend": "cuda"}), r"backend must be one of \('auto', 'triton', 'torch', 'native'\)"),

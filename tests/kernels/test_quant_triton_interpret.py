@@ -22,6 +22,8 @@ DECODE = [
     (1, 2, 4, 256, 128, 8, 128, [0], 2),  # a tile of one 128-token key group, one value group per token
     (1, 2, 4, 192, 128, 4, (64, 16), [5], 2),  # key groups of 64 tokens, value groups of 16 channels
     (2, 1, 3, 96, 64, 2, (16, 64), None, None),  # and the other way round
+    (1, 2, 16, 128, 64, 4, 32, [0], 2),  # GQA group 16 (one 16-row tile), 12 (padded to 16)
+    (2, 1, 12, 96, 128, 2, 32, [0, 30], None),
 ]
 PACK = [(1, 2, 64, 64, b, g, pc) for b in (2, 4, 8) for g, pc in ((32, True), (16, False))] + \
        [(2, 1, 37, 128, 4, 32, False), (1, 1, 128, 128, 2, 128, True)]
@@ -61,10 +63,11 @@ def _run_cases():
                                 "max_code_diff": diff.max().item(), "frac_diff": diff.float().mean().item()})
     results["layer"] = _kivi_layer_case()
     results["layer_sinks"] = _kivi_layer_case(sink_tokens=4, row_start=(0, 70))
+    results["layer_g16"] = _kivi_layer_case(heads=16, kv_heads=1)
     return results
 
 
-def _kivi_layer_case(sink_tokens=0, row_start=None):
+def _kivi_layer_case(sink_tokens=0, row_start=None, heads=4, kv_heads=2):
     """The kivi layer's fused decode path (triton kernel + window + exact sinks + merge) vs its
     torch path; with ``row_start`` a left-padded batch of two rows."""
     import torch
@@ -73,13 +76,13 @@ def _kivi_layer_case(sink_tokens=0, row_start=None):
     import kvpress
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=128, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64)
     model = LlamaForCausalLM(cfg).eval()
     policy = kvpress.get_policy("kivi", bits=4, group_size=16, residual_length=16, sink_tokens=sink_tokens)
     B = 1 if row_start is None else len(row_start)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(B, 4, 100, 64, generator=gen), torch.randn(B, 2, 100, 64, generator=gen), \
-        torch.randn(B, 2, 100, 64, generator=gen)
+    q, k, v = torch.randn(B, heads, 100, 64, generator=gen), torch.randn(B, kv_heads, 100, 64, generator=gen), \
+        torch.randn(B, kv_heads, 100, 64, generator=gen)
     k[:, :, :4] *= 10  # large first keys: sinks the fused path must read exactly
     outs = []
     for backend in ("triton", "torch"):
@@ -87,6 +90,9 @@ def _kivi_layer_case(sink_tokens=0, row_start=None):
         if row_start is not None:
             layer.cache._set_row_start(torch.tensor(row_start))
         layer.decode_backend = backend
+        if backend == "triton":  # count the steps the fused kernel runs (a fallback would compare torch to torch)
+            fused, fused_calls = layer._fused_decode, []
+            layer._fused_decode = lambda *a, _f=fused, _n=fused_calls: _n.append(1) or _f(*a)
         layer.update(k[:, :, :80], v[:, :, :80])
         layer.attend(q[:, :, :80], *layer.take_pending(), 0.125)
         steps = []
@@ -94,7 +100,7 @@ def _kivi_layer_case(sink_tokens=0, row_start=None):
             layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
             steps.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.125))
         outs.append(torch.cat(steps, 2))
-    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant,
+    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant, "fused_steps": len(fused_calls),
             "sinks": None if layer.sk is None else list(layer.sk.shape)}
 
 
@@ -126,14 +132,20 @@ def test_quantize_pack_matches_torch(results, i):
 
 def test_kivi_layer_fused_path_matches_torch_path(results):
     r = results["layer"]
-    assert r["n_quant"] >= 64 and r["err"] <= 2e-5, r
+    assert r["n_quant"] >= 64 and r["fused_steps"] == 20 and r["err"] <= 2e-5, r
+
+
+def test_kivi_layer_fused_path_takes_gqa_group_16(results):
+    """16 query heads per KV head (Llama-3.1-405B's group) stay on the fused path: one 16-row tile."""
+    r = results["layer_g16"]
+    assert r["n_quant"] >= 64 and r["fused_steps"] == 20 and r["err"] <= 2e-5, r
 
 
 def test_kivi_fused_decode_with_sinks_and_padding_matches_torch_path(results):
     """Row 1's sinks (70 .. 73) are still in the fp window when decode starts and are flushed
     during it: the fused path must switch from window to exact sinks without a seam."""
     r = results["layer_sinks"]
-    assert r["n_quant"] == 80 and r["sinks"] == [2, 2, 4, 64] and r["err"] <= 2e-5, r
+    assert r["n_quant"] == 80 and r["sinks"] == [2, 2, 4, 64] and r["fused_steps"] == 20 and r["err"] <= 2e-5, r
 
 
 if __name__ == "__main__":

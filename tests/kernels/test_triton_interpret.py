@@ -29,7 +29,7 @@ CASES = (
             seed=bs, num_splits=2) for bs, budget in ((1, 40), (8, 6), (16, 4), (32, 3), (64, 2))]
     # GQA ratios and head dims
     + [case(H_kv=h, G=g, D=d, T_cap=67, block_size=8, mode="topk", budget=3, sinks=1, tail=3, seed=g)
-       for h, g, d in ((2, 1, 64), (1, 3, 128), (2, 4, 64), (1, 8, 128))]
+       for h, g, d in ((2, 1, 64), (1, 3, 128), (2, 4, 64), (1, 8, 128), (2, 12, 64), (1, 16, 128))]
     # empty selections: no blocks at all, cnt = 0, an empty row, sinks/tail only
     + [case(mode="none"), case(mode="cnt0", budget=3),
        case(B=2, T_cap=20, lens=[20, 0], block_size=8, budget=2, sinks=2),
