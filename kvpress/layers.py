@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import dense_causal_attention, streaming_attention
+from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode, sparse_decode_tail
 from .cache import CacheLayer, KVBuffer
 
@@ -325,6 +325,17 @@ class SlidingWindowLayer(SinkWindowLayer):
 
     def __init__(self, cache, layer_idx: int, window: int):
         super().__init__(cache, layer_idx, sinks=0, window=window)
+
+    def attend(self, q, k_new, v_new, scaling):
+        if self.seen or k_new.shape[2] == 1:  # decode, or a later chunk that also reads the ring
+            return super().attend(q, k_new, v_new, scaling)
+        if self.k is None:
+            self._allocate(k_new, v_new)
+        # the first forward: SDPA over each query chunk's reachable keys (the model's own kernels)
+        out = sliding_causal_attention(q, k_new, v_new, scaling, window=self.window, row_start=self.row_start)
+        self._write(k_new, v_new, self._row_start(k_new.shape[0], k_new.device))
+        self.seen += k_new.shape[2]
+        return out
 
     def ingest_prefill(self, k, v):
         """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""

@@ -138,3 +138,30 @@ def test_decode_decides_visibility_and_sink_writes_on_the_host(llama, monkeypatc
         ring = list(range(last - 4, last + 1))
         assert sorted(layer.pos[0].tolist()) == [0, 1, 2] + ring
         assert sorted(layer.pos[1].tolist()) == [1, 2, 3] + ring
+
+
+@pytest.mark.parametrize("window,chunk", [(8, 3), (8, None), (50, 16), (200, None)])
+def test_sliding_causal_attention_equals_brute_force_window(window, chunk):
+    """The SDPA route of the model's sliding layers (query chunks over their reachable keys)
+    equals a brute-force masked softmax over every key and the streaming route without sinks,
+    with a left-padded row and chunks shorter than, equal to and longer than the window."""
+    from kvpress.attention import sliding_causal_attention
+
+    gen = torch.Generator().manual_seed(window)
+    B, H_q, H_kv, T, D = 2, 6, 2, 90, 16
+    q, k, v = (torch.randn(B, h, T, D, generator=gen, dtype=torch.float64) for h in (H_q, H_kv, H_kv))
+    row_start = torch.tensor([0, 13])
+    got = sliding_causal_attention(q, k, v, 0.25, window=window, row_start=row_start, query_chunk=chunk)
+
+    pos = torch.arange(T)
+    rs = row_start.view(B, 1, 1)
+    visible = (pos[None, None] <= pos[None, :, None]) & (pos[None, :, None] - pos[None, None] < window)
+    visible = (visible & (pos[None, None] >= rs)) | ((pos[None, :, None] < rs) & (pos[None, None] == pos[None, :, None]))
+    kk, vv = (x.repeat_interleave(H_q // H_kv, dim=1) for x in (k, v))
+    scores = (q @ kk.transpose(-1, -2) * 0.25).masked_fill(~visible[:, None], float("-inf"))
+    want = torch.softmax(scores, -1) @ vv
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    empty = k.new_zeros(B, H_kv, 0, D)
+    old = streaming_attention(q, empty, empty, torch.zeros(B, 0, dtype=torch.long), k, v, 0.25, q_start=0,
+                              row_start=row_start, sinks=0, window=window)
+    torch.testing.assert_close(got, old, rtol=1e-5, atol=1e-6)  # streaming_attention computes in fp32

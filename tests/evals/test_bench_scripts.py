@@ -26,6 +26,18 @@ def test_bench_quant_kernel_cpu_smoke(tmp_path):
     assert json.loads((tmp_path / "bench_quant_kernel.json").read_text())[0]["bits"] == 4
 
 
+def test_bench_prefill_sliding_routes_agree_and_time(tmp_path, capsys):
+    from kvpress.evals.bench_prefill import main
+
+    rows = main(["--device", "cpu", "--lengths", "300", "--windows", "64", "--chunks", "32,128", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "32", "--warmup", "0", "--iters", "1",
+                 "--json", str(tmp_path / "p.json")])
+    assert len(rows) == 1 and rows[0]["max_abs_diff"] < 1e-5  # the SDPA route equals the streaming one
+    assert all(rows[0][f"{n}_ms"] > 0 for n in ("streaming", "sdpa_c32", "sdpa_c128"))
+    assert "sdpa_c128" in capsys.readouterr().out
+    assert json.loads((tmp_path / "p.json").read_text())[0]["window"] == 64
+
+
 def test_bench_shadowkv_speed_and_memory_on_random_tiny(tmp_path):
     from kvpress.evals.bench_shadowkv import main
 
