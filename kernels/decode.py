@@ -30,8 +30,8 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ----------
     q : torch.Tensor
         ``(B, H_q, D)``, fp16 / bf16 / fp32, last dim contiguous. ``H_q = G * H_kv``; query head
-        ``h`` uses KV head ``h // G`` (HF ``repeat_kv`` order). The triton and native kernels take
-        G up to ``MAX_GROUP`` (16); ``"auto"`` runs larger groups on the torch path.
+        ``h`` uses KV head ``h // G`` (HF ``repeat_kv`` order). The triton kernels take G up to
+        ``MAX_GROUP`` (16), the native ones up to 8; ``"auto"`` runs larger groups on the torch path.
     k_cache, v_cache : torch.Tensor
         ``(B, H_kv, T_cap, D)``, q's dtype and device. Only the last dim must be contiguous
         (stride 1); batch, head and token strides are free, so the tokens of one head are rows

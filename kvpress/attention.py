@@ -218,7 +218,6 @@ def streaming_attention(
     for i0 in range(0, t_q, step):
         i1 = min(t_q, i0 + step)
         q_pos = torch.arange(q_start + i0, q_start + i1, device=device)  # (Tq,)
-        qc = q[:, :, i0:i1].to(torch.float32)
         q_real = q_pos[None, :] - rs  # (B, Tq) position within the row
         # Keys of this chunk: cached slots, sinks that live in the new block, and the window slice.
         lo = max(0, i0 - window + 1)
@@ -253,7 +252,7 @@ def streaming_attention(
                 q[:, :, i0:i1], keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None], scale=scaling,
                 enable_gqa=group > 1))
             continue
-        keys, values = keys.to(torch.float32), values.to(torch.float32)
+        qc, keys, values = q[:, :, i0:i1].to(torch.float32), keys.to(torch.float32), values.to(torch.float32)
         qg = qc.reshape(batch, h_kv, group * (i1 - i0), dim)  # (B, H_kv, G*Tq, D)
         scores = (qg @ keys.transpose(-1, -2)).view(batch, h_kv, group, i1 - i0, -1) * scaling
         if sink_query_fn is not None and sinks > 0:
