@@ -42,7 +42,7 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale : float, optional
         Score scale, default ``1 / sqrt(D)``.
     backend : {"auto", "triton", "torch", "native"}
-        ``"triton"``: CUDA tensors, head_dim 64 or 128, G <= 8. ``"torch"``: any device (the fast path
+        ``"triton"``: CUDA tensors, head_dim 64 or 128, G <= 16. ``"torch"``: any device (the fast path
         on CPU: it gathers only the selected rows). ``"native"``: fp32 CPU tensors and a clean
         index (no padding slots), one compiled C call (`kvpress.kernels.native`; an error when
         it cannot run the inputs). ``"auto"``: triton for CUDA tensors with a supported

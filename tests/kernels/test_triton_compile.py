@@ -87,7 +87,7 @@ def _check_compiles(launches, expected_kernels):
 
 
 @pytest.mark.parametrize("dtype,D,G,block_size,starts", [("fp16", 128, 4, 16, None), ("bf16", 64, 3, 64, [5, 0]),
-                                                          ("fp32", 128, 1, 8, None)])
+                                                          ("fp32", 128, 1, 8, None), ("bf16", 128, 16, 16, None)])
 def test_sparse_decode_compiles_for_sm90(launches, dtype, D, G, block_size, starts):
     q, k, v, index = build(case(B=2, G=G, D=D, T_cap=256, block_size=block_size, mode="topk", budget=4,
                                 sinks=4, tail=8, dtype=dtype, starts=starts))
@@ -95,11 +95,11 @@ def test_sparse_decode_compiles_for_sm90(launches, dtype, D, G, block_size, star
     _check_compiles(launches, ["_sparse_decode_split_kernel", "_merge_splits_kernel"])
 
 
-@pytest.mark.parametrize("bits,dtype", [(4, torch.float16), (2, torch.bfloat16)])
-def test_quant_kernels_compile_for_sm90(launches, bits, dtype):
+@pytest.mark.parametrize("bits,dtype,G", [(4, torch.float16, 4), (2, torch.bfloat16, 4), (4, torch.bfloat16, 16)])
+def test_quant_kernels_compile_for_sm90(launches, bits, dtype, G):
     from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
 
-    B, H_kv, G, T, D, group = 1, 2, 4, 128, 128, 32
+    B, H_kv, T, D, group = 1, 2, 128, 128, 32
     x = torch.randn(B, H_kv, T, D, dtype=dtype)
     triton_quant.triton_quantize_pack(x, bits, group, per_channel=True)
     triton_quant.triton_quantize_pack(x, bits, group, per_channel=False)
