@@ -15,6 +15,11 @@ a small real model cannot reach:
 ``random-tiny``
     4 layers, hidden 256, 4 query / 2 KV heads, head_dim 64, 64k positions: smoke runs of the
     benchmark scripts on a CPU in seconds.
+``random-gemma3-270m``
+    Gemma-3-270M's shape (18 layers, hidden 640, 4 query / 1 KV head of 256 dims, MLP 2048,
+    a 262144-token vocabulary, 32k positions): five of every six layers slide over 512 tokens
+    (local RoPE base 10000, global 1e6), so a policy runs only layers 5, 11 and 17 -- what kvpress
+    saves on a hybrid model at real head sizes.
 
 Random models come with a byte-level tokenizer (no chat template), enough for the tasks.
 """
@@ -28,7 +33,7 @@ from pathlib import Path
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _RANDOM_LLAMA3 = re.compile(r"^random-llama3-8b(?:-(\d+)l)?$")
 EOS_ID = 256  # the byte tokenizer's <|eos|>
-RANDOM_MODELS = ("random-llama3-8b", "random-llama3-8b-<N>l", "random-smollm2", "random-tiny")
+RANDOM_MODELS = ("random-llama3-8b", "random-llama3-8b-<N>l", "random-smollm2", "random-tiny", "random-gemma3-270m")
 
 
 def check_model_name(name: str) -> None:
@@ -44,7 +49,8 @@ def check_model_name(name: str) -> None:
     lowered = name.strip().lower()
     if lowered in MODEL_ALIASES or lowered == "smollm2-135m-instruct" or _random_layers(lowered) is not None:
         return
-    if lowered in ("random-smollm2", "random-tiny") or Path(name).expanduser().exists() or _HUB_ID.match(name):
+    if lowered in ("random-smollm2", "random-tiny", "random-gemma3-270m") or Path(name).expanduser().exists() \
+            or _HUB_ID.match(name):
         return
     raise ValueError(
         f"unknown model {name!r}; allowed: {', '.join(sorted(MODEL_ALIASES))}, {', '.join(RANDOM_MODELS)}, "
@@ -74,14 +80,25 @@ def byte_tokenizer():
     return tokenizer
 
 
-def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
-    """Build ``random-llama3-8b[-Nl]``, ``random-smollm2`` or ``random-tiny`` (see the module docstring)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def random_config(name: str):
+    """The transformers config of ``random-llama3-8b[-Nl]``, ``random-smollm2``, ``random-tiny`` or
+    ``random-gemma3-270m`` (see the module docstring)."""
+    from transformers import LlamaConfig
 
     lowered = name.lower()
     layers = _random_layers(lowered)
-    if layers is not None:
+    if lowered == "random-gemma3-270m":
+        from transformers import Gemma3TextConfig
+
+        config = Gemma3TextConfig(
+            vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+            max_position_embeddings=32768, query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        )
+    elif layers is not None:
         config = LlamaConfig(
             vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -102,12 +119,22 @@ def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
     else:
         raise ValueError(f"unknown random model {name!r}; allowed: {', '.join(RANDOM_MODELS)}")
     config.pad_token_id, config.bos_token_id, config.eos_token_id = EOS_ID, None, EOS_ID
+    return config
+
+
+def random_model(name: str, *, dtype=None, device=None, seed: int = 0):
+    """Build a random model of :func:`random_config`'s shapes, with the byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lowered = name.lower()
+    config = random_config(lowered)
     torch.manual_seed(seed)
     dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device(device or "cpu"):
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     model.config._name_or_path = lowered  # the model id artifacts (calibrations) are checked against
     model.generation_config.pad_token_id = EOS_ID
     model.generation_config.eos_token_id = EOS_ID

@@ -75,3 +75,19 @@ def test_bench_reports_a_policy_it_cannot_run_and_checks_its_arguments(tiny, tmp
         run_bench("random-tiny", policies=("full",), lengths=(64,), new_tokens=3, interleave=True, loaded=tiny)
     with pytest.raises(ValueError, match="lengths must be positive"):
         run_bench("random-tiny", policies=("full",), lengths=(0,), loaded=tiny)
+
+
+def test_random_gemma3_270m_is_a_hybrid_model_the_policies_run_on_three_layers():
+    """The Gemma-3-270M shape (built on the meta device: no weights) slides 15 of 18 layers over
+    512 tokens; kvpress gives the policy layers 5, 11 and 17, at head_dim 256 with one KV head."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpress.evals.models import check_model_name, random_config
+
+    check_model_name("random-gemma3-270m")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(random_config("random-gemma3-270m"))
+    adapter = kvpress.get_adapter(model)
+    assert adapter.policy_layers == (5, 11, 17)
+    assert {adapter.sliding_window(i) for i in range(18)} == {512, None}
+    assert (adapter.num_heads, adapter.num_kv_heads, adapter.head_dim) == (4, 1, 256)
