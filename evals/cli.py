@@ -61,7 +61,7 @@ def cmd_eval(args) -> int:
 
 
 def configure_eval(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2, a local folder, a hub id, random-llama3-8b[-Nl], random-smollm2, random-tiny")
+    p.add_argument("--model", default="smollm2", help="smollm2, a local folder, a hub id, random-llama3-8b[-Nl], random-smollm2, random-tiny, random-gemma3-270m")
     p.add_argument("--policies", default=None, help="comma-separated registered names, each optionally with ':'-separated fields: duo:sink_tokens=8:window_size=64 (default: all)")
     p.add_argument("--budgets", default=None, help="comma-separated token budgets, e.g. 128,256,512,1024")
     p.add_argument("--bits", default=None, help="comma-separated bit widths for policies with a `bits` field")
@@ -99,7 +99,7 @@ def cmd_bench(args) -> int:
 
 
 def configure_bench(p) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2, a folder, a hub id, random-llama3-8b[-Nl], random-smollm2, random-tiny")
+    p.add_argument("--model", default="smollm2", help="smollm2, a folder, a hub id, random-llama3-8b[-Nl], random-smollm2, random-tiny, random-gemma3-270m")
     p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
     p.add_argument("--budget", type=int, default=256, help="budget given to policies that take one")
     p.add_argument("--lengths", default="2048,4096", help="comma-separated prompt lengths")
