@@ -28,7 +28,9 @@ class CacheStats:
     offloaded_bytes : int
         Bytes held in the host tier.
     dense_bytes : int
-        What a full cache of the same tokens takes in the model's dtype (the reference).
+        What the model's own cache of the same tokens takes in its dtype (the reference): every
+        token in a full-attention layer, at most the window in a layer the model itself slides
+        (Gemma 3, hybrid Qwen), where the unpatched model keeps no more either.
     tokens : int
         Tokens the sequence has seen, left padding included.
     bits_per_element : float
@@ -111,7 +113,9 @@ def cache_stats(cache) -> CacheStats:
     tokens = cache.get_seq_length()
     batch = max((layer.batch_size for layer in cache.layers), default=0)
     itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
-    dense = 2 * tokens * batch * adapter.num_kv_heads * adapter.head_dim * itemsize * adapter.num_layers
+    windows = (adapter.sliding_window(i) for i in range(adapter.num_layers))
+    kept = sum(tokens if w is None else min(tokens, w) for w in windows)  # tokens the model's own layers hold
+    dense = 2 * kept * batch * adapter.num_kv_heads * adapter.head_dim * itemsize
     return CacheStats(
         policy=cache.policy.name,
         resident_bytes=resident,

@@ -110,6 +110,9 @@ def test_sliding_window_layers_run_as_the_model_runs_them(family):
     with torch.no_grad(), kvpress.apply(model, cache.policy):
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert isinstance(cache.layers[2], SlidingWindowLayer) and cache.layers[2].k.shape[2] == 8
+    # the dense reference is the model's own cache: 30 tokens in layers 0-1, its 8-token window in layer 2
+    stats = kvpress.cache_stats(cache)
+    assert stats.dense_bytes == 2 * (30 + 30 + 8) * 2 * adapter.num_kv_heads * adapter.head_dim * 4
 
 
 def test_policies_that_name_layers_respect_sliding_ones():

@@ -56,7 +56,10 @@ def test_generate_returns_policy_cache_with_honest_stats(family_model, name):
     assert stats.resident_bytes == expected > 0
     assert stats.resident_bytes == sum(s.resident_bytes for s in stats.layers)
     assert stats.offloaded_bytes == sum(tensor_bytes(l.host_tensors().values()) for l in cache.layers)
-    assert stats.dense_bytes == 2 * stats.tokens * adapter.num_kv_heads * adapter.head_dim * 4 * adapter.num_layers
+    # the model's own cache: every token in a full-attention layer, the window in a sliding one
+    kept = sum(stats.tokens if adapter.sliding_window(i) is None else min(stats.tokens, adapter.sliding_window(i))
+               for i in range(adapter.num_layers))
+    assert stats.dense_bytes == 2 * kept * adapter.num_kv_heads * adapter.head_dim * 4
     assert stats.bits_per_element > 0
     for layer in cache.layers:
         for t in layer.state_tensors().values():
