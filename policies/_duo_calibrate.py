@@ -89,6 +89,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpress.attention import sliding_causal_attention
+
 from .duo import PREFILL_MODES
 
 # duo's prefill modes the gated forward can mimic ("chunked" is not one: its chunks are longer than
@@ -206,18 +208,14 @@ class GatedAttention:
         self.model_windows = model_windows  # per layer: the model's own sliding window, or None
         self.mix_from: int | None = None
         self._mask: torch.Tensor | None = None
-        self._window_masks: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, model window) -> mask
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         # query (1, H_q, T, D); key/value (1, H_kv, T, D); no cache during calibration.
         t = query.shape[2]
         model_window = self.model_windows[module.layer_idx] if self.model_windows else None
         if model_window is not None:  # a layer the model slides: its own attention, never a duo layer
-            shape = (t, model_window)
-            if shape not in self._window_masks:  # once per prompt length (a few), not per layer and step
-                self._window_masks[shape] = streaming_mask(t, 0, model_window, query.device)
-            mask = self._window_masks[shape]
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+            out = sliding_causal_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
+                                           window=model_window)
             return out.transpose(1, 2).contiguous(), None
         if self._mask is None or self._mask.shape[0] != t:
             self._mask = streaming_mask(t, self.sinks, self.window, query.device)
