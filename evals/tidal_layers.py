@@ -119,7 +119,7 @@ def layer_recalls(records, budget: int, min_source: int = 0) -> dict[int, dict[i
             for s in layers if s >= min_source}
 
 
-def pair_score(recall, num_layers: int, selection: int, reselection: int) -> float:
+def pair_score(recall, selection: int, reselection: int) -> float:
     """Mean log recall over the sparse layers' (head, query) pairs for ``(selection, reselection)``
     (the sparse layers: the recorded layers after ``selection``)."""
     vals = []
@@ -131,7 +131,7 @@ def pair_score(recall, num_layers: int, selection: int, reselection: int) -> flo
     return float(torch.cat(vals).mean()) if vals else 0.0
 
 
-def pick_layers(recall, num_layers: int, selection_layers, tolerance: float = 0.01):
+def pick_layers(recall, selection_layers, tolerance: float = 0.01):
     """Best ``(selection, reselection)`` (reselection -1: none) and every pair's score.
 
     Among pairs scoring within ``tolerance`` of the best, the earliest selection layer wins
@@ -145,7 +145,7 @@ def pick_layers(recall, num_layers: int, selection_layers, tolerance: float = 0.
     scores = {}
     for s in candidates:
         for r in [-1, *sorted(recall[s])]:
-            scores[(s, r)] = pair_score(recall, num_layers, s, r)
+            scores[(s, r)] = pair_score(recall, s, r)
     top = max(scores.values())
     near = [pair for pair, v in scores.items() if v >= top - tolerance]
     best = min(near, key=lambda pair: (pair[0], -scores[pair]))
@@ -229,7 +229,7 @@ def run(args) -> int:
                          f"= {args.min_selection_layer}..{hi}; full-attention layers: {list(full)}")
     recall = calibration_recalls(model, tokenizer, args.text, args.length, args.queries, args.budget,
                                  args.min_selection_layer, samples=args.samples)
-    (sel, resel), scores = pick_layers(recall, n, range(args.min_selection_layer, hi + 1), args.tolerance)
+    (sel, resel), scores = pick_layers(recall, range(args.min_selection_layer, hi + 1), args.tolerance)
     queries = args.queries if args.text == "ppl" else f"the answers of {args.samples} passkey prompts"
     print(f"model {adapter.model_id}  text {args.text}  length {args.length}  queries {queries}  budget {args.budget}")
     print("mean log recall of the sparse layers (rows: selection layer; best re-selection layer)")

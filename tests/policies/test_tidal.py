@@ -174,12 +174,12 @@ def test_layer_finder_refreshes_where_retrieval_heads_start_and_prefers_an_early
     recall = layer_recalls(records, budget=6)
     # layer 3's own selection holds the planted tokens; layer 1's does not
     assert float(recall[3][4][0].min()) > 0.9 and float(recall[1][4][0].max()) < 0.5
-    (sel, resel), scores = pick_layers(recall, 6, selection_layers=[1, 2], tolerance=0.0)
+    (sel, resel), scores = pick_layers(recall, selection_layers=[1, 2], tolerance=0.0)
     assert (sel, resel) == (2, 3)  # best score: layer 2 is exact, layer 3 refreshes for the retrieval heads
     assert scores[(1, 3)] > scores[(1, 2)] and scores[(1, 3)] > scores[(1, -1)]  # (1, 2): refresh too early
     margin = scores[(2, 3)] - scores[(1, 3)]
-    assert pick_layers(recall, 6, [1, 2], tolerance=margin + 1e-6)[0] == (1, 3)  # the earlier layer within tolerance
-    assert pair_score(recall, 6, 3, -1) > pair_score(recall, 6, 1, -1)
+    assert pick_layers(recall, [1, 2], tolerance=margin + 1e-6)[0] == (1, 3)  # the earlier layer within tolerance
+    assert pair_score(recall, 3, -1) > pair_score(recall, 1, -1)
 
 
 def test_bad_input_is_a_clear_error(model):
@@ -236,8 +236,8 @@ def test_layer_finder_skips_layers_the_model_slides():
     for s in recall:
         for l, r in recall[s].items():
             torch.testing.assert_close(r, layer_recalls(records, budget=6)[s][l])  # the same numbers
-    (sel, resel), scores = pick_layers(recall, 6, selection_layers=[1, 2, 5], tolerance=0.0)
+    (sel, resel), scores = pick_layers(recall, selection_layers=[1, 2, 5], tolerance=0.0)
     assert {s for s, _ in scores} == {1} and {r for _, r in scores} == {-1, 3, 5}
     assert (sel, resel) == (1, 3)  # layer 3 refreshes for the retrieval heads planted from layer 3
     with pytest.raises(ValueError, match="none of the selection layers"):
-        pick_layers(recall, 6, selection_layers=[2, 5])
+        pick_layers(recall, selection_layers=[2, 5])
