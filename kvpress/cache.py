@@ -16,6 +16,12 @@ Layer contract (subclass :class:`CacheLayer`):
     bytes, and batch reordering (beam search) index-selects them along dim 0.
 ``cached_elements() -> int``
     How many K/V scalar elements the stored state represents (for bits per element).
+``removable() -> int`` / ``remove_latest(n)`` (optional: a layer that sets ``croppable = True``)
+    How many of the latest tokens the layer can take back now, and taking them back
+    (transformers' ``crop``, which assisted decoding calls after each draft verification). A
+    layer that keeps every token truncates; a layer that evicts or compresses as tokens arrive
+    records its state before each forward once ``activate_past_recording`` was called
+    (:class:`ForwardRecord`) and rolls the latest forward back.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ class CacheLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    croppable = False  # transformers reads ``is_croppable``; see ``crop``
 
     def __init__(self, cache: "PolicyCache", layer_idx: int):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
         self.seen = 0  # tokens this layer has processed (left padding included)
+        self.record_past = False  # set by activate_past_recording (assisted decoding)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -58,6 +66,8 @@ class CacheLayer(CacheLayerMixin):
                 "run the model inside `with kvpress.apply(model, policy):`"
             )
         self._pending = (key_states, value_states)
+        if self.record_past:
+            self.record_forward(key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -72,8 +82,48 @@ class CacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         raise RuntimeError("kvpress caches are built fresh for each generation; make a new one instead of reset()")
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("kvpress caches cannot be cropped (assisted decoding is not supported)")
+    # ------------------------------------------------------------ rollback (assisted decoding)
+    @property
+    def is_croppable(self) -> bool:
+        return self.croppable
+
+    def activate_past_recording(self) -> None:
+        """From now on record enough before each forward to take its tokens back (``crop``)."""
+        if not self.croppable:
+            raise ValueError(f"{type(self).__name__} cannot take tokens back")
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the latest tokens: ``-n`` removes ``n``; ``0`` removes none (it ends the
+        latest forward's record); a positive value is the length to keep (transformers' older form).
+
+        What the layer keeps afterwards equals what it would keep had those tokens never come
+        (left padding, sinks, windows, page and chunk statistics included). Raises ValueError when
+        the layer cannot remove that many (:meth:`removable`).
+        """
+        n = _tokens_to_remove(tokens_to_remove, self.seen)
+        if n and not self.croppable:
+            raise ValueError(f"{type(self).__name__} cannot take tokens back")
+        limit = self.removable()
+        if n > limit:
+            raise ValueError(f"cannot remove {n} tokens from layer {self.layer_idx} ({type(self).__name__}): "
+                             f"at most {limit} can be taken back now{self._removable_hint()}")
+        self.remove_latest(n)
+
+    def removable(self) -> int:
+        """How many of the latest tokens :meth:`remove_latest` can take back now."""
+        return 0
+
+    def remove_latest(self, n: int) -> None:
+        """Take back the latest ``n`` tokens (``0 <= n <= removable()``); ``n = 0`` ends a record."""
+        if n:
+            raise NotImplementedError
+
+    def record_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Called before each forward's new tokens ``k``/``v`` are stored while ``record_past`` is on."""
+
+    def _removable_hint(self) -> str:
+        return ""
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select(beam_idx)
@@ -156,6 +206,13 @@ class KVBuffer:
         self.v[:, :, self.length : self.length + n] = v
         self.length += n
 
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (the freed slots zeroed; the capacity stays)."""
+        if self.k is not None and length < self.length:
+            self.k[:, :, length : self.length] = 0
+            self.v[:, :, length : self.length] = 0
+        self.length = min(self.length, length)
+
     @property
     def keys(self) -> torch.Tensor:
         return self.k[:, :, : self.length]
@@ -173,6 +230,64 @@ def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
     out = x.new_zeros(x.shape[0], x.shape[1], cap, x.shape[3])
     out[:, :, :length] = x[:, :, :length]
     return out
+
+
+def _tokens_to_remove(tokens_to_remove: int, seen: int) -> int:
+    """transformers' ``crop`` argument as a count: ``-n`` -> ``n``; a positive value is a length to keep."""
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise TypeError(f"crop takes an int (-n removes n tokens), got {tokens_to_remove!r}")
+    if tokens_to_remove > 0:
+        return max(0, seen - tokens_to_remove)
+    return -tokens_to_remove
+
+
+class RecordingLayer(CacheLayer):
+    """A layer that evicts or compresses as tokens arrive, made croppable by recording.
+
+    While ``record_past`` is on, each forward first saves the layer's state (:meth:`snapshot`,
+    tensors cloned) with the forward's new keys / values; ``crop`` then puts that state back and
+    stores again the tokens it keeps (:meth:`store_again`), so the result equals a forward that
+    never had the removed tokens. Only the latest forward can be taken back. Meant for layers
+    whose state is bounded (sinks + window, a fixed budget): a record costs about one copy of it.
+    """
+
+    croppable = True
+
+    def __init__(self, cache: "PolicyCache", layer_idx: int):
+        super().__init__(cache, layer_idx)
+        self._record: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None
+
+    def snapshot(self) -> dict:
+        """The state a forward may change, as copies (restored by :meth:`restore`)."""
+        raise NotImplementedError
+
+    def restore(self, saved: dict) -> None:
+        raise NotImplementedError
+
+    def store_again(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` [B, H_kv, n, D] at sequence indices ``seen ..`` as a forward would
+        (no attention), and advance ``seen``."""
+        raise NotImplementedError
+
+    def record_forward(self, k, v):
+        self._record = (self.seen, k, v, self.snapshot())
+
+    def removable(self) -> int:
+        return 0 if self._record is None else self._record[1].shape[2]
+
+    def _removable_hint(self) -> str:
+        return "" if self.record_past else " (call activate_past_recording() before the forward to take it back)"
+
+    def remove_latest(self, n: int) -> None:
+        record, self._record = self._record, None
+        if n == 0 or record is None:
+            return
+        seen, k, v, saved = record
+        self.restore(saved)
+        self.seen = seen
+        keep = k.shape[2] - n
+        if keep:
+            self.store_again(k[:, :, :keep], v[:, :, :keep])
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -200,6 +315,7 @@ class PolicyCache(Cache):
         self.policy = policy
         self.adapter = adapter
         self.shared: dict[str, Any] = {}  # cross-layer per-generation state (e.g. TidalDecode)
+        self.step_shared: dict[str, Any] = {}  # cross-layer state of the current step; cleared by `crop`
         self._row_start: torch.Tensor | None = None
         self._row_start_by_device: dict[torch.device, torch.Tensor] = {}
         self._min_row_start = self._max_row_start = 0
@@ -242,8 +358,38 @@ class PolicyCache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("kvpress caches cannot be cropped (assisted decoding is not supported)")
+    @property
+    def is_croppable(self) -> bool:
+        return all(layer.is_croppable for layer in self.layers)
+
+    def activate_past_recording(self) -> None:
+        """transformers calls this before assisted decoding: every layer must be able to take back
+        its latest forward (``crop``). Policies that cannot raise here, before any work is done."""
+        if not self.is_croppable:
+            from .registry import list_policies, policy_class
+
+            can = [name for name in list_policies() if policy_class(name).croppable]
+            raise ValueError(
+                f"policy {self.policy.name!r} cannot take back the tokens of a forward (transformers' `crop`), "
+                f"which assisted decoding (`assistant_model=...`, `prompt_lookup_num_tokens=...`) does after "
+                f"each draft verification; policies that can: {', '.join(can)}"
+            )
+        for layer in self.layers:
+            layer.activate_past_recording()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the latest tokens of every layer (see :meth:`CacheLayer.crop`)."""
+        n = _tokens_to_remove(tokens_to_remove, self.get_seq_length())
+        short = next((layer for layer in self.layers if layer.removable() < n), None)
+        if short is not None:  # checked on every layer first: a refused crop changes nothing
+            short.crop(-n)  # raises, naming the layer and what it can take back
+        new_len = self.get_seq_length() - n
+        if n and self._row_start is not None and new_len <= self._max_row_start:
+            raise ValueError(f"cannot crop to {new_len} tokens: a row's prompt starts at index {self._max_row_start} "
+                             "(left padding); keep at least one real token per row")
+        for layer in self.layers:
+            layer.crop(-n)
+        self.step_shared.clear()
 
     def reset(self) -> None:
         raise RuntimeError("kvpress caches are built fresh for each generation; make a new one instead of reset()")

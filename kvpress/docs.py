@@ -11,12 +11,14 @@ START, END = "<!-- policy-table:start -->", "<!-- policy-table:end -->"
 def policy_table() -> str:
     import kvpress
 
-    lines = ["| policy | what it does | paper | keeps full cache | prefill is full attention |", "|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
+    lines = ["| policy | what it does | paper | keeps full cache | prefill is full attention | assisted decoding |",
+             "|---|---|---|---|---|---|"]
     for name in kvpress.list_policies():
         cls = kvpress.policy_class(name)
         lines.append(
-            f"| `{name}` | {cls.description} | {cls.paper or '-'} | {'yes' if cls.keeps_full_cache else 'no'} | "
-            f"{'yes' if cls.full_prefill else 'no'} |"
+            f"| `{name}` | {cls.description} | {cls.paper or '-'} | {yes[cls.keeps_full_cache]} | "
+            f"{yes[cls.full_prefill]} | {yes[cls.croppable]} |"
         )
     return "\n".join(lines)
 

@@ -6,11 +6,17 @@ import torch
 
 from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode, sparse_decode_tail
-from .cache import CacheLayer, KVBuffer
+from .cache import CacheLayer, KVBuffer, RecordingLayer
 
 
 class DenseLayer(CacheLayer):
-    """Keeps every token; attention is exact causal attention (the ``full`` reference)."""
+    """Keeps every token; attention is exact causal attention (the ``full`` reference).
+
+    Croppable: any number of the latest tokens can be taken back (the buffer is truncated;
+    subclasses rebuild their metadata in :meth:`after_truncate`).
+    """
+
+    croppable = True
 
     def __init__(self, cache, layer_idx: int):
         super().__init__(cache, layer_idx)
@@ -51,6 +57,18 @@ class DenseLayer(CacheLayer):
     def state_tensors(self):
         return {"k": self.buffer.k, "v": self.buffer.v}
 
+    def removable(self) -> int:
+        return self.seen
+
+    def remove_latest(self, n: int) -> None:
+        if n:
+            self.buffer.truncate(self.buffer.length - n)
+            self.seen -= n
+            self.after_truncate()
+
+    def after_truncate(self) -> None:
+        """The buffer lost its latest tokens (``crop``): bring derived state in line with it."""
+
     def batch_select(self, indices):
         if self.buffer.k is not None:
             self.buffer.k = self.buffer.k.index_select(0, indices.to(self.buffer.k.device))
@@ -82,7 +100,7 @@ def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) 
                        torch.full((batch,), slots, dtype=torch.int32, device=visible.device))
 
 
-class SinkWindowLayer(CacheLayer):
+class SinkWindowLayer(RecordingLayer):
     """Keeps the first ``sinks`` real tokens of each row and the most recent ``window`` tokens.
 
     Every query attends exactly as if tokens had arrived one at a time into ``sinks + window``
@@ -112,6 +130,9 @@ class SinkWindowLayer(CacheLayer):
     work, and the layer never holds more than one chunk beyond its slots. Only the slots survive
     between forwards, so a caller's own forwards cut the chunks too. ``K=1`` is the per-token
     streaming pattern with one more window slot; ``K=None`` one chunk per forward.
+
+    Croppable (a :class:`~kvpress.cache.RecordingLayer`): with past recording on, a forward first
+    copies the slots (and the tail sums), so ``crop`` can take back any of its tokens.
 
     With ``tail_chunk=N`` (needs ``dense_prefill``, not ``rerotate``) the tokens the ring evicts
     are not forgotten entirely: each is added, as it leaves, to fp32 key / value sums of its
@@ -294,6 +315,23 @@ class SinkWindowLayer(CacheLayer):
         return {"k": self.k, "v": self.v, "pos": self.pos,
                 **({} if self.tail is None else self.tail.state_tensors())}
 
+    def snapshot(self) -> dict:
+        saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}
+        if self.tail is not None:
+            saved["tail"] = self.tail.snapshot()
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        self.k, self.v, self.pos = saved["k"], saved["v"], saved["pos"]
+        if self.tail is not None:
+            self.tail.restore(saved["tail"])
+
+    def store_again(self, k, v):
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
+
     def batch_select(self, indices):
         for name in ("k", "v", "pos"):
             t = getattr(self, name)
@@ -382,14 +420,18 @@ class ChunkTail:
         self.tail_count: torch.Tensor | None = None  # (B, N_cap) fp32
         self.chunks = 0  # chunks holding at least one stored token
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
-        """Add keys / values [B, H_kv, n, D] at sequence indices ``start ..`` to their chunks."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None,
+               from_chunk: int = 0) -> None:
+        """Add keys / values [B, H_kv, n, D] at sequence indices ``start ..`` to their chunks
+        (only to chunks ``>= from_chunk``: `truncate` re-sums the chunks it cleared)."""
         B, H, n, D = k.shape
         if n == 0:
             return
         cs = self.chunk_size
         self.chunks = -(-(start + n) // cs)
         self._ensure(B, H, D, self.chunks, k.device)
+        if from_chunk:
+            row_start = torch.zeros(B, dtype=torch.long, device=k.device) if row_start is None else row_start
         if n == 1 and row_start is None:  # a decode step without padding: one chunk, in place
             if start < self.skip:
                 return
@@ -406,13 +448,28 @@ class ChunkTail:
             self.tail_count.index_add_(1, chunk, k.new_ones(B, n, dtype=torch.float32))
             return
         rel = idx[None, :] - (0 if row_start is None else row_start[:, None])  # (B, n) or (1, n)
-        real = (rel >= self.skip).expand(B, n)
         chunk = (rel.clamp(min=0) // cs).expand(B, n)  # (B, n)
+        real = (rel >= self.skip).expand(B, n) & (chunk >= from_chunk)
         w = real.float()
         at = chunk[:, None, :, None].expand(B, H, n, D)
         self.tail_k_sum.scatter_add_(2, at, k.float() * w[:, None, :, None])
         self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
         self.tail_count.scatter_add_(1, chunk, w)
+
+    def truncate(self, k: torch.Tensor, v: torch.Tensor, row_start: torch.Tensor | None,
+                 min_row_start: int, max_row_start: int) -> None:
+        """Forget the tokens after the first ``k.shape[2]`` (``k``/``v``: every token kept, from
+        index 0): the chunks that held a removed token are summed again from ``k``/``v``."""
+        if self.tail_k_sum is None:
+            return
+        length, cs = k.shape[2], self.chunk_size
+        first = max(0, length - max_row_start) // cs  # first chunk (of any row) that held a removed token
+        self.tail_k_sum[:, :, first:] = 0
+        self.tail_v_sum[:, :, first:] = 0
+        self.tail_count[:, first:] = 0
+        start = min(length, min_row_start + first * cs)  # no row's chunk `first` starts earlier
+        self.append(k[:, :, start:], v[:, :, start:], start, row_start, from_chunk=first)
+        self.chunks = -(-length // cs)
 
     def _ensure(self, B: int, H: int, D: int, chunks: int, device) -> None:
         if self.tail_k_sum is not None and self.tail_k_sum.shape[2] >= chunks:
@@ -447,6 +504,14 @@ class ChunkTail:
 
     def state_tensors(self) -> dict:
         return {"tail_k_sum": self.tail_k_sum, "tail_v_sum": self.tail_v_sum, "tail_count": self.tail_count}
+
+    def snapshot(self) -> dict:
+        """Copies of the sums (for a layer that records its state before a forward)."""
+        return {"chunks": self.chunks, **{name: None if t is None else t.clone() for name, t in self.state_tensors().items()}}
+
+    def restore(self, saved: dict) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
 
     def batch_select(self, indices: torch.Tensor) -> None:
         for name, t in self.state_tensors().items():

@@ -6,7 +6,10 @@ Integration points are transformers' own, and nothing is patched at import time:
   selected with ``model.set_attn_implementation`` (restored on exit);
 * a forward pre-hook on the decoder stack (removed on exit) that gives every forward with
   ``use_cache`` a :class:`~kvpress.cache.PolicyCache` when the caller passed none (``generate``
-  passes an empty ``DynamicCache``, which is replaced) and records the batch's left padding.
+  passes an empty ``DynamicCache``, which is replaced) and records the batch's left padding;
+* for ``generate``, the model instance's ``_prepare_cache_for_generation`` wrapped (the instance
+  attribute removed on exit) so the cache generate makes is a ``PolicyCache`` from the start:
+  assisted decoding asks that cache to record its past before the first forward.
 
 Attention modules are mapped to their session in a weak dictionary, so the attention function
 finds the cache of the forward in flight without touching transformers' objects.
@@ -143,7 +146,11 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     base = adapter.base_model
     handle = base.register_forward_pre_hook(_make_pre_hook(session, base), with_kwargs=True)
     modules = adapter.attention_modules()
+    had_own = "_prepare_cache_for_generation" in vars(model)
+    own_before = vars(model).get("_prepare_cache_for_generation")
     try:
+        if hasattr(model, "_prepare_cache_for_generation"):
+            model._prepare_cache_for_generation = _policy_cache_for_generate(session, model._prepare_cache_for_generation)
         _SESSIONS_BY_MODEL[model] = session
         for module in modules:
             _SESSIONS_BY_MODULE[module] = session
@@ -154,12 +161,32 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
         session.active = False
         session.current_cache = None
         handle.remove()
+        if had_own:
+            model._prepare_cache_for_generation = own_before
+        else:
+            vars(model).pop("_prepare_cache_for_generation", None)
         for module in modules:
             _SESSIONS_BY_MODULE.pop(module, None)
         _SESSIONS_BY_MODEL.pop(model, None)
         if model.config._attn_implementation != attn_before:
             model.set_attn_implementation(attn_before)
         _restore_config(model.config, config_before)
+
+
+def _policy_cache_for_generate(session: _Session, prepare):
+    """``generate``'s cache preparation, then its fresh empty cache swapped for a ``PolicyCache``."""
+
+    def wrapped(generation_config, model_kwargs, *args, **kwargs):
+        out = prepare(generation_config, model_kwargs, *args, **kwargs)
+        for key in ("cache", "past_key_values"):
+            past = model_kwargs.get(key)
+            if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
+                cache = PolicyCache(session.policy, session.adapter)
+                cache._session = session
+                model_kwargs[key] = cache
+        return out
+
+    return wrapped
 
 
 def _restore_config(config, before: dict) -> None:

@@ -38,6 +38,11 @@ class Policy:
         The whole KV cache stays resident (selection policies); eviction/quantization set False.
     ``needs_artifact``
         The policy reads a calibration artifact (DuoAttention, Double Sparsity).
+    ``croppable``
+        The cache can take back the tokens of its latest forward (transformers' ``Cache.crop``),
+        which assisted decoding (``generate(assistant_model=...)``,
+        ``generate(prompt_lookup_num_tokens=...)``) does after every draft verification; see
+        :meth:`kvpress.cache.CacheLayer.crop`. The contract tests check the layers agree.
     """
 
     name: ClassVar[str] = ""
@@ -46,6 +51,7 @@ class Policy:
     full_prefill: ClassVar[bool] = True
     keeps_full_cache: ClassVar[bool] = True
     needs_artifact: ClassVar[bool] = False
+    croppable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)

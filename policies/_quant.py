@@ -44,6 +44,10 @@ class QuantWindowLayer(CacheLayer):
     """
 
     packed_in_sequence_order = True  # column i of _quant_scores is token i (benchmarks read K/V back)
+    # Croppable: with past recording on, a forward's flush waits for ``crop``, so the tokens it
+    # takes back are still in the window; the flush then packs exactly what a forward without
+    # them would have packed. (A subclass whose state depends on the step's queries says no.)
+    croppable = True
 
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
         super().__init__(cache, layer_idx)
@@ -52,6 +56,7 @@ class QuantWindowLayer(CacheLayer):
         self.k_win = self.v_win = None
         self.win_len = 0
         self.n_quant = 0
+        self._recorded = 0  # tokens of the latest forward while its flush waits for `crop`
 
     # ------------------------------------------------------------------ subclass hooks
     def _flush(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -181,7 +186,26 @@ class QuantWindowLayer(CacheLayer):
         self.v_win[:, :, self.win_len : self.win_len + n] = v
         self.win_len += n
 
+    # ------------------------------------------------------------------ crop
+    def record_forward(self, k, v):
+        self._recorded = k.shape[2]
+
+    def removable(self) -> int:
+        return self._recorded
+
+    def _removable_hint(self) -> str:
+        return "" if self.record_past else " (call activate_past_recording() before the forward to take it back)"
+
+    def remove_latest(self, n):
+        self._recorded = 0
+        if n:
+            self.win_len -= n
+            self.seen -= n
+        self._maybe_flush()
+
     def _maybe_flush(self) -> None:
+        if self._recorded:  # a recorded forward: flush at `crop`, once its kept tokens are known
+            return
         excess = self.win_len - self.residual_length
         n = excess // self.flush_unit * self.flush_unit if excess >= self.flush_unit else 0
         if n:

@@ -149,6 +149,7 @@ class DoubleSparsityPolicy(Policy):
     full_prefill = True
     keeps_full_cache = True
     needs_artifact = True
+    croppable = True
 
     def validate(self):
         check_int("sink_tokens", self.sink_tokens, 0)
@@ -297,6 +298,12 @@ class DoubleSparsityLayer(DenseLayer):
         self._append_labels(k)
         if self.tail is not None:
             self.tail.append(k, v, start, self.row_start)
+
+    def after_truncate(self):
+        self.label_len = self.buffer.length  # labels are per token, in the buffer's order
+        if self.tail is not None:
+            self.tail.truncate(self.buffer.keys, self.buffer.values, self.row_start, self.cache.min_row_start,
+                               self.cache.max_row_start)
 
     def state_tensors(self):
         consts = {f"select_{name}": t for (name, _), t in self._consts.items()}  # small, but kept: counted

@@ -182,6 +182,7 @@ class DuoPolicy(Policy):
     full_prefill = False  # streaming heads prefill chunked or streaming (unless prefill="dense")
     keeps_full_cache = False
     needs_artifact = True
+    croppable = True
 
     def validate(self):
         check_int("sink_tokens", self.sink_tokens, 0)
@@ -330,7 +331,12 @@ class DuoLayer(CacheLayer):
     Streaming KV heads: a :class:`SinkWindowLayer` over the head subset, K/V
     [B, H_str, <= S + W, D] plus positions [B, <= S + W] (``streaming_k/v/pos``).
     Query head q reads KV head q // G (GQA), so each group follows its KV head.
+
+    Croppable: the retrieval buffers are truncated, the streaming heads' slots recorded before
+    each forward once past recording is on (:class:`~kvpress.layers.SinkWindowLayer`).
     """
+
+    croppable = True
 
     def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
                  prefill: str = "streaming", prefill_chunk: int | None = None, tail_chunk: int = 0):
@@ -394,6 +400,30 @@ class DuoLayer(CacheLayer):
                 self.stream.lazy_initialization(k_s, v_s)
             self.stream.ingest_prefill(k_s, v_s)
         self.seen += k.shape[2]
+
+    # ------------------------------------------------------------------ crop
+    def activate_past_recording(self):
+        super().activate_past_recording()
+        if self.stream is not None:
+            self.stream.activate_past_recording()
+
+    def record_forward(self, k, v):
+        if self.stream is not None:
+            idx = self._indices(k.device)
+            self.stream.record_forward(k.index_select(1, idx["str"]), v.index_select(1, idx["str"]))
+
+    def removable(self) -> int:
+        return self.seen if self.stream is None else self.stream.removable()
+
+    def _removable_hint(self) -> str:
+        return "" if self.stream is None else self.stream._removable_hint()
+
+    def remove_latest(self, n):
+        if self.stream is not None:
+            self.stream.remove_latest(n)
+        if n and self.dense is not None:
+            self.dense.truncate(self.dense.length - n)
+        self.seen -= n
 
     def state_tensors(self):
         out = {}

@@ -85,6 +85,7 @@ class ExactTopKPolicy(Policy):
     paper = "oracle baseline (as in arXiv 2406.10774)"
     full_prefill = True
     keeps_full_cache = True
+    croppable = True
 
     def validate(self):
         check_int("budget", self.budget, 1)

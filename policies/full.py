@@ -19,6 +19,7 @@ class FullPolicy(Policy):
     paper = ""
     full_prefill = True
     keeps_full_cache = True
+    croppable = True
 
     def make_layer(self, cache, layer_idx):
         return DenseLayer(cache, layer_idx)

@@ -84,6 +84,7 @@ class GearPolicy(Policy):
     paper = "arXiv 2403.05527"
     full_prefill = True
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_quant_config(self.bits, self.group_size)

@@ -96,6 +96,7 @@ class KiviPolicy(Policy):
     paper = "arXiv 2402.02750"
     full_prefill = True
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_quant_config(self.bits, self.group_size)

@@ -68,6 +68,7 @@ class QuestPolicy(Policy):
     paper = "arXiv 2406.10774"
     full_prefill = True
     keeps_full_cache = True
+    croppable = True
 
     def validate(self):
         check_choice("page_size", self.page_size, ALLOWED_BLOCK_SIZES)
@@ -114,6 +115,9 @@ class QuestLayer(SelectiveLayer):
 
     def on_append(self, start, n):
         self.pages.append(self.buffer.k[:, :, start : start + n], start, self.row_start)
+
+    def on_truncate(self):
+        self.pages.truncate(self.buffer.keys, self.row_start, self.cache.min_row_start, self.cache.max_row_start)
 
     def select(self, q, scaling, lengths):
         p = self.policy

@@ -144,6 +144,7 @@ class ShadowKVPolicy(Policy):
     paper = "ShadowKV, arXiv 2410.21465"
     full_prefill = True
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_int("budget", self.budget, 1)
@@ -197,23 +198,30 @@ class ShadowKVLayer(CacheLayer):
     (B, H_kv, C, chunk_size, D). Transfers: ``counters`` (:class:`TransferCounters`).
     """
 
+    croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "exact_k", "exact_v", "exact_idx",
               "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
         super().__init__(cache, layer_idx)
         self.policy = policy
+        self.max_attended = 0  # most tokens one KV head attended in a decode step
+        self.counters = TransferCounters()
+        self._inv_freq = None
+        self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
+        self._clear()
+
+    def _clear(self) -> None:
+        """No prompt, no generated tokens (a new layer, or a prompt forward taken back)."""
         for name in self._STATE:
             setattr(self, name, None)
         self.v_host = None
         self.gen_len = 0
         self.exact_max = 0  # most exact tokens of any (row, KV head)
         self.max_selectable = 0
-        self.max_attended = 0  # most tokens one KV head attended in a decode step
         self.exact_mode = False
         self._exact_cnt_cpu = self._sel_cnt_cpu = None
-        self.counters = TransferCounters()
-        self._inv_freq = None
+        self.seen = 0
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
@@ -453,6 +461,33 @@ class ShadowKVLayer(CacheLayer):
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = self.cache.adapter.inv_freq(device)
         return self._inv_freq
+
+    # ------------------------------------------------------------------ crop
+    def record_forward(self, k, v):
+        # the prompt's forward (assisted decoding's first one also holds draft tokens) is taken
+        # back by ingesting the kept tokens again; later forwards only add generated tokens
+        self._prompt_record = (k, v) if self.seen == 0 else None
+
+    def removable(self) -> int:
+        return self._prompt_record[0].shape[2] if self._prompt_record is not None else self.gen_len
+
+    def _removable_hint(self) -> str:
+        return " (the generated tokens; the prompt only right after its forward, with past recording on)"
+
+    def remove_latest(self, n):
+        record, self._prompt_record = self._prompt_record, None
+        if not n:
+            return
+        if record is not None:  # the whole latest forward was the prompt: ingest what it keeps again
+            k, v = record
+            self._clear()
+            if k.shape[2] > n:
+                self._ingest(k[:, :, : k.shape[2] - n], v[:, :, : k.shape[2] - n])
+            return
+        self.gen_len -= n
+        self.gen_k[:, :, self.gen_len : self.gen_len + n] = 0
+        self.gen_v[:, :, self.gen_len : self.gen_len + n] = 0
+        self.seen -= n
 
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):

@@ -8,12 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import CacheLayer
+from kvpress.cache import RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_int, register_policy
 
 _GROW = 64  # slots added at a time while a short cache grows towards the budget
+# With past recording on, the prompt's forward keeps this many queries beyond the observation
+# window, so a crop of up to this many of its tokens can score the shorter prompt again.
+CROP_QUERIES = 64
 
 
 @register_policy
@@ -49,6 +52,7 @@ class SnapKVPolicy(Policy):
     paper = "arXiv 2404.14469"
     full_prefill = False  # the selection needs the prompt's queries, which a dense cache lacks
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_int("window_size", self.window_size, 1)
@@ -101,12 +105,17 @@ def snap_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, row_start: tor
     return pooled.reshape(B, H_kv, G, T).mean(2)  # (B, H_kv, T)
 
 
-class SnapKVLayer(CacheLayer):
+class SnapKVLayer(RecordingLayer):
     """Compact per-head storage: ``k``/``v`` ``(B, H_kv, cap, D)`` and ``pos`` ``(B, H_kv, cap)``.
 
     Slots ``[0, filled)`` are in use; row ``b``'s tokens occupy ``[filled - kept[b], filled)``
     (shorter, left-padded rows leave free slots at the front; ``pos = -1`` there). Slot order
     carries no meaning for attention (keys are post-RoPE), so eviction overwrites in place.
+
+    Croppable (a :class:`~kvpress.cache.RecordingLayer`: the slots are copied before each
+    forward). The prompt's forward is taken back by scoring the kept prompt again, for which it
+    keeps its last ``window_size + CROP_QUERIES`` queries while recording: up to
+    ``CROP_QUERIES`` of its tokens can be taken back.
     """
 
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
@@ -116,19 +125,55 @@ class SnapKVLayer(CacheLayer):
         self.prompt_len = 0
         self.filled = 0
         self._validated = False
+        self._prompt_q = None  # (last queries, scaling) of a recorded prompt forward
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
         if self.k is None:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
-            self._compress(q, k_new, v_new, scaling)
-            self.seen += k_new.shape[2]
+            T = k_new.shape[2]
+            self._compress(q[:, :, T - min(self.policy.window_size, T):], k_new, v_new, scaling)
+            if self._record is not None:
+                self._prompt_q = (q[:, :, max(0, T - self.policy.window_size - CROP_QUERIES):], scaling, T)
+            self.seen += T
             return out
         outs = [self._decode(q[:, :, t : t + 1], k_new[:, :, t : t + 1], v_new[:, :, t : t + 1], scaling)
                 for t in range(k_new.shape[2])]  # a multi-token step after prefill: one token at a time
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def _compress(self, q, k, v, scaling) -> None:
+    # ------------------------------------------------------------------ crop
+    def snapshot(self) -> dict:
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        return {"k": clone(self.k), "v": clone(self.v), "pos": clone(self.pos), "kept": clone(self.kept),
+                "score": clone(self.score), "prompt_len": self.prompt_len, "filled": self.filled}
+
+    def restore(self, saved: dict) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
+
+    def removable(self) -> int:
+        n = super().removable()
+        if n and self._record[0] == 0:  # the prompt's forward: as far as its kept queries reach
+            n = min(n, CROP_QUERIES, self._record[1].shape[2] - 1)
+        return n
+
+    def remove_latest(self, n):
+        super().remove_latest(n)
+        self._prompt_q = None
+
+    def store_again(self, k, v):
+        if self.k is None:  # the prompt, shorter: score it again with the queries it keeps
+            q, scaling, length = self._prompt_q  # q: the last queries of a `length`-token prompt
+            T, w = k.shape[2], min(self.policy.window_size, k.shape[2])
+            kept_q = q[:, :, : q.shape[2] - (length - T)]  # those of the kept prompt's end
+            self._compress(kept_q[:, :, kept_q.shape[2] - w:], k, v, scaling)
+            self.seen += T
+            return
+        for t in range(k.shape[2]):
+            self._store(k[:, :, t : t + 1], v[:, :, t : t + 1])
+
+    def _compress(self, q_window, k, v, scaling) -> None:
+        """Keep each KV head's best prompt tokens; ``q_window``: the last ``min(window_size, T)`` queries."""
         p = self.policy
         B, H, T, D = k.shape
         row_start = self.row_start
@@ -138,8 +183,7 @@ class SnapKVLayer(CacheLayer):
         keep = min(p.budget, T - first)
         pos = torch.arange(T, device=k.device).expand(B, H, T)  # (B, H, T)
         real = pos >= starts[:, None, None]
-        w = min(p.window_size, T)
-        scores = snap_scores(q[:, :, T - w :], k, scaling, row_start, p.window_size, p.kernel_size)
+        scores = snap_scores(q_window, k, scaling, row_start, p.window_size, p.kernel_size)
         scores = scores.masked_fill(pos >= T - p.window_size, float("inf"))  # the window stays
         scores = scores.masked_fill(~real, float("-inf"))
         if T - first <= p.budget:  # every row fits: keep everything
@@ -167,6 +211,14 @@ class SnapKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ decode
     def _decode(self, q, k_new, v_new, scaling):
+        self._store(k_new, v_new)
+        out, _ = sparse_decode(q[:, :, 0], self.k, self.v, self._index(), scale=scaling,
+                               validate_index=not self._validated)
+        self._validated = True
+        return out[:, :, None]
+
+    def _store(self, k_new, v_new) -> None:
+        """One new token into its slot (growing, or replacing the slot the policy evicts)."""
         p = self.policy
         B, H, _, D = k_new.shape
         position = self.seen
@@ -191,22 +243,18 @@ class SnapKVLayer(CacheLayer):
         self.pos.scatter_(2, index[..., 0], torch.full((B, H, 1), position, dtype=torch.long, device=k_new.device))
         self.score.scatter_(2, index[..., 0], torch.full((B, H, 1), float("inf"), device=k_new.device))
         self.seen += 1
-        out, _ = sparse_decode(q[:, :, 0], self.k, self.v, self._index(), scale=scaling,
-                               validate_index=not self._validated)
-        self._validated = True
-        return out[:, :, None]
 
     def _index(self) -> SparseIndex:
         """Dense index over the used slots, shared by every layer of the step (same layout)."""
         key = (self.seen, self.filled, self.k.shape[2])
-        cached = self.cache.shared.get("snapkv_index")
+        cached = self.cache.step_shared.get("snapkv_index")
         if cached is not None and cached[0] == key:
             return cached[1]
         B = self.k.shape[0]
         lens = torch.full((B,), self.filled, dtype=torch.int32, device=self.k.device)
         starts = (self.filled - self.kept).to(torch.int32)
         index = SparseIndex.dense(lens, self.k.shape[1], seq_starts=starts, capacity=self.k.shape[2])
-        self.cache.shared["snapkv_index"] = (key, index)
+        self.cache.step_shared["snapkv_index"] = (key, index)
         return index
 
     def _grow(self, cap: int) -> None:

@@ -33,6 +33,7 @@ class StreamingPolicy(Policy):
     paper = "arXiv 2309.17453"
     full_prefill = False
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_int("sink_tokens", self.sink_tokens, 0)

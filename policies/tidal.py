@@ -122,6 +122,7 @@ class TidalPolicy(Policy):
     paper = "arXiv 2410.05076"
     full_prefill = True
     keeps_full_cache = True
+    croppable = True
 
     def validate(self):
         if self.selection_layer is not None:
@@ -196,13 +197,13 @@ class TidalLayer(SelectiveLayer):
 
     def decode_step(self, q, scaling, lengths):
         if not self.selects:
-            seen, index = self.cache.shared.get("tidal_index", (None, None))
+            seen, index = self.cache.step_shared.get("tidal_index", (None, None))
             if seen != self.seen:
                 raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
                                    "layer must run first in the same forward")
             return self.sparse_attend(q, index, scaling)
         out, index = self._attend_and_select(q[:, :, 0], scaling)
-        self.cache.shared["tidal_index"] = (self.seen, index)
+        self.cache.step_shared["tidal_index"] = (self.seen, index)
         return out[:, :, None]
 
     def _candidates(self, batch: int, device) -> torch.Tensor:

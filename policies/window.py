@@ -23,6 +23,7 @@ class WindowPolicy(Policy):
     paper = "baseline of StreamingLLM, arXiv 2309.17453"
     full_prefill = False
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_int("window_size", self.window_size, 1)

@@ -148,6 +148,9 @@ class ZipCacheLayer(QuantWindowLayer):
     ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token)."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
+    # Not croppable: the saliency probes are drawn among the prompt forward's queries (and every
+    # later query joins them), so taking tokens back would need queries no longer at hand.
+    croppable = False
 
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)

@@ -1,0 +1,186 @@
+"""Taking tokens back (transformers' ``Cache.crop``) and assisted decoding, for every registered policy."""
+
+import pytest
+import torch
+
+import kvpress
+from kvpress.compat import cache_kwargs
+
+from conftest import contract_model, random_ids, tiny_model
+
+POLICIES = kvpress.list_policies()
+CROPPABLE = [name for name in POLICIES if kvpress.policy_class(name).croppable]
+PROMPT = 48
+# policies whose forward of several tokens (after the prompt) attends as one-token forwards would:
+# assisted decoding's verification then changes no token (the others attend it more densely)
+ONE_AT_A_TIME = ("full", "window", "streaming", "shadowkv", "snapkv")
+
+
+def example(name, adapter):
+    return kvpress.policy_class(name).example(adapter)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-sliding"])
+def cache_model(request):
+    return contract_model(request.param)
+
+
+def test_most_policies_are_croppable():
+    assert set(POLICIES) - set(CROPPABLE) == {"zipcache"}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_croppable_flag_matches_the_layers(cache_model, name):
+    adapter = kvpress.get_adapter(cache_model)
+    policy = example(name, adapter)
+    cache = kvpress.make_cache(cache_model, policy)
+    for i, layer in enumerate(cache.layers):
+        # the model's own sliding layers can always take tokens back
+        assert layer.is_croppable == (policy.croppable or adapter.sliding_window(i) is not None)
+    assert cache.is_croppable == policy.croppable
+    if not policy.croppable:
+        with pytest.raises(ValueError, match="policies that can: .*full"):
+            cache.activate_past_recording()
+
+
+def _forwards(model, policy, pieces, crops, decode_steps=3, record=True):
+    """Feed ``pieces`` (token tensors) one forward each, ``crop(-crops[i])`` after piece i, then
+    greedy one-token steps; returns the steps' logits and the cache."""
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        if record:
+            cache.activate_past_recording()
+        out = None
+        for ids, n in zip(pieces, crops):
+            out = model(ids, use_cache=True, **cache_kwargs(model, cache))
+            if record:
+                cache.crop(-n)
+        logits = []
+        nxt = torch.tensor([[7]])
+        for _ in range(decode_steps):
+            out = model(nxt, use_cache=True, **cache_kwargs(model, cache))
+            logits.append(out.logits[:, -1])
+            nxt = out.logits[:, -1:].argmax(-1)
+    return torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("extra", [4, 20])
+@pytest.mark.parametrize("name", CROPPABLE)
+def test_crop_takes_back_the_end_of_a_forward(cache_model, name, extra):
+    """A forward whose last tokens are taken back leaves the cache as a forward without them:
+    the prompt's own forward (assisted decoding's first verification) and a later one. 20 extra
+    tokens are more than the examples' windows hold (quantized windows of 16 flush their excess)."""
+    policy = example(name, kvpress.get_adapter(cache_model))
+    ids = random_ids(PROMPT + extra, seed=11)
+    more = random_ids(extra + 2, seed=12)
+    got, cache = _forwards(cache_model, policy, [ids, more], [extra, extra])
+    ref, ref_cache = _forwards(cache_model, policy, [ids[:, :PROMPT], more[:, :2]], [0, 0], record=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert kvpress.cache_stats(cache).tokens == kvpress.cache_stats(ref_cache).tokens == PROMPT + 2 + 3
+
+
+@pytest.mark.parametrize("name", CROPPABLE)
+def test_crop_zero_and_whole_forward(llama, name):
+    """``crop(0)`` after each forward changes nothing; taking back a whole later forward as well."""
+    policy = example(name, kvpress.get_adapter(llama))
+    ids, more = random_ids(PROMPT, seed=13), random_ids(4, seed=14)
+    got, _ = _forwards(llama, policy, [ids, more, more[:, :1]], [0, 4, 0])
+    ref, _ = _forwards(llama, policy, [ids, more[:, :1]], [0, 0], record=False)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_refused_crops_name_the_limit_and_change_nothing(llama):
+    ids = random_ids(PROMPT, seed=15)
+    for name, pattern in (("window", "activate_past_recording"), ("full", "at most 48")):
+        policy = example(name, kvpress.get_adapter(llama))
+        cache = kvpress.make_cache(llama, policy)
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            llama(ids, use_cache=True, **cache_kwargs(llama, cache))
+            with pytest.raises(ValueError, match=pattern):
+                cache.crop(-(PROMPT + 1) if name == "full" else -1)
+            assert cache.get_seq_length() == PROMPT
+            llama(ids[:, :1], use_cache=True, **cache_kwargs(llama, cache))  # still usable
+        assert kvpress.cache_stats(cache).tokens == PROMPT + 1
+    with pytest.raises(TypeError, match="int"):
+        cache.crop(1.5)
+
+
+def test_positive_crop_is_the_length_to_keep(llama):
+    policy = kvpress.get_policy("full")
+    cache = kvpress.make_cache(llama, policy)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        llama(random_ids(PROMPT, seed=16), use_cache=True, **cache_kwargs(llama, cache))
+        cache.crop(40)
+        assert cache.get_seq_length() == 40 and kvpress.cache_stats(cache).tokens == 40
+        cache.crop(60)  # longer than the cache: nothing to remove
+        assert cache.get_seq_length() == 40
+
+
+def _repeating_prompt(length=PROMPT, period=12, seed=17):
+    """A prompt that repeats itself, so prompt lookup finds drafts to verify (and reject)."""
+    return random_ids(period, seed=seed).repeat(1, length // period)
+
+
+def _generate(model, ids, policy, **kwargs):
+    with torch.no_grad(), kvpress.apply(model, policy):
+        return model.generate(ids, max_new_tokens=10, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_prompt_lookup_decoding(cache_model, name):
+    """``generate(prompt_lookup_num_tokens=...)`` runs under every croppable policy; where a
+    forward of several tokens attends as the same tokens fed one at a time would, it gives plain
+    greedy's tokens. The others refuse before any work, naming the policies that can."""
+    policy = example(name, kvpress.get_adapter(cache_model))
+    ids = _repeating_prompt()
+    if not policy.croppable:
+        with pytest.raises(ValueError, match="cannot take back.*policies that can: .*full"):
+            _generate(cache_model, ids, policy, prompt_lookup_num_tokens=3)
+        return
+    got = _generate(cache_model, ids, policy, prompt_lookup_num_tokens=3)
+    assert got.shape == (1, PROMPT + 10) and torch.equal(got[:, :PROMPT], ids)
+    if name in ONE_AT_A_TIME:
+        assert torch.equal(got, _generate(cache_model, ids, policy))
+
+
+@pytest.mark.parametrize("name", ["full", "window", "snapkv"])
+def test_assistant_model_decoding(llama, name):
+    """``generate(assistant_model=...)``: the assistant runs unpatched with its own cache."""
+    assistant = tiny_model("llama", seed=1, layers=1)
+    policy = example(name, kvpress.get_adapter(llama))
+    ids = _repeating_prompt(seed=18)
+    got = _generate(llama, ids, policy, assistant_model=assistant)
+    assert torch.equal(got, _generate(llama, ids, policy))
+    assert assistant.config._attn_implementation != "kvpress"
+
+
+@pytest.mark.parametrize("name,overrides", [("quest", {"tail_chunk": 8}), ("double_sparsity", {"tail_chunk": 8}),
+                                            ("double_sparsity", {"label_bits": 4})])
+def test_crop_rebuilds_pages_labels_and_tail_sums(llama, name, overrides):
+    """The metadata a crop must bring back in line, compared directly with a cache that never saw
+    the removed tokens: Quest's page min / max, Double Sparsity's labels, the tail's chunk sums
+    (a left-padded batch, so pages and chunks start at each row's first real token)."""
+    policy = example(name, kvpress.get_adapter(llama)).replace(**overrides)
+    ids = random_ids(PROMPT + 13, batch=2, seed=19)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+
+    def layer_after(length, extra):
+        cache = kvpress.make_cache(llama, policy)
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            cache.activate_past_recording()
+            llama(ids[:, :length], attention_mask=mask[:, :length], use_cache=True, **cache_kwargs(llama, cache))
+            cache.crop(-extra)
+        return cache.layers[-1]
+
+    got, ref = layer_after(PROMPT + 13, 13), layer_after(PROMPT, 0)
+    if name == "quest":
+        pages = -(-PROMPT // policy.page_size)
+        for a, b in zip(got.pages.bounds(pages), ref.pages.bounds(pages)):
+            torch.testing.assert_close(a, b)
+        assert torch.isinf(got.pages.page_min[:, :, pages:]).all()
+    else:
+        torch.testing.assert_close(got.label_view(), ref.label_view())
+    if policy.tail_chunk:
+        for a, b in zip(got.tail.means(), ref.tail.means()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
