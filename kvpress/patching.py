@@ -181,12 +181,16 @@ def _policy_cache_for_generate(session: _Session, prepare):
         for key in ("cache", "past_key_values"):
             past = model_kwargs.get(key)
             if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
-                cache = PolicyCache(session.policy, session.adapter)
-                cache._session = session
-                model_kwargs[key] = cache
+                model_kwargs[key] = _session_cache(session)
         return out
 
     return wrapped
+
+
+def _session_cache(session: _Session) -> PolicyCache:
+    cache = PolicyCache(session.policy, session.adapter)
+    cache._session = session
+    return cache
 
 
 def _restore_config(config, before: dict) -> None:
@@ -235,9 +239,7 @@ def _make_pre_hook(session: _Session, base):
             session.row_start = _row_start_from_mask(mask, batch, new_tokens)
             return args, kwargs
         elif past is None or (isinstance(past, Cache) and past.get_seq_length() == 0):
-            past = PolicyCache(session.policy, session.adapter)
-            past._session = session
-            kwargs[cache_arg] = past
+            past = kwargs[cache_arg] = _session_cache(session)
         else:
             raise ValueError(
                 f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "

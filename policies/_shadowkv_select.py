@@ -1,4 +1,5 @@
-"""ShadowKV's chunk selection of one decode step, in torch (the reference of `native.shadowkv_select`).
+"""ShadowKV's chunk selection of one decode step, in torch (the reference of `native.shadowkv_select`),
+and the ``tail_chunk`` estimate of the chunks a step leaves out.
 
 Same arguments and results as `kvpress.kernels.native.shadowkv_select`, plus the ``backend`` of
 the key rebuild (`kvpress.kernels.shadowkv_rebuild`): landmark scores (GQA group reduced), the
@@ -8,8 +9,9 @@ re-scored exactly -- and the chosen chunks' rebuilt post-RoPE keys.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kvpress.kernels import landmark_scores
+from kvpress.kernels import landmark_scores, landmark_tail_estimate
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 
@@ -73,3 +75,44 @@ def top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tenso
     ok = torch.isfinite(top) & (torch.arange(k, device=scores.device) < allow[..., None])
     ids = torch.where(ok, ids, C).sort(dim=-1).values
     return torch.where(ids < C, ids, -1).to(torch.int32)
+
+
+def tail_value_sums(v: torch.Tensor, selectable: torch.Tensor, tail_chunk: int) -> torch.Tensor:
+    """fp32 value sums (B, H, N, D) of the selectable chunks per ``tail_chunk``-token group.
+
+    ``v`` (B, H, C, chunk_size, D) chunked values. Groups align with the end of the prompt, as
+    the chunks do: chunk ``c`` is in group ``(c + offset) // m`` with ``offset = (-C) % m``.
+    """
+    B, H, C, cs, D = v.shape
+    m = tail_chunk // cs
+    off = (-C) % m
+    N = (C + off) // m
+    sums = v.float().sum(3) * selectable[..., None]  # (B, H, C, D)
+    return F.pad(sums, (0, 0, off, 0)).view(B, H, N, m, D).sum(3)
+
+
+def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
+                  ids: torch.Tensor | None, values: torch.Tensor | None, *, chunk_size: int, tail_chunk: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Estimate of the selectable chunks a step does not attend (`landmark_tail_estimate`).
+
+    ``ids`` (B, H, k) are the chunks attended exactly (-1 empty) and ``values`` (B, H, k, cs, D)
+    their fetched values: they leave the estimate, their values subtracted from their group's
+    sum ``v_sum`` (from `tail_value_sums`).
+    """
+    B, H, C, D = landmarks.shape
+    cs = chunk_size
+    m = tail_chunk // cs
+    N = v_sum.shape[2]
+    off = N * m - C
+    keep = selectable
+    if ids is not None:
+        ok = ids >= 0
+        chunk = torch.where(ok, ids.long(), C)  # empty slots to a spare chunk C
+        keep = torch.ones(B, H, C + 1, dtype=torch.bool, device=q0.device).scatter_(2, chunk, False)[..., :C]
+        keep = keep & selectable
+        grp = torch.where(ok, (ids.long() + off) // m, N)  # (B, H, k); spare group N
+        sel = values.float().sum(3) * ok[..., None]  # (B, H, k, D)
+        v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
+            2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
+    return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)

@@ -102,8 +102,7 @@ class SelectiveLayer(DenseLayer):
     def after_truncate(self) -> None:
         self.on_truncate()
         if self.tail is not None:
-            self.tail.truncate(self.buffer.keys, self.buffer.values, self.row_start, self.cache.min_row_start,
-                               self.cache.max_row_start)
+            self.tail.truncate(self.buffer, self.row_start, self.cache)
 
     def on_truncate(self) -> None:
         """The buffer lost its latest tokens (``crop``): bring metadata in line (here: nothing)."""
@@ -178,17 +177,16 @@ class PageStats:
         self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
         self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
 
-    def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, min_row_start: int,
-                 max_row_start: int) -> None:
+    def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
         """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from
-        index 0): pages that held a removed token are folded again from ``keys``."""
+        index 0; a crop truncated the buffer): pages that held a removed token are folded again."""
         if self.page_min is None:
             return
         length, ps = keys.shape[2], self.page_size
-        first = max(0, length - max_row_start) // ps  # first page (of any row) that held a removed token
+        first = max(0, length - cache.max_row_start) // ps  # first page (of any row) that held a removed token
         self.page_min[:, :, first:] = float("inf")
         self.page_max[:, :, first:] = float("-inf")
-        start = min(length, min_row_start + first * ps)  # no row's page `first` starts earlier
+        start = min(length, cache.min_row_start + first * ps)  # no row's page `first` starts earlier
         if start < length:  # folding a key twice into a min / max changes nothing
             self.append(keys[:, :, start:], start, row_start)
 

@@ -302,8 +302,7 @@ class DoubleSparsityLayer(DenseLayer):
     def after_truncate(self):
         self.label_len = self.buffer.length  # labels are per token, in the buffer's order
         if self.tail is not None:
-            self.tail.truncate(self.buffer.keys, self.buffer.values, self.row_start, self.cache.min_row_start,
-                               self.cache.max_row_start)
+            self.tail.truncate(self.buffer, self.row_start, self.cache)
 
     def state_tensors(self):
         consts = {f"select_{name}": t for (name, _), t in self._consts.items()}  # small, but kept: counted

@@ -117,7 +117,7 @@ class QuestLayer(SelectiveLayer):
         self.pages.append(self.buffer.k[:, :, start : start + n], start, self.row_start)
 
     def on_truncate(self):
-        self.pages.truncate(self.buffer.keys, self.row_start, self.cache.min_row_start, self.cache.max_row_start)
+        self.pages.truncate(self.buffer.keys, self.row_start, self.cache)
 
     def select(self, q, scaling, lengths):
         p = self.policy

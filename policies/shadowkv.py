@@ -10,12 +10,11 @@ import torch.nn.functional as F
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
-from kvpress.kernels import (REDUCTIONS, SparseIndex, chunk_landmarks, landmark_tail_estimate, merge_states,
-                             sparse_decode)
+from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, merge_states, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
-from ._shadowkv_select import select_chunks
+from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
 from ._shadowkv_store import TransferCounters, fetch_chunks, low_rank, to_host, transfer_summary  # noqa: F401 (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
@@ -307,46 +306,8 @@ class ShadowKVLayer(CacheLayer):
             self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
             if p.tail_chunk:
-                self._ingest_tail(vp.view(B, H, C, cs, D), selectable)
+                self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
         self.seen += T
-
-    def _ingest_tail(self, v: torch.Tensor, selectable: torch.Tensor) -> None:
-        """fp32 value sums of the selectable chunks per ``tail_chunk`` group (device).
-
-        Groups align with the end of the prompt, as the chunks do: chunk ``c`` is in group
-        ``(c + offset) // m`` with ``offset = (-C) % m``.
-        """
-        B, H, C, cs, D = v.shape
-        m = self.policy.tail_chunk // cs
-        off = (-C) % m
-        N = (C + off) // m
-        sums = v.float().sum(3) * selectable[..., None]  # (B, H, C, D)
-        self.tail_v_sum = F.pad(sums, (0, 0, off, 0)).view(B, H, N, m, D).sum(3)
-
-    def _tail(self, q0: torch.Tensor, ids: torch.Tensor | None, values: torch.Tensor | None,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Estimate of the selectable chunks this step does not attend (`landmark_tail_estimate`).
-
-        ``ids`` (B, H, k) are the chunks attended exactly (-1 empty) and ``values`` (B, H, k, cs, D)
-        their fetched values: they leave the estimate, their values subtracted from their group's sum.
-        """
-        B, H, C, D = self.landmarks.shape
-        cs = self.policy.chunk_size
-        m = self.policy.tail_chunk // cs
-        N = self.tail_v_sum.shape[2]
-        off = N * m - C
-        keep, v_sum = self.selectable, self.tail_v_sum
-        if ids is not None:
-            ok = ids >= 0
-            chunk = torch.where(ok, ids.long(), C)  # empty slots to a spare chunk C
-            keep = torch.ones(B, H, C + 1, dtype=torch.bool, device=q0.device).scatter_(2, chunk, False)[..., :C]
-            keep = keep & self.selectable
-            grp = torch.where(ok, (ids.long() + off) // m, N)  # (B, H, k); spare group N
-            sel = values.float().sum(3) * ok[..., None]  # (B, H, k, D)
-            v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
-                2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
-        return landmark_tail_estimate(q0, self.landmarks, keep, v_sum, chunk_size=cs, group=m,
-                                      scale=scaling, offset=off)
 
     # ------------------------------------------------------------------ decode
     def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -377,7 +338,8 @@ class ShadowKVLayer(CacheLayer):
         else:
             out, lse, ids, values = self._torch_step(q0, k_sel, allow, scaling)
         if p.tail_chunk and self.max_selectable:
-            o, l = self._tail(q0, ids, values, scaling)
+            o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
+                                 chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
             out, lse = merge_states(out, lse, o.to(out.dtype), l)
         attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
         self.max_attended = max(self.max_attended, attended + self.gen_len)

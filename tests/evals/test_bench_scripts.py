@@ -120,3 +120,18 @@ def test_bench_layer_decode_reads_policy_specs():
     assert (policy.name, policy.budget, policy.rerank, policy.tail_chunk) == ("double_sparsity", 256, 8, 64)
     with pytest.raises(ValueError, match="rerank"):
         parse_spec("double_sparsity:rerank=0@256")
+
+
+def test_bench_assisted_prompt_lookup_on_random_tiny(tmp_path, capsys):
+    from kvpress.evals.bench_assisted import main
+
+    out = tmp_path / "assisted.jsonl"
+    assert main(["--model", "random-tiny", "--length", "400", "--new-tokens", "6", "--lookup", "3",
+                 "--policies", "full,window,zipcache", "--budget", "64", "--threads", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["policy_label"] for r in rows] == ["full", "window@64"]  # zipcache cannot crop: reported, no row
+    for r in rows:
+        assert r["plain_decode_ms_per_token"] > 0 and r["lookup_decode_ms_per_token"] > 0
+        assert 1 <= r["lookup_forwards"] <= 5 and r["same_tokens"]  # both take back drafts exactly
+    assert rows[0]["agree_full"] == 1.0
+    assert "prompt lookup refused" in capsys.readouterr().out
