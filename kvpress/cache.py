@@ -21,7 +21,7 @@ Layer contract (subclass :class:`CacheLayer`):
     (transformers' ``crop``, which assisted decoding calls after each draft verification). A
     layer that keeps every token truncates; a layer that evicts or compresses as tokens arrive
     records its state before each forward once ``activate_past_recording`` was called
-    (:class:`ForwardRecord`) and rolls the latest forward back.
+    (:class:`RecordingLayer`) and rolls the latest forward back.
 """
 
 from __future__ import annotations
@@ -233,7 +233,11 @@ def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
 
 
 def _tokens_to_remove(tokens_to_remove: int, seen: int) -> int:
-    """transformers' ``crop`` argument as a count: ``-n`` -> ``n``; a positive value is a length to keep."""
+    """transformers' ``crop`` argument as a count: ``-n`` -> ``n``; a positive value is a length to keep.
+
+    transformers 5.17's assisted decoding passes a one-element integer tensor."""
+    if torch.is_tensor(tokens_to_remove) and tokens_to_remove.numel() == 1 and not tokens_to_remove.is_floating_point():
+        tokens_to_remove = int(tokens_to_remove)
     if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
         raise TypeError(f"crop takes an int (-n removes n tokens), got {tokens_to_remove!r}")
     if tokens_to_remove > 0:
@@ -248,7 +252,8 @@ class RecordingLayer(CacheLayer):
     tensors cloned) with the forward's new keys / values; ``crop`` then puts that state back and
     stores again the tokens it keeps (:meth:`store_again`), so the result equals a forward that
     never had the removed tokens. Only the latest forward can be taken back. Meant for layers
-    whose state is bounded (sinks + window, a fixed budget): a record costs about one copy of it.
+    whose state is bounded (sinks + window, a fixed budget): a record costs about one copy of it,
+    held until the next ``crop`` (transient, like a forward's activations: not in ``cache_stats``).
     """
 
     croppable = True

@@ -105,7 +105,7 @@ def test_refused_crops_name_the_limit_and_change_nothing(llama):
         cache.crop(1.5)
 
 
-def test_positive_crop_is_the_length_to_keep(llama):
+def test_positive_crop_is_the_length_to_keep_and_tensors_count(llama):
     policy = kvpress.get_policy("full")
     cache = kvpress.make_cache(llama, policy)
     with torch.no_grad(), kvpress.apply(llama, policy):
@@ -114,6 +114,8 @@ def test_positive_crop_is_the_length_to_keep(llama):
         assert cache.get_seq_length() == 40 and kvpress.cache_stats(cache).tokens == 40
         cache.crop(60)  # longer than the cache: nothing to remove
         assert cache.get_seq_length() == 40
+        cache.crop(torch.tensor(-2))  # transformers 5.17's assisted decoding passes a tensor
+        assert cache.get_seq_length() == 38
 
 
 def _repeating_prompt(length=PROMPT, period=12, seed=17):

@@ -228,9 +228,10 @@ def test_smollm2_4k_needle_at_depth_0_is_found_at_a_3_percent_budget():
 
 @pytest.mark.parametrize("tail_chunk", [8, 32])
 def test_tail_is_the_landmark_estimate_of_the_chunks_left_out(model, tail_chunk):
-    """`_tail` stands for exactly the selectable chunks a step does not select: their mean keys and
+    """`tail_estimate` stands for exactly the selectable chunks a step does not select: their mean keys and
     the mean value of their group's remaining tokens, as computed from the prompt's own keys / values."""
     from kvpress.kernels import reference_landmark_tail_estimate
+    from kvpress.policies._shadowkv_select import tail_estimate
 
     ids = random_ids(PROMPT - 3, seed=17)  # chunks shifted by 3: the row-start partial chunk is exact
     _, dense = dense_prefill(model, ids)
@@ -243,7 +244,8 @@ def test_tail_is_the_landmark_estimate_of_the_chunks_left_out(model, tail_chunk)
     ids_sel[0, 0, :2] = selectable[0][[1, -1]].int()  # two chunks for head 0, one (of another group) for head 1
     ids_sel[0, 1, :1] = selectable[1][2].int()
     values = fetch_chunks(layer.v_host, ids_sel, None, None, TransferCounters(), torch.device("cpu"))
-    out, lse = layer._tail(q0, ids_sel, values, 0.25)
+    out, lse = tail_estimate(q0, layer.landmarks, layer.selectable, layer.tail_v_sum, ids_sel, values,
+                             chunk_size=layer.policy.chunk_size, tail_chunk=layer.policy.tail_chunk, scale=0.25)
 
     shift = (-ids.shape[1]) % 8
     pad = lambda x: torch.nn.functional.pad(x, (0, 0, shift, 0))  # noqa: E731
