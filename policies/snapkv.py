@@ -125,7 +125,7 @@ class SnapKVLayer(RecordingLayer):
         self.prompt_len = 0
         self.filled = 0
         self._validated = False
-        self._prompt_q = None  # (last queries, scaling) of a recorded prompt forward
+        self._prompt_q = None  # (last queries, scaling, prompt length) of a recorded prompt forward
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
