@@ -49,8 +49,7 @@ def check_model_name(name: str) -> None:
     lowered = name.strip().lower()
     if lowered in MODEL_ALIASES or lowered == "smollm2-135m-instruct" or _random_layers(lowered) is not None:
         return
-    if lowered in ("random-smollm2", "random-tiny", "random-gemma3-270m") or Path(name).expanduser().exists() \
-            or _HUB_ID.match(name):
+    if lowered in RANDOM_MODELS or Path(name).expanduser().exists() or _HUB_ID.match(name):
         return
     raise ValueError(
         f"unknown model {name!r}; allowed: {', '.join(sorted(MODEL_ALIASES))}, {', '.join(RANDOM_MODELS)}, "

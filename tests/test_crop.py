@@ -56,7 +56,7 @@ def _forwards(model, policy, pieces, crops, decode_steps=3, record=True):
             if record:
                 cache.crop(-n)
         logits = []
-        nxt = torch.tensor([[7]])
+        nxt = torch.tensor([[7]], device=model.device)
         for _ in range(decode_steps):
             out = model(nxt, use_cache=True, **cache_kwargs(model, cache))
             logits.append(out.logits[:, -1])
@@ -186,3 +186,18 @@ def test_crop_rebuilds_pages_labels_and_tail_sums(llama, name, overrides):
     if policy.tail_chunk:
         for a, b in zip(got.tail.means(), ref.tail.means()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CROPPABLE)
+def test_crop_on_cuda_matches_cpu(name):
+    """A cropped forward on CUDA (records, restores, deferred flushes on the device) gives the
+    CPU run's next-step logits (Triton's fp32 dots use tf32, hence the tolerance)."""
+    model = tiny_model("llama", layers=2, heads=8, kv_heads=2, head_dim=64)  # a head_dim the kernels take
+    policy = example(name, kvpress.get_adapter(model))
+    ids, more = random_ids(PROMPT + 20, seed=21), random_ids(22, seed=22)
+    cpu, _ = _forwards(model, policy, [ids, more], [20, 20])
+    gpu, cache = _forwards(model.cuda(), policy, [ids.cuda(), more.cuda()], [20, 20])
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=5e-3, rtol=0)
+    assert kvpress.cache_stats(cache).tokens == PROMPT + 2 + 3
