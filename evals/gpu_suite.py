@@ -10,7 +10,7 @@ that would start too late is skipped and says so):
 
 ``env``       versions, the GPU, and the two ceilings measured on it (a device-to-device copy,
               bytes read + written; a bf16 8192^3 matrix product) -- the yardsticks for the rest
-``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies and the registry contract (Triton
+``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies, the registry contract and crop (Triton
               kernels against torch references; every policy on CUDA against its CPU run)
 ``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096
 ``quant``     ``bench_quant kernel``: fused 4/2-bit dequantize-attention vs bf16 dense, 8k-128k
@@ -77,7 +77,7 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
         except ImportError:
             workers = []
         return [py + ["pytest", "-q", "-m", "gpu", *workers, "tests/kernels", "tests/policies",
-                      "tests/test_contract.py", "-p", "no:cacheprovider"]]
+                      "tests/test_contract.py", "tests/test_crop.py", "-p", "no:cacheprovider"]]
     if stage == "kernels":
         sizes = ["--contexts", "1k", "--budgets", "256", "--warmup", "0", "--iters", "1"] if smoke else \
             ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]
