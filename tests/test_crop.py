@@ -201,3 +201,35 @@ def test_crop_on_cuda_matches_cpu(name):
     gpu, cache = _forwards(model.cuda(), policy, [ids.cuda(), more.cuda()], [20, 20])
     torch.testing.assert_close(gpu.cpu(), cpu, atol=5e-3, rtol=0)
     assert kvpress.cache_stats(cache).tokens == PROMPT + 2 + 3
+
+
+# policies whose layers keep every token, or every token after the prompt (shadowkv): a crop
+# may go back across several forwards
+TRUNCATING = ("full", "quest", "double_sparsity", "tidal", "exact_topk", "shadowkv")
+
+
+@pytest.mark.parametrize("name", CROPPABLE)
+def test_cut_back_to_a_prefilled_document(llama, name):
+    """Reuse a prefilled document for a second question: ``crop(length)`` back past two forwards.
+    Layers that keep every token (after the prompt, for shadowkv) can; the others refuse (only
+    the latest forward is recorded) and leave the cache as it was."""
+    policy = example(name, kvpress.get_adapter(llama))
+    doc, q1, q2 = random_ids(PROMPT, seed=23), random_ids(5, seed=24), random_ids(3, seed=25)
+    cache = kvpress.make_cache(llama, policy)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        cache.activate_past_recording()
+        for piece in (doc, q1, q1[:, :2]):
+            llama(piece, use_cache=True, **cache_kwargs(llama, cache))
+            cache.crop(0)
+        if name not in TRUNCATING:
+            with pytest.raises(ValueError, match="at most"):
+                cache.crop(PROMPT)
+            assert cache.get_seq_length() == PROMPT + 7
+            return
+        cache.crop(PROMPT)
+        got = llama(q2, use_cache=True, **cache_kwargs(llama, cache)).logits
+    ref_cache = kvpress.make_cache(llama, policy)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        llama(doc, use_cache=True, **cache_kwargs(llama, ref_cache))
+        ref = llama(q2, use_cache=True, **cache_kwargs(llama, ref_cache)).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
