@@ -201,7 +201,11 @@ class QuantWindowLayer(CacheLayer):
         if n:
             self.win_len -= n
             self.seen -= n
+        self._after_crop(n)
         self._maybe_flush()
+
+    def _after_crop(self, n: int) -> None:
+        """Hook: the latest forward lost its last ``n`` tokens (window cut, not flushed yet)."""
 
     def _maybe_flush(self) -> None:
         if self._recorded:  # a recorded forward: flush at `crop`, once its kept tokens are known

@@ -12,6 +12,8 @@ from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
 
+CROP_QUERIES = 64  # how many of a recorded prompt forward's tokens a crop can take back
+
 
 @register_policy
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class ZipCachePolicy(Policy):
     paper = "arXiv 2405.14256"
     full_prefill = False
     keeps_full_cache = False
+    croppable = True
 
     def validate(self):
         check_quant_config(self.bits_high, self.group_size)
@@ -148,9 +151,10 @@ class ZipCacheLayer(QuantWindowLayer):
     ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token)."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
-    # Not croppable: the saliency probes are drawn among the prompt forward's queries (and every
-    # later query joins them), so taking tokens back would need queries no longer at hand.
-    croppable = False
+    # Croppable (the flush waits for the crop, as for every quantized window): the probes are put
+    # back as they were before the forward and the kept queries join them again; the prompt's
+    # forward keeps the queries any shorter prompt (by up to CROP_QUERIES tokens) would draw.
+    croppable = True
 
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
@@ -160,6 +164,7 @@ class ZipCacheLayer(QuantWindowLayer):
         self.vn = None
         self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = None
         self._scaling = 1.0
+        self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
 
     # ------------------------------------------------------------------ probes
     def _random_probes(self, q_start: int, T: int, device) -> torch.Tensor:
@@ -177,28 +182,72 @@ class ZipCacheLayer(QuantWindowLayer):
         keep = ((pos >= self.seen - self.p.probe_recent) | rand) & (pos >= self.n_quant)
         self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand = q[:, :, keep], lse[:, :, keep], pos[keep], rand[keep]
 
+    def _prompt_probe_rows(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one."""
+        rand = self._random_probes(0, T, device)
+        pos_all = torch.arange(T, device=device)
+        sel = rand | (pos_all >= T - self.p.probe_recent)
+        return pos_all[sel], rand[sel]
+
     def _prefill(self, q, k, v, scaling):
         if q is not None:
-            B, H_q, T, D = q.shape
-            H = k.shape[1]
-            rand = self._random_probes(0, T, q.device)
-            pos_all = torch.arange(T, device=q.device)
-            sel = rand | (pos_all >= T - self.p.probe_recent)
-            pos, rand = pos_all[sel], rand[sel]  # (P,)
-            qp = q[:, :, pos].float()  # (B, H_q, P, D)
-            s = (qp.view(B, H, H_q // H, -1, D) @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H, G, P, T)
-            hidden = pos_all[None, :] > pos[:, None]  # (P, T)
-            pad = self.padding_mask(0, T, q.device)
-            if pad is not None:
-                hidden = (hidden[None] | pad[:, None, :])[:, None, None]  # (B, 1, 1, P, T)
-            lse = s.masked_fill(hidden, float("-inf")).logsumexp(-1).view(B, H_q, -1)
-            self.seen = T  # _keep_probes reads the sequence length; super()._prefill sets it again
-            self._keep_probes(q[:, :, pos], lse, pos, rand)
-            self.seen = 0
-            self._scaling = scaling
+            T = q.shape[2]
+            pos, rand = self._prompt_probe_rows(T, q.device)
+            self._set_prompt_probes(q[:, :, pos], pos, rand, k, scaling)
+            if self._recorded:  # keep the queries a prompt shorter by up to CROP_QUERIES would probe
+                rows = torch.cat([self._prompt_probe_rows(T - n, q.device)[0]
+                                  for n in range(1, min(CROP_QUERIES, T - 1) + 1)] + [pos]).unique()
+                self._forward_q = ("prompt", rows, q[:, :, rows], scaling)
         super()._prefill(q, k, v, scaling)
 
+    def _set_prompt_probes(self, qp, pos, rand, k, scaling) -> None:
+        """Probes from prompt queries ``qp`` (B, H_q, P, D) at sequence indices ``pos`` over the
+        prompt's keys ``k`` (B, H, T, D), each with its own log-sum-exp."""
+        B, H_q, P, D = qp.shape
+        H, T = k.shape[1], k.shape[2]
+        s = (qp.float().view(B, H, H_q // H, P, D) @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H, G, P, T)
+        hidden = torch.arange(T, device=k.device)[None, :] > pos[:, None]  # (P, T)
+        pad = self.padding_mask(0, T, k.device)
+        if pad is not None:
+            hidden = (hidden[None] | pad[:, None, :])[:, None, None]  # (B, 1, 1, P, T)
+        lse = s.masked_fill(hidden, float("-inf")).logsumexp(-1).view(B, H_q, -1)
+        seen, self.seen = self.seen, T  # _keep_probes reads the sequence length
+        self._keep_probes(qp, lse, pos, rand)
+        self.seen = seen
+        self._scaling = scaling
+
+    # ------------------------------------------------------------------ crop
+    def record_forward(self, k, v):
+        super().record_forward(k, v)
+        self._probes_before = (self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand)
+        self._forward_q = None
+
+    def removable(self) -> int:
+        n = super().removable()
+        if n and self._forward_q is not None and self._forward_q[0] == "prompt":
+            n = min(n, CROP_QUERIES, self.seen - 1)
+        return n
+
+    def _after_crop(self, n: int) -> None:
+        """The forward lost its last ``n`` tokens (window and ``seen`` already cut): its probes
+        again, from the kept queries, before the flush reads them."""
+        record, self._forward_q = self._forward_q, None
+        if n == 0 or record is None:
+            return
+        self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand = self._probes_before
+        if record[0] == "prompt":
+            _, rows, q_rows, scaling = record
+            pos, rand = self._prompt_probe_rows(self.seen, q_rows.device)
+            self._set_prompt_probes(q_rows[:, :, torch.searchsorted(rows, pos)], pos, rand,
+                                    self.k_win[:, :, : self.seen], scaling)
+        else:
+            _, q, lse, q_start, scaling = record
+            keep = self.seen - q_start
+            self._after_attend(q[:, :, :keep], lse[:, :, :keep], q_start, scaling)
+
     def _after_attend(self, q, lse, q_start, scaling):
+        if self._recorded and q_start:
+            self._forward_q = ("step", q, lse, q_start, scaling)
         T = q.shape[2]
         pos = torch.arange(q_start, q_start + T, device=q.device)
         rand = self._random_probes(q_start, T, q.device)

@@ -25,8 +25,24 @@ def cache_model(request):
     return contract_model(request.param)
 
 
-def test_most_policies_are_croppable():
-    assert set(POLICIES) - set(CROPPABLE) == {"zipcache"}
+def test_every_policy_is_croppable():
+    assert CROPPABLE == POLICIES
+
+
+def test_a_layer_that_cannot_crop_is_refused_before_generate_works(llama, monkeypatch):
+    """A policy whose layers cannot take tokens back (none registered now) is refused when
+    assisted decoding starts, with the policies that can; the model is left as it was."""
+    from kvpress.policies.kivi import KiviLayer
+
+    monkeypatch.setattr(KiviLayer, "croppable", False)
+    policy = example("kivi", kvpress.get_adapter(llama))
+    with pytest.raises(ValueError, match="policy 'kivi' cannot take back.*policies that can: .*full"):
+        _generate(llama, _repeating_prompt(), policy, prompt_lookup_num_tokens=3)
+    cache = kvpress.make_cache(llama, policy)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="cannot take tokens back"):
+        cache.layers[0].crop(-1)
+    assert llama.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -41,6 +57,9 @@ def test_croppable_flag_matches_the_layers(cache_model, name):
     if not policy.croppable:
         with pytest.raises(ValueError, match="policies that can: .*full"):
             cache.activate_past_recording()
+    else:
+        cache.activate_past_recording()
+        assert all(layer.record_past for layer in cache.layers)
 
 
 def _forwards(model, policy, pieces, crops, decode_steps=3, record=True):
@@ -128,17 +147,13 @@ def _generate(model, ids, policy, **kwargs):
         return model.generate(ids, max_new_tokens=10, do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", CROPPABLE)
 def test_prompt_lookup_decoding(cache_model, name):
     """``generate(prompt_lookup_num_tokens=...)`` runs under every croppable policy; where a
     forward of several tokens attends as the same tokens fed one at a time would, it gives plain
-    greedy's tokens. The others refuse before any work, naming the policies that can."""
+    greedy's tokens."""
     policy = example(name, kvpress.get_adapter(cache_model))
     ids = _repeating_prompt()
-    if not policy.croppable:
-        with pytest.raises(ValueError, match="cannot take back.*policies that can: .*full"):
-            _generate(cache_model, ids, policy, prompt_lookup_num_tokens=3)
-        return
     got = _generate(cache_model, ids, policy, prompt_lookup_num_tokens=3)
     assert got.shape == (1, PROMPT + 10) and torch.equal(got[:, :PROMPT], ids)
     if name in ONE_AT_A_TIME:
