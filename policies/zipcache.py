@@ -46,6 +46,12 @@ class ZipCachePolicy(Policy):
     and 4k (32) with ``full``'s perplexity, where uniform 4-bit stores (``kivi``, ``gear``, this
     policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` (BENCHMARKS.md "Session 15").
 
+    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
+    the crop puts the probes back as they were before the forward and lets the kept queries
+    join them again. The prompt's random probes are drawn anew for each prompt length, so a
+    recorded prompt forward keeps the queries every prompt shorter by up to 64 tokens would
+    probe (at most ``65 * probe_random + 80`` rows per layer) until its crop.
+
     The prompt's probes need its queries, which a shared dense prefill does not keep, so this
     policy runs its own prefill (``full_prefill = False``). No token budget (``with_budget``
     raises). On CPU a decode step is one call of `kvpress.kernels.native.quant_attend` (both
