@@ -50,7 +50,7 @@ class ZipCachePolicy(Policy):
     the crop puts the probes back as they were before the forward and lets the kept queries
     join them again. The prompt's random probes are drawn anew for each prompt length, so a
     recorded prompt forward keeps the queries every prompt shorter by up to 64 tokens would
-    probe (at most ``65 * probe_random + 80`` rows per layer) until its crop.
+    probe (at most ``65 * probe_random + 64 + probe_recent`` rows per layer) until its crop.
 
     The prompt's probes need its queries, which a shared dense prefill does not keep, so this
     policy runs its own prefill (``full_prefill = False``). No token budget (``with_budget``
