@@ -232,6 +232,11 @@ def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
     return out
 
 
+# How many tokens of a recorded prompt forward the layers that need the prompt's queries to store
+# it (snapkv's observation window, zipcache's probes) keep enough of them to take back.
+PROMPT_CROP_TOKENS = 64
+
+
 def _tokens_to_remove(tokens_to_remove: int, seen: int) -> int:
     """transformers' ``crop`` argument as a count: ``-n`` -> ``n``; a positive value is a length to keep.
 

@@ -8,15 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import RecordingLayer
+from kvpress.cache import PROMPT_CROP_TOKENS, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_int, register_policy
 
 _GROW = 64  # slots added at a time while a short cache grows towards the budget
-# With past recording on, the prompt's forward keeps this many queries beyond the observation
-# window, so a crop of up to this many of its tokens can score the shorter prompt again.
-CROP_QUERIES = 64
 
 
 @register_policy
@@ -114,8 +111,8 @@ class SnapKVLayer(RecordingLayer):
 
     Croppable (a :class:`~kvpress.cache.RecordingLayer`: the slots are copied before each
     forward). The prompt's forward is taken back by scoring the kept prompt again, for which it
-    keeps its last ``window_size + CROP_QUERIES`` queries while recording: up to
-    ``CROP_QUERIES`` of its tokens can be taken back.
+    keeps its last ``window_size + PROMPT_CROP_TOKENS`` queries while recording: up to
+    ``PROMPT_CROP_TOKENS`` of its tokens can be taken back.
     """
 
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
@@ -134,7 +131,7 @@ class SnapKVLayer(RecordingLayer):
             T = k_new.shape[2]
             self._compress(q[:, :, T - min(self.policy.window_size, T):], k_new, v_new, scaling)
             if self._record is not None:
-                self._prompt_q = (q[:, :, max(0, T - self.policy.window_size - CROP_QUERIES):], scaling, T)
+                self._prompt_q = (q[:, :, max(0, T - self.policy.window_size - PROMPT_CROP_TOKENS):], scaling, T)
             self.seen += T
             return out
         outs = [self._decode(q[:, :, t : t + 1], k_new[:, :, t : t + 1], v_new[:, :, t : t + 1], scaling)
@@ -154,7 +151,7 @@ class SnapKVLayer(RecordingLayer):
     def removable(self) -> int:
         n = super().removable()
         if n and self._record[0] == 0:  # the prompt's forward: as far as its kept queries reach
-            n = min(n, CROP_QUERIES, self._record[1].shape[2] - 1)
+            n = min(n, PROMPT_CROP_TOKENS, self._record[1].shape[2] - 1)
         return n
 
     def remove_latest(self, n):

@@ -5,14 +5,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
-
-CROP_QUERIES = 64  # how many of a recorded prompt forward's tokens a crop can take back
 
 
 @register_policy
@@ -159,7 +158,7 @@ class ZipCacheLayer(QuantWindowLayer):
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
     # Croppable (the flush waits for the crop, as for every quantized window): the probes are put
     # back as they were before the forward and the kept queries join them again; the prompt's
-    # forward keeps the queries any shorter prompt (by up to CROP_QUERIES tokens) would draw.
+    # forward keeps the queries any shorter prompt (by up to PROMPT_CROP_TOKENS tokens) would draw.
     croppable = True
 
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
@@ -200,9 +199,9 @@ class ZipCacheLayer(QuantWindowLayer):
             T = q.shape[2]
             pos, rand = self._prompt_probe_rows(T, q.device)
             self._set_prompt_probes(q[:, :, pos], pos, rand, k, scaling)
-            if self._recorded:  # keep the queries a prompt shorter by up to CROP_QUERIES would probe
+            if self._recorded:  # keep the queries a prompt shorter by up to PROMPT_CROP_TOKENS would probe
                 rows = torch.cat([self._prompt_probe_rows(T - n, q.device)[0]
-                                  for n in range(1, min(CROP_QUERIES, T - 1) + 1)] + [pos]).unique()
+                                  for n in range(1, min(PROMPT_CROP_TOKENS, T - 1) + 1)] + [pos]).unique()
                 self._forward_q = ("prompt", rows, q[:, :, rows], scaling)
         super()._prefill(q, k, v, scaling)
 
@@ -231,7 +230,7 @@ class ZipCacheLayer(QuantWindowLayer):
     def removable(self) -> int:
         n = super().removable()
         if n and self._forward_q is not None and self._forward_q[0] == "prompt":
-            n = min(n, CROP_QUERIES, self.seen - 1)
+            n = min(n, PROMPT_CROP_TOKENS, self.seen - 1)
         return n
 
     def _after_crop(self, n: int) -> None:
