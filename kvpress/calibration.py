@@ -26,10 +26,23 @@ def register_calibrator(name: str, help_text: str, configure: Callable, run: Cal
     CALIBRATORS[name] = (help_text, configure, run)
 
 
+_SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def portable_model_id(model_id: str) -> str:
+    """``model_id`` without this machine's paths: kvpress' converted SmolLM2 folder
+    (``<cache>/smollm2-135m-instruct/tf-<version>-<key>``, see `kvpress.models`) becomes the model's
+    hub id; any other id is returned as it is."""
+    parts = str(model_id).replace("\\", "/").rstrip("/").split("/")
+    if len(parts) >= 2 and parts[-2] == "smollm2-135m-instruct" and parts[-1].startswith("tf-"):
+        return _SMOLLM2_HUB_ID
+    return str(model_id)
+
+
 def model_metadata(adapter) -> dict[str, str]:
     """The fields an artifact records about its model."""
     return {
-        "model_id": adapter.model_id,
+        "model_id": portable_model_id(adapter.model_id),
         "family": adapter.family,
         "num_layers": str(adapter.num_layers),
         "num_heads": str(adapter.num_heads),

@@ -533,3 +533,22 @@ def test_cuda_decode_through_the_triton_kernel_matches_cpu():
     gpu = run(model.cuda(), policy, ids.cuda())
     for a, b in zip(cpu.scores, gpu.scores):
         torch.testing.assert_close(a, b.cpu(), atol=2e-3, rtol=0)
+
+
+def test_artifacts_record_a_portable_model_id():
+    """Artifacts name the model, not this machine's conversion folder: the shipped ones, and any
+    made from kvpress' converted SmolLM2 folder."""
+    from safetensors import safe_open
+
+    from kvpress.calibration import portable_model_id, shipped_artifact
+
+    for name in ("duo-smollm2.safetensors", "double_sparsity-smollm2.safetensors",
+                 "tidal-smollm2-135m-instruct.safetensors"):
+        with safe_open(str(shipped_artifact(name)), framework="pt") as f:
+            assert f.metadata()["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert portable_model_id("/root/.cache/kvpress/smollm2-135m-instruct/tf-5.23.0-e11db21ad9008b2b") == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert portable_model_id("C:\\cache\\kvpress\\smollm2-135m-instruct\\tf-5.24.0-abc\\") == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for other in ("meta-llama/Llama-3.1-8B", "/models/smollm2-135m-instruct", ""):
+        assert portable_model_id(other) == other
