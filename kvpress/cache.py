@@ -125,6 +125,10 @@ class CacheLayer(CacheLayerMixin):
     def _removable_hint(self) -> str:
         return ""
 
+    def _record_hint(self) -> str:
+        """For layers that take back only a recorded forward: what to do when nothing is recorded."""
+        return "" if self.record_past else " (call activate_past_recording() before the forward to take it back)"
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select(beam_idx)
 
@@ -286,7 +290,7 @@ class RecordingLayer(CacheLayer):
         return 0 if self._record is None else self._record[1].shape[2]
 
     def _removable_hint(self) -> str:
-        return "" if self.record_past else " (call activate_past_recording() before the forward to take it back)"
+        return self._record_hint()
 
     def remove_latest(self, n: int) -> None:
         record, self._record = self._record, None

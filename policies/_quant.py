@@ -194,7 +194,7 @@ class QuantWindowLayer(CacheLayer):
         return self._recorded
 
     def _removable_hint(self) -> str:
-        return "" if self.record_past else " (call activate_past_recording() before the forward to take it back)"
+        return self._record_hint()
 
     def remove_latest(self, n):
         self._recorded = 0

@@ -100,12 +100,8 @@ class SelectiveLayer(DenseLayer):
         return out[:, :, None]
 
     def after_truncate(self) -> None:
-        self.on_truncate()
         if self.tail is not None:
             self.tail.truncate(self.buffer, self.row_start, self.cache)
-
-    def on_truncate(self) -> None:
-        """The buffer lost its latest tokens (``crop``): bring metadata in line (here: nothing)."""
 
     def ingest_prefill(self, k, v):
         start = self.seen

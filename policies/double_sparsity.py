@@ -13,6 +13,7 @@ from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, spars
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._double_sparsity_calib import synthetic_artifact  # noqa: F401  (re-exported)
+from kvpress.policies._double_sparsity_labels import dequantize_labels, quantize_labels
 from kvpress.policies._sparse import ChunkTail, range_index, token_topk_index
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -470,29 +471,6 @@ class DoubleSparsityLayer(DenseLayer):
                                    validate_index=not self._validated)
         self._validated = True  # every step builds its index the same way: check the values once
         return out[:, :, None]  # (B, H_q, 1, D)
-
-
-def quantize_labels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token asymmetric 4-bit codes of labels x [B, H, T, r].
-
-    Returns packed uint8 codes [B, H, T, ceil(r / 2)] (two per byte, low nibble first) and fp16
-    ``scale`` / ``zero`` [B, H, T, 1] with ``x ~= codes * scale + zero``.
-    """
-    xf = x.float()
-    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.float16)
-    zero = lo.to(torch.float16)
-    codes = ((xf - zero.float()) / scale.float()).round_().clamp_(0, 15).to(torch.uint8)  # (B, H, T, r)
-    if codes.shape[-1] % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.contiguous(), scale, zero
-
-
-def dequantize_labels(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, r: int) -> torch.Tensor:
-    """Inverse of :func:`quantize_labels`: fp32 labels [B, H, T, r]."""
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)[..., :r]  # (B, H, T, r)
-    return codes.float() * scale.float() + zero.float()
 
 
 register_calibrator(

@@ -116,7 +116,8 @@ class QuestLayer(SelectiveLayer):
     def on_append(self, start, n):
         self.pages.append(self.buffer.k[:, :, start : start + n], start, self.row_start)
 
-    def on_truncate(self):
+    def after_truncate(self):
+        super().after_truncate()
         self.pages.truncate(self.buffer.keys, self.row_start, self.cache)
 
     def select(self, q, scaling, lengths):
