@@ -22,11 +22,17 @@ Layer contract (subclass :class:`CacheLayer`):
     layer that keeps every token truncates; a layer that evicts or compresses as tokens arrive
     records its state before each forward once ``activate_past_recording`` was called
     (:class:`RecordingLayer`) and rolls the latest forward back.
+``end_prompt()`` (optional)
+    A prompt given in several forwards is complete (:meth:`PolicyCache.prompt`, which
+    ``generate(prefill_chunk_size=...)`` opens under ``apply``). While ``cache.prompt_open`` is
+    set, every forward continues the prompt; a layer that compresses the whole prompt at once
+    (SnapKV's selection, ShadowKV's factorisation) holds it in a :class:`PromptStage` until then.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -121,6 +127,9 @@ class CacheLayer(CacheLayerMixin):
 
     def record_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Called before each forward's new tokens ``k``/``v`` are stored while ``record_past`` is on."""
+
+    def end_prompt(self) -> None:
+        """The prompt given in several forwards is complete (see :meth:`PolicyCache.prompt`)."""
 
     def _removable_hint(self) -> str:
         return ""
@@ -236,6 +245,42 @@ def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
     return out
 
 
+class PromptStage:
+    """A prompt's K/V (and its latest queries) while it arrives in several forwards.
+
+    For layers that compress a prompt as a whole: each piece attends densely to everything
+    staged so far (as one forward of the whole prompt would), and ``end_prompt`` hands the
+    layer the whole prompt. Growing in ``grow``-token steps, it costs one dense copy of the
+    layer's prompt until then (counted by ``cache_stats`` through the layer's state).
+    """
+
+    def __init__(self, keep_queries: int = 0, grow: int = 1024):
+        self.buffer = KVBuffer(grow)
+        self.keep_queries = keep_queries
+        self.queries: torch.Tensor | None = None  # the latest ``keep_queries`` queries [B, H_q, <=n, D]
+        self.scaling: float | None = None
+
+    @property
+    def length(self) -> int:
+        return self.buffer.length
+
+    def attend(self, q, k_new, v_new, scaling: float, row_start) -> torch.Tensor:
+        """Stage ``k_new``/``v_new`` and return the causal attention of ``q`` over the staged prompt."""
+        from .attention import dense_causal_attention  # kvpress.attention imports the kernels
+
+        q_start = self.buffer.length
+        self.buffer.append(k_new, v_new)
+        self.scaling = scaling
+        if self.keep_queries:
+            q_all = q if self.queries is None else torch.cat([self.queries, q], dim=2)
+            self.queries = q_all[:, :, max(0, q_all.shape[2] - self.keep_queries):]
+        return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start,
+                                      row_start=row_start)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"k": self.buffer.k, "v": self.buffer.v, "q": self.queries}
+
+
 # How many tokens of a recorded prompt forward the layers that need the prompt's queries to store
 # it (snapkv's observation window, zipcache's probes) keep enough of them to take back.
 PROMPT_CROP_TOKENS = 64
@@ -334,6 +379,7 @@ class PolicyCache(Cache):
         self._row_start_by_device: dict[torch.device, torch.Tensor] = {}
         self._min_row_start = self._max_row_start = 0
         self._session = None
+        self.prompt_open = False  # forwards continue a prompt given in several pieces (`prompt`)
         from .layers import SlidingWindowLayer  # kvpress.layers builds on this module
 
         # layers the model itself slides keep its window exactly; the policy runs the others
@@ -403,6 +449,47 @@ class PolicyCache(Cache):
                              "(left padding); keep at least one real token per row")
         for layer in self.layers:
             layer.crop(-n)
+        self.step_shared.clear()
+
+    # ------------------------------------------------------------ a prompt in several forwards
+    @contextlib.contextmanager
+    def prompt(self) -> Iterator["PolicyCache"]:
+        """Feed one prompt in several forwards (chunked prefill) inside this block::
+
+            with cache.prompt():
+                for chunk in input_ids.split(1024, dim=1):
+                    model(chunk, past_key_values=cache, use_cache=True)
+
+        The cache then holds what one forward of the whole prompt would have left: policies
+        that compress the prompt as a whole (``snapkv``'s selection by the last queries,
+        ``shadowkv``'s factorisation) wait for the block's end, holding the prompt's K/V until
+        then; the others store each piece as it comes. ``generate(..., prefill_chunk_size=N)``
+        under :func:`kvpress.apply` opens this block itself. Starts on an empty cache, without
+        past recording; the prompt is closed on normal exit only.
+        """
+        self.begin_prompt()
+        yield self
+        self.end_prompt()
+
+    def begin_prompt(self) -> None:
+        """Open a prompt given in several forwards (see :meth:`prompt`)."""
+        if self.prompt_open:
+            raise ValueError("a prompt is already open on this cache")
+        if self.get_seq_length():
+            raise ValueError(f"a prompt in several forwards starts on an empty cache; this one holds "
+                             f"{self.get_seq_length()} tokens")
+        if any(layer.record_past for layer in self.layers):
+            raise ValueError("a prompt in several forwards cannot be opened while the cache records its past "
+                             "(assisted decoding)")
+        self.prompt_open = True
+
+    def end_prompt(self) -> None:
+        """Close the open prompt: layers that wait for the whole prompt compress it now."""
+        if not self.prompt_open:
+            raise ValueError("no prompt is open on this cache (begin_prompt)")
+        self.prompt_open = False
+        for layer in self.layers:
+            layer.end_prompt()
         self.step_shared.clear()
 
     def reset(self) -> None:

@@ -12,13 +12,15 @@ def policy_table() -> str:
     import kvpress
 
     yes = {True: "yes", False: "no"}
-    lines = ["| policy | what it does | paper | keeps full cache | prefill is full attention | assisted decoding |",
-             "|---|---|---|---|---|---|"]
+    chunked = {True: "as one forward", False: "reads quantized pieces"}
+    lines = ["| policy | what it does | paper | keeps full cache | prefill is full attention | assisted decoding "
+             "| chunked prefill |",
+             "|---|---|---|---|---|---|---|"]
     for name in kvpress.list_policies():
         cls = kvpress.policy_class(name)
         lines.append(
             f"| `{name}` | {cls.description} | {cls.paper or '-'} | {yes[cls.keeps_full_cache]} | "
-            f"{yes[cls.full_prefill]} | {yes[cls.croppable]} |"
+            f"{yes[cls.full_prefill]} | {yes[cls.croppable]} | {chunked[cls.chunked_prompt_exact]} |"
         )
     return "\n".join(lines)
 

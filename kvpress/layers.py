@@ -130,7 +130,10 @@ class SinkWindowLayer(RecordingLayer):
     chunked pre-filling: at most ``sinks + window + K`` keys per query, O(T * (sinks + window + K))
     work, and the layer never holds more than one chunk beyond its slots. Only the slots survive
     between forwards, so a caller's own forwards cut the chunks too. ``K=1`` is the per-token
-    streaming pattern with one more window slot; ``K=None`` one chunk per forward.
+    streaming pattern with one more window slot; ``K=None`` one chunk per forward. In a prompt
+    given in several forwards (:meth:`~kvpress.cache.PolicyCache.prompt`) the chunks are the
+    prompt's, not the forwards': a chunk a forward ends in is held (at most one chunk, or the
+    whole prompt with ``K=None``) and continued by the next, so the layer ends as after one forward.
 
     Croppable (a :class:`~kvpress.cache.RecordingLayer`): with past recording on, a forward first
     copies the slots (and the tail sums), so ``crop`` can take back any of its tokens.
@@ -160,6 +163,7 @@ class SinkWindowLayer(RecordingLayer):
         self.dense_prefill = dense_prefill
         self.prefill_chunk = prefill_chunk
         self.k = self.v = self.pos = None
+        self._held = None  # (start, k, v): an open prompt's chunk its last forward ended in
 
     def _allocate(self, k_new, v_new) -> None:
         batch, heads, _, dim = k_new.shape
@@ -184,7 +188,7 @@ class SinkWindowLayer(RecordingLayer):
         if self.k is None:
             self._allocate(k_new, v_new)
         row_start = self._row_start(batch, k_new.device)
-        if n_new == 1 and self.seen > 0:
+        if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
             out = self._decode(q, k_new, v_new, scaling, row_start)
         elif self.dense_prefill:
             return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
@@ -200,27 +204,54 @@ class SinkWindowLayer(RecordingLayer):
 
     def _chunked_prefill(self, q, k_new, v_new, scaling, row_start):
         """Several tokens with ``dense_prefill``: each chunk (see the class doc) sees the kept
-        slots and its own earlier tokens."""
+        slots and its own earlier tokens. In an open prompt (`PolicyCache.prompt`) a chunk the
+        forward ends in is held, not stored, so the next forward continues the same chunk."""
         n_new = k_new.shape[2]
         size = self.prefill_chunk
         outs, a = [], 0
         while a < n_new:
             b = n_new if size is None else min(n_new, a + size - (self.seen % size))
             q_c, k_c, v_c = q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b]
-            if self.seen == 0:
-                outs.append(dense_causal_attention(q_c, k_c, v_c, scaling, q_start=0, row_start=self.row_start))
+            start, k_h, v_h = self._held if self._held is not None else (self.seen, None, None)
+            k_all = k_c if k_h is None else torch.cat([k_h, k_c], dim=2)  # the chunk so far
+            v_all = v_c if v_h is None else torch.cat([v_h, v_c], dim=2)
+            if start == 0:
+                outs.append(dense_causal_attention(q_c, k_all, v_all, scaling, q_start=self.seen,
+                                                   row_start=self.row_start))
             else:
+                k_s, v_s, pos_s = self.k, self.v, self._visible_pos(row_start)
+                if k_h is not None:  # the chunk's tokens from the prompt's earlier forwards
+                    held = torch.arange(start, self.seen, device=k_c.device).expand(k_c.shape[0], -1)
+                    held = torch.where(held >= row_start[:, None], held, -1)
+                    k_s, v_s = torch.cat([k_s, k_h], dim=2), torch.cat([v_s, v_h], dim=2)
+                    pos_s = torch.cat([pos_s, held], dim=1)
                 # a window covering the slots and the whole chunk: every kept slot and every
                 # earlier token of the chunk is visible (causally)
                 outs.append(streaming_attention(
-                    q_c, self.k, self.v, self._visible_pos(row_start), k_c, v_c, scaling,
+                    q_c, k_s, v_s, pos_s, k_c, v_c, scaling,
                     q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.seen + (b - a),
                     tail=self.tail.means() if self.tail is not None and self.tail.chunks else None,
                 ))
-            self._write(k_c, v_c, row_start)
             self.seen += b - a
+            if self.cache.prompt_open and not (size is not None and self.seen % size == 0):
+                self._held = (start, k_all, v_all)
+            else:
+                self._held = None
+                self._write_at(start, k_all, v_all, row_start)
             a = b
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _write_at(self, start: int, k, v, row_start) -> None:
+        """``_write`` of tokens at sequence indices ``start ..`` (``seen`` already past them)."""
+        seen, self.seen = self.seen, start
+        self._write(k, v, row_start)
+        self.seen = seen
+
+    def end_prompt(self) -> None:
+        if self._held is not None:  # the prompt's last chunk
+            start, k, v = self._held
+            self._held = None
+            self._write_at(start, k, v, self._row_start(k.shape[0], k.device))
 
     def ingest_prefill(self, k, v):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
@@ -313,8 +344,9 @@ class SinkWindowLayer(RecordingLayer):
         return out.reshape(batch, h_q, 1, dim).to(q.dtype)
 
     def state_tensors(self):
+        held = {} if self._held is None else {"_held_k": self._held[1], "_held_v": self._held[2]}
         return {"k": self.k, "v": self.v, "pos": self.pos,
-                **({} if self.tail is None else self.tail.state_tensors())}
+                **({} if self.tail is None else self.tail.state_tensors()), **held}
 
     def snapshot(self) -> dict:
         saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}

@@ -9,7 +9,9 @@ Integration points are transformers' own, and nothing is patched at import time:
   passes an empty ``DynamicCache``, which is replaced) and records the batch's left padding;
 * for ``generate``, the model instance's ``_prepare_cache_for_generation`` wrapped (the instance
   attribute removed on exit) so the cache generate makes is a ``PolicyCache`` from the start:
-  assisted decoding asks that cache to record its past before the first forward.
+  assisted decoding asks that cache to record its past before the first forward;
+* and its ``_prefill`` wrapped the same way: with ``generate(prefill_chunk_size=N)`` the prompt's
+  forwards run inside :meth:`PolicyCache.prompt`, so the cache ends as after one forward.
 
 Attention modules are mapped to their session in a weak dictionary, so the attention function
 finds the cache of the forward in flight without touching transformers' objects.
@@ -146,11 +148,13 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     base = adapter.base_model
     handle = base.register_forward_pre_hook(_make_pre_hook(session, base), with_kwargs=True)
     modules = adapter.attention_modules()
-    had_own = "_prepare_cache_for_generation" in vars(model)
-    own_before = vars(model).get("_prepare_cache_for_generation")
+    wrappers = {"_prepare_cache_for_generation": lambda f: _policy_cache_for_generate(session, f),
+                "_prefill": _prompt_for_prefill}
+    own_before = {name: vars(model)[name] for name in wrappers if name in vars(model)}
     try:
-        if hasattr(model, "_prepare_cache_for_generation"):
-            model._prepare_cache_for_generation = _policy_cache_for_generate(session, model._prepare_cache_for_generation)
+        for name, wrap in wrappers.items():
+            if hasattr(model, name):
+                setattr(model, name, wrap(getattr(model, name)))
         _SESSIONS_BY_MODEL[model] = session
         for module in modules:
             _SESSIONS_BY_MODULE[module] = session
@@ -161,10 +165,11 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
         session.active = False
         session.current_cache = None
         handle.remove()
-        if had_own:
-            model._prepare_cache_for_generation = own_before
-        else:
-            vars(model).pop("_prepare_cache_for_generation", None)
+        for name in wrappers:
+            if name in own_before:
+                setattr(model, name, own_before[name])
+            else:
+                vars(model).pop(name, None)
         for module in modules:
             _SESSIONS_BY_MODULE.pop(module, None)
         _SESSIONS_BY_MODEL.pop(model, None)
@@ -183,6 +188,24 @@ def _policy_cache_for_generate(session: _Session, prepare):
             if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
                 model_kwargs[key] = _session_cache(session)
         return out
+
+    return wrapped
+
+
+def _prompt_for_prefill(prefill):
+    """``generate``'s prefill; a prompt it cuts into several forwards (``prefill_chunk_size``) on an
+    empty policy cache runs inside :meth:`PolicyCache.prompt`."""
+
+    def wrapped(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        chunk = getattr(generation_config, "prefill_chunk_size", None)
+        pieces = (isinstance(cache, PolicyCache) and chunk is not None and input_ids.shape[-1] > chunk
+                  and cache.get_seq_length() == 0 and not cache.prompt_open
+                  and not any(layer.record_past for layer in cache.layers))
+        if not pieces:
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        with cache.prompt():
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
 
     return wrapped
 

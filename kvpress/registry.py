@@ -43,6 +43,12 @@ class Policy:
         which assisted decoding (``generate(assistant_model=...)``,
         ``generate(prompt_lookup_num_tokens=...)``) does after every draft verification; see
         :meth:`kvpress.cache.CacheLayer.crop`. The contract tests check the layers agree.
+    ``chunked_prompt_exact``
+        A prompt given in several forwards (``generate(prefill_chunk_size=N)``, or
+        :meth:`kvpress.cache.PolicyCache.prompt`) leaves the cache and outputs one forward of the
+        whole prompt would (up to float rounding). False for the quantizers: each piece attends
+        to the earlier pieces as stored, quantized beyond the full-precision window, as decode
+        steps and chunked prefill in serving systems read a quantized cache.
     """
 
     name: ClassVar[str] = ""
@@ -52,6 +58,7 @@ class Policy:
     keeps_full_cache: ClassVar[bool] = True
     needs_artifact: ClassVar[bool] = False
     croppable: ClassVar[bool] = False
+    chunked_prompt_exact: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         _check_field_types(self)

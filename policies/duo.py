@@ -386,6 +386,10 @@ class DuoLayer(CacheLayer):
         self.seen += k_new.shape[2]
         return out
 
+    def end_prompt(self) -> None:
+        if self.stream is not None:
+            self.stream.end_prompt()
+
     def ingest_prefill(self, k, v):
         """Take a prompt that attended densely (``prefill="dense"``): retrieval heads keep it all,
         streaming heads their sinks + window."""

@@ -97,6 +97,7 @@ class KiviPolicy(Policy):
     full_prefill = True
     keeps_full_cache = False
     croppable = True
+    chunked_prompt_exact = False  # prompt pieces read the quantized cache
 
     def validate(self):
         check_quant_config(self.bits, self.group_size)

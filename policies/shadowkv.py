@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import CacheLayer
+from kvpress.cache import CacheLayer, PromptStage
 from kvpress.kernels import native
 from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, merge_states, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
@@ -208,6 +208,7 @@ class ShadowKVLayer(CacheLayer):
         self.counters = TransferCounters()
         self._inv_freq = None
         self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
+        self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
         self._clear()
 
     def _clear(self) -> None:
@@ -224,6 +225,11 @@ class ShadowKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
+        if self.cache.prompt_open and (self.seen == 0 or self._stage is not None):  # factorised at its end
+            if self._stage is None:
+                self._stage = PromptStage()
+            self.seen += k_new.shape[2]
+            return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
         if self.seen == 0:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             self._ingest(k_new, v_new)
@@ -236,6 +242,12 @@ class ShadowKVLayer(CacheLayer):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
         self._ingest(k, v)
+
+    def end_prompt(self) -> None:
+        stage, self._stage = self._stage, None
+        if stage is not None:  # the whole prompt, as one forward would have left it
+            self.seen = 0
+            self._ingest(stage.buffer.keys, stage.buffer.values)
 
     @torch.no_grad()
     def _ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -453,7 +465,8 @@ class ShadowKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):
-        return {name: getattr(self, name) for name in self._STATE}
+        staged = {} if self._stage is None else {f"_stage_{n}": t for n, t in self._stage.tensors().items()}
+        return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):
         return {"v_host": self.v_host}
@@ -474,9 +487,10 @@ class ShadowKVLayer(CacheLayer):
         return self.seen  # every token is represented (exactly, low-rank + host, or generated)
 
     def cached_elements(self) -> int:
-        if self.exact_k is None:
+        ref = self.exact_k if self._stage is None else self._stage.buffer.k
+        if ref is None:
             return 0
-        b, h, _, d = self.exact_k.shape
+        b, h, _, d = ref.shape
         return 2 * b * h * self.seen * d
 
 

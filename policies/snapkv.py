@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import PROMPT_CROP_TOKENS, RecordingLayer
+from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_int, register_policy
@@ -123,9 +123,15 @@ class SnapKVLayer(RecordingLayer):
         self.filled = 0
         self._validated = False
         self._prompt_q = None  # (last queries, scaling, prompt length) of a recorded prompt forward
+        self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
+        if self.k is None and self.cache.prompt_open:  # a piece of a prompt: selected at its end
+            if self._stage is None:
+                self._stage = PromptStage(keep_queries=self.policy.window_size)
+            self.seen += k_new.shape[2]
+            return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
         if self.k is None:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             T = k_new.shape[2]
@@ -137,6 +143,12 @@ class SnapKVLayer(RecordingLayer):
         outs = [self._decode(q[:, :, t : t + 1], k_new[:, :, t : t + 1], v_new[:, :, t : t + 1], scaling)
                 for t in range(k_new.shape[2])]  # a multi-token step after prefill: one token at a time
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def end_prompt(self) -> None:
+        stage, self._stage = self._stage, None
+        if stage is not None:  # the whole prompt, as one forward would have selected it
+            self._compress(stage.queries[:, :, max(0, stage.queries.shape[2] - self.policy.window_size):],
+                           stage.buffer.keys, stage.buffer.values, stage.scaling)
 
     # ------------------------------------------------------------------ crop
     def snapshot(self) -> dict:
@@ -264,12 +276,16 @@ class SnapKVLayer(RecordingLayer):
 
     # ------------------------------------------------------------------ accounting
     def state_tensors(self):
-        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score}
+        staged = {} if self._stage is None else {f"_stage_{n}": t for n, t in self._stage.tensors().items()}
+        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score, **staged}
 
     def stored_tokens(self) -> int:
-        return self.filled
+        return self.filled if self._stage is None else self._stage.length
 
     def cached_elements(self) -> int:
+        if self._stage is not None:
+            b, h, _, d = self._stage.buffer.k.shape
+            return 2 * b * h * self._stage.length * d
         if self.k is None:
             return 0
         b, h, _, d = self.k.shape

@@ -78,6 +78,7 @@ class ZipCachePolicy(Policy):
     full_prefill = False
     keeps_full_cache = False
     croppable = True
+    chunked_prompt_exact = False  # prompt pieces read the quantized cache, each draws its own probes
 
     def validate(self):
         check_quant_config(self.bits_high, self.group_size)

@@ -1,0 +1,181 @@
+"""A prompt given in several forwards: ``generate(prefill_chunk_size=N)`` and ``PolicyCache.prompt``.
+
+Policies that declare ``chunked_prompt_exact`` must end where one forward of the whole prompt
+ends (same tokens, logits up to rounding, same bytes); the quantizers' pieces read the cache as
+stored, which the tests pin down as exactly that: the same as feeding the pieces by hand.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvpress
+
+from conftest import contract_model, random_ids
+
+POLICIES = kvpress.list_policies()
+EXACT = [n for n in POLICIES if kvpress.policy_class(n).chunked_prompt_exact]
+QUANT = [n for n in POLICIES if not kvpress.policy_class(n).chunked_prompt_exact]
+PROMPT, NEW = 48, 5
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-sliding"])
+def model(request):
+    return contract_model(request.param)
+
+
+def example(name, model, **fields):
+    policy = kvpress.policy_class(name).example(kvpress.get_adapter(model))
+    return dataclasses.replace(policy, **fields) if fields else policy
+
+
+def generate(model, ids, policy, chunk=None, **kwargs):
+    kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    kw.update(kwargs)
+    if chunk is not None:
+        kw["prefill_chunk_size"] = chunk
+    with torch.no_grad(), kvpress.apply(model, policy):
+        return model.generate(ids, **kw)
+
+
+def assert_same_run(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        torch.testing.assert_close(sa, sb, atol=2e-5, rtol=1e-5)
+    stats_a, stats_b = kvpress.cache_stats(a), kvpress.cache_stats(b)
+    assert stats_a.resident_bytes == stats_b.resident_bytes
+    assert stats_a.offloaded_bytes == stats_b.offloaded_bytes
+    assert stats_a.tokens == stats_b.tokens
+    assert [s.stored_tokens for s in stats_a.layers] == [s.stored_tokens for s in stats_b.layers]
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("chunk", [16, 7])
+def test_chunked_prefill_ends_as_one_forward(model, name, chunk):
+    ids = random_ids(PROMPT)
+    policy = example(name, model)
+    assert_same_run(generate(model, ids, policy, chunk), generate(model, ids, policy))
+
+
+@pytest.mark.parametrize("name", ["snapkv", "shadowkv", "duo", "full"])
+def test_chunked_prefill_of_a_left_padded_batch(model, name):
+    ids = torch.cat([random_ids(PROMPT, seed=3), random_ids(PROMPT, seed=4)])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    policy = example(name, model)
+    assert_same_run(generate(model, ids, policy, 16, attention_mask=mask),
+                    generate(model, ids, policy, attention_mask=mask))
+
+
+@pytest.mark.parametrize("fields", [
+    dict(prefill="chunked", prefill_chunk_size=8),  # pieces of 7 cut its 8-token chunks: held and continued
+    dict(prefill="chunked", prefill_chunk_size=8, tail_chunk=4),
+    dict(prefill="streaming"),
+    dict(prefill="dense"),  # one chunk: the whole prompt held until its end
+], ids=["chunked8", "chunked8-tail", "streaming", "dense"])
+@pytest.mark.parametrize("chunk", [16, 7, 1])
+def test_duo_prefill_modes_are_the_prompts_not_the_forwards(model, fields, chunk):
+    ids = random_ids(PROMPT)
+    policy = example("duo", model, **fields)
+    assert_same_run(generate(model, ids, policy, chunk), generate(model, ids, policy))
+
+
+@pytest.mark.parametrize("name", ["snapkv", "shadowkv"])
+def test_policies_that_compress_the_whole_prompt_wait_for_its_end(model, name):
+    """Before the fix, later pieces were decode steps: snapkv selected from the first piece and
+    shadowkv factorised only it, keeping the rest exactly (more bytes)."""
+    policy = example(name, model)
+    ids = random_ids(PROMPT)
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        with cache.prompt():
+            for piece in ids.split(16, dim=1):
+                model(piece, past_key_values=cache, use_cache=True)
+            # the pieces are held densely until the prompt ends, and counted
+            staged = kvpress.cache_stats(cache)
+            layer = next(l for l in cache.layers if l._stage is not None)
+            assert layer._stage.length == PROMPT
+            assert staged.resident_bytes >= sum(
+                l._stage.buffer.k.nbytes * 2 for l in cache.layers if getattr(l, "_stage", None) is not None)
+        assert all(getattr(l, "_stage", None) is None for l in cache.layers)
+        one = model(ids, use_cache=True)
+    after, whole = kvpress.cache_stats(cache), kvpress.cache_stats(one.past_key_values)
+    assert after.resident_bytes == whole.resident_bytes < staged.resident_bytes
+    assert after.offloaded_bytes == whole.offloaded_bytes
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_quantizers_prompt_pieces_read_the_cache_as_stored(model, name):
+    """Their pieces are ordinary forwards on the quantized cache: generate's chunked prefill is the
+    same as feeding the pieces by hand without ``cache.prompt()``; the stored groups are those
+    of one forward (same bytes for the single-store quantizers)."""
+    ids = random_ids(PROMPT)
+    policy = example(name, model)
+    chunked = generate(model, ids, policy, 16)
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        for piece in ids.split(16, dim=1):
+            out = model(piece, past_key_values=cache, use_cache=True)
+    torch.testing.assert_close(out.logits[:, -1], chunked.scores[0], atol=1e-5, rtol=1e-5)
+    assert kvpress.cache_stats(cache).tokens == PROMPT
+    if name != "zipcache":  # zipcache's salient set depends on the probes each piece draws
+        assert kvpress.cache_stats(cache).resident_bytes == kvpress.cache_stats(
+            generate(model, ids[:, :PROMPT], policy, max_new_tokens=1)).resident_bytes
+
+
+def test_prompt_block_by_hand_equals_one_forward(model):
+    policy = example("snapkv", model)
+    ids = random_ids(PROMPT)
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        with cache.prompt():
+            for piece in ids.split(20, dim=1):
+                last = model(piece, past_key_values=cache, use_cache=True).logits[:, -1]
+        nxt = last.argmax(-1, keepdim=True)
+        step = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        one = model(ids, use_cache=True)
+        ref = model(nxt, past_key_values=one.past_key_values, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(last, one.logits[:, -1], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(step, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_prompt_block_refuses_misuse(model):
+    policy = example("shadowkv", model)
+    cache = kvpress.make_cache(model, policy)
+    with pytest.raises(ValueError, match="no prompt is open"):
+        cache.end_prompt()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        with cache.prompt():
+            with pytest.raises(ValueError, match="already open"):
+                cache.begin_prompt()
+            model(random_ids(8), past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="starts on an empty cache; this one holds 8 tokens"):
+            cache.begin_prompt()
+    recording = kvpress.make_cache(model, policy)
+    recording.activate_past_recording()
+    with pytest.raises(ValueError, match="records its past"):
+        recording.begin_prompt()
+    assert not recording.prompt_open
+
+
+def test_generate_without_chunking_opens_no_prompt_block(model, monkeypatch):
+    """One forward needs no staging: the policies compress each layer's prompt right away (the
+    whole dense prompt of every layer is never held at once)."""
+    opened = []
+    monkeypatch.setattr(kvpress.PolicyCache, "begin_prompt",
+                        lambda self, _orig=kvpress.PolicyCache.begin_prompt: (opened.append(1), _orig(self))[1])
+    ids = random_ids(PROMPT)
+    generate(model, ids, example("snapkv", model))
+    generate(model, ids, example("snapkv", model), PROMPT)  # one piece
+    assert opened == []
+    generate(model, ids, example("snapkv", model), 16)
+    assert opened == [1]
+
+
+def test_apply_restores_prefill(model):
+    before = dict(vars(model))
+    with kvpress.apply(model, kvpress.get_policy("full")):
+        assert "_prefill" in vars(model)
+    assert "_prefill" not in vars(model) and vars(model).keys() == before.keys()
