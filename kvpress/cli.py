@@ -56,7 +56,8 @@ def cmd_generate(args) -> int:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-    result = timed_generate(model, ids, policy, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    result = timed_generate(model, ids, policy, max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            prefill_chunk_size=args.prefill_chunk_size)
     print(tokenizer.decode(result.tokens[0], skip_special_tokens=True))
     print(
         f"\n[{policy.name}] prompt {ids.shape[1]} tokens, prefill {result.prefill_s:.2f} s, "
@@ -69,7 +70,13 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from kvpress.demo import run_demo
 
-    return run_demo(model=args.model, length=args.length, budget=args.budget, policies=args.policies)
+    return run_demo(model=args.model, length=args.length, budget=args.budget, policies=args.policies,
+                    prefill_chunk_size=args.prefill_chunk_size)
+
+
+def _add_prefill_chunk_arg(p):
+    p.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
+                   help="feed the prompt in forwards of N tokens (bounds the prefill's activations)")
 
 
 def _add_policy_args(p):
@@ -92,6 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="every policy side by side on a long-context retrieval prompt")
@@ -99,6 +107,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
+    _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("calibrate", help="calibrate a policy's artifact for a model")

@@ -6,12 +6,14 @@ import sys
 import time
 
 
-def run_demo(model: str = "smollm2", length: int = 4096, budget: int = 256, policies: str | None = None, seed: int = 0) -> int:
+def run_demo(model: str = "smollm2", length: int = 4096, budget: int = 256, policies: str | None = None, seed: int = 0,
+             prefill_chunk_size: int | None = None) -> int:
     """Print policy | answer correct | resident KV MiB | decode ms/token for a needle prompt.
 
     The prompt is a single-needle retrieval task (a number hidden at 50% depth of ~``length``
     tokens of noise text, from :mod:`kvpress.evals.tasks`); each policy gets ``budget`` where it
-    takes one. Prefill and decode are timed separately.
+    takes one. Prefill and decode are timed separately; ``prefill_chunk_size`` feeds the prompt in
+    forwards of that many tokens.
     """
     import kvpress
     from kvpress.cli import build_policy
@@ -34,13 +36,15 @@ def run_demo(model: str = "smollm2", length: int = 4096, budget: int = 256, poli
     import torch
 
     ids = torch.tensor([build_input_ids(tokenizer, sample)])
-    print(f"prompt: {ids.shape[1]} tokens, needle answer {sample.answers}, budget {budget}\n")
+    chunked = f", prefill in chunks of {prefill_chunk_size}" if prefill_chunk_size else ""
+    print(f"prompt: {ids.shape[1]} tokens, needle answer {sample.answers}, budget {budget}{chunked}\n")
     header = f"{'policy':<18} {'correct':>7} {'resident KV MiB':>16} {'vs full':>8} {'prefill s':>10} {'decode ms/tok':>14}  answer"
     print(header)
     print("-" * len(header))
     full_bytes = None
     for policy in built:
-        res = timed_generate(model_obj, ids, policy, max_new_tokens=sample.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+        res = timed_generate(model_obj, ids, policy, max_new_tokens=sample.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             prefill_chunk_size=prefill_chunk_size)
         text = tokenizer.decode(res.tokens[0], skip_special_tokens=True).strip().replace("\n", " ")
         correct = task.score(text, sample) >= 1.0
         mib = res.stats.resident_bytes / 2**20

@@ -54,6 +54,7 @@ def timed_generate(
     eos_token_id: int | list[int] | None = None,
     keep_cache: bool = False,
     on_prefill=None,
+    prefill_chunk_size: int | None = None,
 ) -> GenerationResult:
     """Greedy decoding under ``policy`` with prefill and per-token decode timed separately.
 
@@ -71,9 +72,15 @@ def timed_generate(
     on_prefill : callable, optional
         Called with the cache once the prompt is in it, before the first timed decode step
         (benchmarks use it to time the cache layers' ``attend`` during decode only).
+    prefill_chunk_size : int, optional
+        Feed the prompt in forwards of this many tokens (inside `PolicyCache.prompt`, as
+        ``generate(prefill_chunk_size=...)`` does): the prompt's activations are bounded by the
+        chunk; ``prefill_s`` times them all. The prefill computes the last position's logits only.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
+        raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1 (or None: one forward)")
     device = model.device
     input_ids = input_ids.to(device)
     if attention_mask is None:
@@ -87,7 +94,7 @@ def timed_generate(
     with (apply(model, policy) if policy is not None else contextlib.nullcontext()):
         _sync(device)
         start = time.perf_counter()
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+        out = _prefill(model, input_ids, attention_mask, position_ids, policy, prefill_chunk_size)
         next_token = out.logits[:, -1].argmax(-1)
         _sync(device)
         prefill_s = time.perf_counter() - start
@@ -123,6 +130,29 @@ def timed_generate(
         stats=cache_stats(cache) if policy is not None else None,
         cache=cache if keep_cache else None,
     )
+
+
+def _prefill(model, input_ids, attention_mask, position_ids, policy, chunk: int | None):
+    """The prompt's forward(s) of :func:`timed_generate`: one, or ``chunk``-token pieces of one prompt."""
+    if chunk is None or input_ids.shape[1] <= chunk:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                     logits_to_keep=1)
+    if policy is not None:
+        from .patching import make_cache
+
+        cache = make_cache(model, policy)
+        block = cache.prompt()
+    else:
+        from transformers import DynamicCache
+
+        cache, block = DynamicCache(config=model.config), contextlib.nullcontext()
+    with block:
+        for start in range(0, input_ids.shape[1], chunk):
+            end = start + chunk
+            out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+                        position_ids=position_ids[:, start:end], **cache_kwargs(model, cache), use_cache=True,
+                        logits_to_keep=1)
+    return out
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
+SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
 
 
 def append_tokens(buf: torch.Tensor | None, length: int, x: torch.Tensor, grow: int = GROW) -> torch.Tensor:
@@ -91,13 +92,27 @@ class QuantWindowLayer(CacheLayer):
             self._prefill(q, k_new, v_new, scaling)
             return out
         B, H_q, T, D = q.shape
-        H = k_new.shape[1]
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += T
-        qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
         kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
         vw = self.v_win[:, :, : self.win_len].float()
+        # queries in blocks, so a long forward (a prompt chunk, a new turn) never holds more than
+        # SCORE_BYTES of fp32 scores at once
+        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len)))
+        parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling) for i in range(0, T, step)]
+        out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts], dim=2)
+        lse = parts[0][1] if len(parts) == 1 else torch.cat([l for _, l in parts], dim=2)
+        self._after_attend(q, lse, q_start, scaling)
+        self._maybe_flush()
+        return out.to(q.dtype)
+
+    def _attend_rows(self, q, q_start: int, kw, vw, scaling):
+        """Queries ``q`` (B, H_q, T, D) at sequence indices ``q_start ..`` over [packed | window]:
+        fp32 output (B, H_q, T, D) and log-sum-exp (B, H_q, T)."""
+        B, H_q, T, D = q.shape
+        H = kw.shape[1]
+        qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
         s_win = (qg @ kw.transpose(-1, -2)) * scaling  # (B, H, M, W)
         k_pos = torch.arange(self.n_quant, self.seen, device=q.device)
         q_pos = torch.arange(q_start, q_start + T, device=q.device).repeat(H_q // H)  # (M,)
@@ -122,9 +137,7 @@ class QuantWindowLayer(CacheLayer):
         out = p[..., n_q:] @ vw
         if n_q:
             out = out + self._quant_output(p[..., :n_q])
-        self._after_attend(q, lse.view(B, H_q, T), q_start, scaling)
-        self._maybe_flush()
-        return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D).to(q.dtype)
+        return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D), lse.view(B, H_q, T)
 
     # ------------------------------------------------------------------ native CPU decode
     def native_step_ok(self, q, k_new, backend: str, stores) -> bool:

@@ -130,6 +130,11 @@ def transfer_summary(cache) -> dict:
     return out
 
 
+def default_rank(key_dim: int) -> int:
+    """Components kept when ``rank`` is None: a quarter of ``num_kv_heads * head_dim`` (at least 1)."""
+    return max(1, key_dim // 4)
+
+
 def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):
     """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
 

@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer, PromptStage
-from kvpress.kernels import native
-from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, merge_states, sparse_decode
+from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, merge_states, native, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
-from ._shadowkv_store import TransferCounters, fetch_chunks, low_rank, to_host, transfer_summary  # noqa: F401 (re-exported)
+from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_rank, to_host,  # noqa: F401
+                              transfer_summary)  # (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -126,6 +126,9 @@ class ShadowKVPolicy(Policy):
     At 4k, where ``full``'s attention costs half as much, the default is at 0.85x (two threads;
     torch 0.46x): per layer its step is mostly the 8x shortlist's rebuild (rank x head_dim
     multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
+
+    A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
+    ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
     """
 
     budget: int = 2048
@@ -492,9 +495,4 @@ class ShadowKVLayer(CacheLayer):
             return 0
         b, h, _, d = ref.shape
         return 2 * b * h * self.seen * d
-
-
-def default_rank(key_dim: int) -> int:
-    """Components kept when ``rank`` is None: a quarter of ``num_kv_heads * head_dim`` (at least 1)."""
-    return max(1, key_dim // 4)
 

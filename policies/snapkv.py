@@ -38,6 +38,10 @@ class SnapKVPolicy(Policy):
     the ``window_size`` most recent ones. The observation window itself is never evicted: a
     needle right before the question must survive while the model copies it out. Attention over the kept
     tokens runs through ``kvpress.kernels.sparse_decode``.
+
+    A prompt in several forwards (``generate(prefill_chunk_size=N)``, `PolicyCache.prompt`) is
+    held densely (and its last ``window_size`` queries) until it ends, then selected as one
+    forward's would be: chunking bounds the prompt's activations, not this layer's prompt copy.
     """
 
     budget: int = 256

@@ -179,3 +179,35 @@ def test_apply_restores_prefill(model):
     with kvpress.apply(model, kvpress.get_policy("full")):
         assert "_prefill" in vars(model)
     assert "_prefill" not in vars(model) and vars(model).keys() == before.keys()
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_quantizers_long_forwards_attend_in_bounded_query_blocks(model, name, monkeypatch):
+    """A multi-token forward on a quantized cache (a prompt chunk, a new turn) scores its queries
+    in blocks of at most ``SCORE_BYTES`` of fp32 scores; the blocks give the unblocked result."""
+    from kvpress.policies import _quant
+
+    ids = random_ids(PROMPT)
+    policy = example(name, model)
+    whole = generate(model, ids, policy, 16)
+    monkeypatch.setattr(_quant, "SCORE_BYTES", 1)  # one query row per block
+    blocks = generate(model, ids, policy, 16)
+    assert torch.equal(whole.sequences, blocks.sequences)
+    for a, b in zip(whole.scores, blocks.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert kvpress.cache_stats(whole).resident_bytes == kvpress.cache_stats(blocks).resident_bytes
+
+
+@pytest.mark.parametrize("name", [None, "full", "snapkv", "duo"])
+def test_timed_generate_prefills_in_chunks(model, name):
+    from kvpress.generation import timed_generate
+
+    ids = random_ids(PROMPT)
+    policy = None if name is None else example(name, model)
+    one = timed_generate(model, ids, policy, max_new_tokens=4, eos_token_id=[])
+    pieces = timed_generate(model, ids, policy, max_new_tokens=4, eos_token_id=[], prefill_chunk_size=10)
+    assert torch.equal(one.tokens, pieces.tokens)
+    if policy is not None:
+        assert one.stats.resident_bytes == pieces.stats.resident_bytes and one.stats.tokens == pieces.stats.tokens
+    with pytest.raises(ValueError, match="prefill_chunk_size=0 must be >= 1"):
+        timed_generate(model, ids, policy, max_new_tokens=2, prefill_chunk_size=0)

@@ -42,6 +42,11 @@ def test_generate_and_demo_on_smollm2(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith(("full ", "window "))]
     assert [line.split()[0] for line in lines] == ["full", "window"]  # the reference first
     assert lines[0].split()[1] == "yes"  # full finds the needle at 600 tokens
+    snap = ["generate", "--policy", "snapkv", "--budget", "40", "--prompt-file", str(prompt), "--max-new-tokens", "8"]
+    assert cli.main(snap) == 0
+    one = capsys.readouterr().out
+    assert cli.main(snap + ["--prefill-chunk-size", "8"]) == 0
+    assert capsys.readouterr().out == one  # the prompt in 8-token forwards, selected at its end as in one
 
 
 @pytest.mark.parametrize("module", ["kvpress", "kvpress.cli"])

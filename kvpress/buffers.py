@@ -1,0 +1,97 @@
+"""Token storage the cache layers share: :class:`KVBuffer` (append-only K/V growing in steps) and
+:class:`PromptStage` (a prompt held densely while it arrives in several forwards)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVBuffer:
+    """Append-only K/V storage [B, H_kv, capacity, D] that grows in chunks.
+
+    Capacity grows in fixed ``grow``-token steps, so a decode step copies the cache once every
+    ``grow`` tokens instead of on every token (``torch.cat``), and the slack never exceeds
+    ``grow`` tokens; the unused capacity is real memory and ``cache_stats`` counts it.
+    """
+
+    def __init__(self, grow: int = 128):
+        self.grow = grow
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        if self.k is None:
+            cap = _round_up(n, self.grow)
+            # Zeroed, not empty: masked kernels multiply unused slots by 0, and 0 * NaN is NaN.
+            self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
+        elif self.length + n > self.k.shape[2]:
+            cap = _round_up(self.length + n, self.grow)
+            self.k = _grow(self.k, self.length, cap)
+            self.v = _grow(self.v, self.length, cap)
+        self.k[:, :, self.length : self.length + n] = k
+        self.v[:, :, self.length : self.length + n] = v
+        self.length += n
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (the freed slots zeroed; the capacity stays)."""
+        if self.k is not None and length < self.length:
+            self.k[:, :, length : self.length] = 0
+            self.v[:, :, length : self.length] = 0
+        self.length = min(self.length, length)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.k[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.v[:, :, : self.length]
+
+
+def _round_up(n: int, m: int) -> int:
+    return max(m, -(-n // m) * m)
+
+
+def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:
+    out = x.new_zeros(x.shape[0], x.shape[1], cap, x.shape[3])
+    out[:, :, :length] = x[:, :, :length]
+    return out
+
+
+class PromptStage:
+    """A prompt's K/V (and its latest queries) while it arrives in several forwards.
+
+    For layers that compress a prompt as a whole: each piece attends densely to everything
+    staged so far (as one forward of the whole prompt would), and ``end_prompt`` hands the
+    layer the whole prompt. Growing in ``grow``-token steps, it costs one dense copy of the
+    layer's prompt until then (counted by ``cache_stats`` through the layer's state).
+    """
+
+    def __init__(self, keep_queries: int = 0, grow: int = 1024):
+        self.buffer = KVBuffer(grow)
+        self.keep_queries = keep_queries
+        self.queries: torch.Tensor | None = None  # the latest ``keep_queries`` queries [B, H_q, <=n, D]
+        self.scaling: float | None = None
+
+    @property
+    def length(self) -> int:
+        return self.buffer.length
+
+    def attend(self, q, k_new, v_new, scaling: float, row_start) -> torch.Tensor:
+        """Stage ``k_new``/``v_new`` and return the causal attention of ``q`` over the staged prompt."""
+        from .attention import dense_causal_attention  # kvpress.attention imports the kernels
+
+        q_start = self.buffer.length
+        self.buffer.append(k_new, v_new)
+        self.scaling = scaling
+        if self.keep_queries:
+            q_all = q if self.queries is None else torch.cat([self.queries, q], dim=2)
+            self.queries = q_all[:, :, max(0, q_all.shape[2] - self.keep_queries):]
+        return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start,
+                                      row_start=row_start)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"k": self.buffer.k, "v": self.buffer.v, "q": self.queries}
