@@ -23,10 +23,8 @@ so every run decodes the same count.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,7 +32,7 @@ import kvpress
 from kvpress.compat import cache_kwargs, output_cache
 
 from .models import check_model_name, default_device, load_eval_model
-from .results import MIB, environment
+from .results import MIB, environment, write_jsonl
 from .runner import expand_policies
 from .tasks.haystack import prose_text
 
@@ -164,10 +162,7 @@ def run(model_name: str, policies, *, budget: int | None, length: int, new_token
               f"{row['speedup']:>8.2f} {row['lookup_forwards']:>8} {row['tokens_per_forward']:>7.2f} "
               f"{'yes' if row['same_tokens'] else 'no':>5} {agree:>10.2f} {row['resident_mib']:>12.1f}", flush=True)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(row) + "\n")
+        write_jsonl(out, rows)
     return rows
 
 

@@ -3,7 +3,7 @@
     pip install --no-deps --no-build-isolation -e .      # offline: uses the image's torch / triton / transformers
     python -m kvpress.evals.gpu_suite --out $OUT --stages env,tests,kernels            # ~10 minutes at most
     python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,shadowkv,bench  # the second call
-    python -m kvpress.evals.gpu_suite --out $OUT --stages prefill                      # ~2 minutes
+    python -m kvpress.evals.gpu_suite --out $OUT --stages prefill                      # ~5 minutes
 
 Stages (each a subprocess with its own time limit; ``--budget-s`` caps the whole call, and a stage
 that would start too late is skipped and says so):
@@ -23,7 +23,9 @@ that would start too late is skipped and says so):
               quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
               weights; speed does not depend on which heads) and the eviction baselines against full
 ``prefill``   ``bench_prefill``: the sliding-window layers' prefill (SDPA over query chunks against
-              the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk
+              the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk;
+              then ``bench_chunked_prefill`` at 32k: peak memory of generate with the prompt in one
+              forward or in 4096-token chunks, per policy
 
 Everything lands in ``--out``: ``suite.log`` (all output), ``summary.txt`` (each stage's status
 and the tail of its table, also printed last) and ``results.tar.gz`` (the stages' JSON / CSV).
@@ -50,7 +52,7 @@ from pathlib import Path
 STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
 LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 300, "bench": 300,
-          "prefill": 120}
+          "prefill": 300}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
 
@@ -112,8 +114,14 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "prefill":  # the sliding-window layers' prefill routes (Gemma 3 / hybrid Qwen)
         sizes = ["--lengths", "512", "--windows", "64", "--chunks", "64,256", "--warmup", "0", "--iters", "1"] \
             if smoke else ["--lengths", "8192,32768", "--windows", "1024,4096", "--chunks", "128,512,1024,4096"]
+        chunked = ["--length", "1024", "--chunks", "0,256", "--budget", "96"] if smoke else \
+            ["--length", length, "--chunks", "0,4096", "--budget", "1024"]
         return [py + ["kvpress.evals.bench_prefill", "--device", dev, *sizes,
-                      "--json", str(work / "prefill" / "bench_prefill.json")]]
+                      "--json", str(work / "prefill" / "bench_prefill.json")],
+                # peak memory of generate with the prompt in one forward or in chunks (prefill_chunk_size)
+                py + ["kvpress.evals.bench_chunked_prefill", "--model", model, *chunked, "--new-tokens", "4",
+                      "--policies", "full,kivi,streaming,snapkv,shadowkv", "--time",
+                      "--out", str(work / "prefill" / "chunked_prefill.jsonl")]]
     raise ValueError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
 
 

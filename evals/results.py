@@ -54,6 +54,15 @@ def environment() -> dict:
     return {"versions": versions, "git_sha": sha, "git_dirty": dirty}
 
 
+def write_jsonl(path, rows: list[dict]) -> None:
+    """Write ``rows`` as JSON lines to ``path`` (parent folders created); benchmark scripts' ``--out``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+
+
 def cell_key(model: str, policy: dict, task_spec: str, length: int, sample: int, seed: int) -> str:
     """Identity of one cell; a run skips cells whose key is already in the results file."""
     return json.dumps([model, policy, task_spec, int(length), int(sample), int(seed)], sort_keys=True)

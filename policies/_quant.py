@@ -122,21 +122,20 @@ class QuantWindowLayer(CacheLayer):
             hidden = hidden[None] | (k_pos[None, None, :] < rs[:, None, None])  # (B, M, W)
             hidden = hidden[:, None]
         s_win = s_win.masked_fill(hidden, float("-inf"))
-        n_q = 0
-        if self.n_quant:
-            s_q = self._quant_scores(qg, scaling)  # (B, H, M, N)
-            n_q = s_q.shape[-1]
-            s_all = torch.cat([s_q, s_win], dim=-1)
-        else:
-            s_all = s_win
-        top = s_all.amax(-1, keepdim=True)  # one pass of exp (logsumexp then exp took two)
-        p = (s_all - top).exp_()
-        total = p.sum(-1, keepdim=True)
-        p = p.div_(total)
+        # one softmax over [packed | window], each part exponentiated in place (no concatenated copy)
+        s_q = self._quant_scores(qg, scaling) if self.n_quant else None  # (B, H, M, N)
+        top = s_win.amax(-1, keepdim=True)
+        if s_q is not None:
+            top = torch.maximum(top, s_q.amax(-1, keepdim=True))
+        p_win = s_win.sub_(top).exp_()
+        total = p_win.sum(-1, keepdim=True)
+        if s_q is not None:
+            p_q = s_q.sub_(top).exp_()
+            total = total + p_q.sum(-1, keepdim=True)
         lse = (top + total.log()).squeeze(-1)  # (B, H, M)
-        out = p[..., n_q:] @ vw
-        if n_q:
-            out = out + self._quant_output(p[..., :n_q])
+        out = p_win.div_(total) @ vw
+        if s_q is not None:
+            out = out + self._quant_output(p_q.div_(total))
         return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D), lse.view(B, H_q, T)
 
     # ------------------------------------------------------------------ native CPU decode

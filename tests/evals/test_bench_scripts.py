@@ -143,12 +143,12 @@ def test_bench_chunked_prefill_on_random_tiny(tmp_path, capsys):
 
     out = tmp_path / "chunked.jsonl"
     assert main(["--model", "random-tiny", "--length", "400", "--chunks", "0,100", "--new-tokens", "2",
-                 "--policies", "full,snapkv", "--budget", "64", "--threads", "1", "--out", str(out)]) == 0
+                 "--policies", "full,snapkv", "--budget", "64", "--threads", "1", "--time", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["policy_label"], r["prefill_chunk_size"]) for r in rows] == [
         ("full", None), ("full", 100), ("snapkv@64", None), ("snapkv@64", 100)]
     for r in rows:
-        assert r["peak_mib"] > r["kv_mib"] > 0 and r["same_tokens_as_first"]
+        assert r["peak_mib"] > r["kv_mib"] > 0 and r["same_tokens_as_first"] and r["generate_s"] > 0
     # the prompt's MLP activations for 100 tokens instead of ~400: a lower peak for the dense cache
     assert rows[1]["peak_mib"] < rows[0]["peak_mib"]
     assert rows[1]["kv_mib"] == rows[0]["kv_mib"] and rows[3]["kv_mib"] == rows[2]["kv_mib"]
