@@ -13,8 +13,9 @@ end, and the quantizers' later chunks read the earlier ones quantized. Per polic
 
 Columns: peak bytes of live tensors allocated during ``generate`` (on CPU from the torch
 profiler's allocation events; on CUDA ``max_memory_allocated`` above what was allocated before;
-model weights excluded), the resident KV at the end (``cache_stats``), the peak less that KV
-(the prefill's working memory), with ``--time`` the wall time of ``generate`` in a separate run
+model weights excluded), the resident KV and the host tier at the end (``cache_stats``), the
+peak less what the cache holds at the end (the prefill's working memory; on a CPU the host
+tier is the same memory and is subtracted too), with ``--time`` the wall time of ``generate`` in a separate run
 without the profiler, and whether the tokens equal the one-forward run's. ``--new-tokens``
 tokens are generated (greedy).
 """
@@ -78,8 +79,8 @@ def run(model_name: str, policies, *, budget: int | None, length: int, chunks: l
     print(f"# model={model_name} device={model.device} threads={torch.get_num_threads()} prompt={ids.shape[1]} "
           f"tokens new_tokens={new_tokens} budget={budget}")
     width = max([24] + [len(v.label) for v in variants])
-    header = (f"{'policy':<{width}} {'chunk':>6} {'peak MiB':>9} {'KV MiB':>8} {'peak - KV':>9} {'generate s':>10} "
-              f"{'same':>5}")
+    header = (f"{'policy':<{width}} {'chunk':>6} {'peak MiB':>9} {'KV MiB':>8} {'host MiB':>8} {'peak - KV':>9} "
+              f"{'generate s':>10} {'same':>5}")
     print(header)
     print("-" * len(header))
     rows, env = [], environment()
@@ -94,14 +95,17 @@ def run(model_name: str, policies, *, budget: int | None, length: int, chunks: l
             peak, res = peak_bytes(lambda: _generate(model, ids, v.policy, new_tokens, chunk), model.device)
             tokens = res.sequences[0, ids.shape[1]:].tolist()
             first = tokens if first is None else first
-            kv = kvpress.cache_stats(output_cache(res)).resident_bytes
+            stats = kvpress.cache_stats(output_cache(res))
+            kv, host = stats.resident_bytes, stats.offloaded_bytes
+            # on a CPU the host tier is the same memory: both count against the peak
+            held = kv + host if model.device.type == "cpu" else kv
             row = {"policy_label": v.label, "policy": v.config, "model": model_name, "prompt_tokens": ids.shape[1],
                    "prefill_chunk_size": chunk or None, "new_tokens": new_tokens, "peak_mib": peak / MIB,
-                   "kv_mib": kv / MIB, "generate_s": seconds, "same_tokens_as_first": tokens == first,
-                   "threads": torch.get_num_threads(), **env}
+                   "kv_mib": kv / MIB, "host_mib": host / MIB, "generate_s": seconds,
+                   "same_tokens_as_first": tokens == first, "threads": torch.get_num_threads(), **env}
             rows.append(row)
-            print(f"{v.label:<{width}} {chunk or '-':>6} {peak / MIB:>9.1f} {kv / MIB:>8.1f} {(peak - kv) / MIB:>9.1f} "
-                  f"{seconds:>10.1f} {'yes' if tokens == first else 'no':>5}", flush=True)
+            print(f"{v.label:<{width}} {chunk or '-':>6} {peak / MIB:>9.1f} {kv / MIB:>8.1f} {host / MIB:>8.1f} "
+                  f"{(peak - held) / MIB:>9.1f} {seconds:>10.1f} {'yes' if tokens == first else 'no':>5}", flush=True)
     if out:
         write_jsonl(out, rows)
     return rows

@@ -374,7 +374,8 @@ class PolicyCache(Cache):
         The cache then holds what one forward of the whole prompt would have left: policies
         that compress the prompt as a whole (``snapkv``'s selection by the last queries,
         ``shadowkv``'s factorisation) wait for the block's end, holding the prompt's K/V until
-        then; the others store each piece as it comes. ``generate(..., prefill_chunk_size=N)``
+        then; the others store each piece as it comes (the quantizers' later pieces read the
+        earlier ones quantized: ``Policy.chunked_prompt_exact``). ``generate(..., prefill_chunk_size=N)``
         under :func:`kvpress.apply` opens this block itself. Starts on an empty cache, without
         past recording; the prompt is closed on normal exit only.
         """
