@@ -49,6 +49,9 @@ class QuantWindowLayer(CacheLayer):
     # takes back are still in the window; the flush then packs exactly what a forward without
     # them would have packed. (A subclass whose state depends on the step's queries says no.)
     croppable = True
+    # score-sized temporaries a subclass's `_quant_scores` / `_quant_output` hold per block (GEAR's
+    # rank-wide corrections): the query blocks of a multi-token forward shrink by this factor
+    score_block_factor = 1
 
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
         super().__init__(cache, layer_idx)
@@ -99,7 +102,7 @@ class QuantWindowLayer(CacheLayer):
         vw = self.v_win[:, :, : self.win_len].float()
         # queries in blocks, so a long forward (a prompt chunk, a new turn) never holds more than
         # SCORE_BYTES of fp32 scores at once
-        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len)))
+        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * self.score_block_factor))
         parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling) for i in range(0, T, step)]
         out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts], dim=2)
         lse = parts[0][1] if len(parts) == 1 else torch.cat([l for _, l in parts], dim=2)

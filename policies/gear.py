@@ -178,6 +178,7 @@ class GearLayer(QuantWindowLayer):
 
     def __init__(self, cache, layer_idx, policy: GearPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
+        self.score_block_factor = 1 + 2 * policy.rank  # (B, H, M, N, rank) corrections of a query block
         self.p = policy
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.kl = self.vl = self.kr = self.vr = None
