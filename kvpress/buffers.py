@@ -93,5 +93,11 @@ class PromptStage:
         return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start,
                                       row_start=row_start)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"k": self.buffer.k, "v": self.buffer.v, "q": self.queries}
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The held tensors, named for a layer's ``state_tensors`` (counted by ``cache_stats``)."""
+        return {"_stage_k": self.buffer.k, "_stage_v": self.buffer.v, "_stage_q": self.queries}
+
+    def cached_elements(self) -> int:
+        """K+V scalar elements of the prompt held so far."""
+        b, h, _, d = self.buffer.k.shape
+        return 2 * b * h * self.length * d

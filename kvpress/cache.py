@@ -383,16 +383,21 @@ class PolicyCache(Cache):
         yield self
         self.end_prompt()
 
+    def prompt_refusal(self) -> str | None:
+        """Why a prompt in several forwards cannot be opened now, or None when it can."""
+        if self.prompt_open:
+            return "a prompt is already open on this cache"
+        if self.get_seq_length():
+            return f"a prompt in several forwards starts on an empty cache; this one holds {self.get_seq_length()} tokens"
+        if any(layer.record_past for layer in self.layers):
+            return "a prompt in several forwards cannot be opened while the cache records its past (assisted decoding)"
+        return None
+
     def begin_prompt(self) -> None:
         """Open a prompt given in several forwards (see :meth:`prompt`)."""
-        if self.prompt_open:
-            raise ValueError("a prompt is already open on this cache")
-        if self.get_seq_length():
-            raise ValueError(f"a prompt in several forwards starts on an empty cache; this one holds "
-                             f"{self.get_seq_length()} tokens")
-        if any(layer.record_past for layer in self.layers):
-            raise ValueError("a prompt in several forwards cannot be opened while the cache records its past "
-                             "(assisted decoding)")
+        refusal = self.prompt_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         self.prompt_open = True
 
     def end_prompt(self) -> None:

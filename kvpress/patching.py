@@ -200,8 +200,7 @@ def _prompt_for_prefill(prefill):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         chunk = getattr(generation_config, "prefill_chunk_size", None)
         pieces = (isinstance(cache, PolicyCache) and chunk is not None and input_ids.shape[-1] > chunk
-                  and cache.get_seq_length() == 0 and not cache.prompt_open
-                  and not any(layer.record_past for layer in cache.layers))
+                  and cache.prompt_refusal() is None)
         if not pieces:
             return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
         with cache.prompt():

@@ -468,7 +468,7 @@ class ShadowKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):
-        staged = {} if self._stage is None else {f"_stage_{n}": t for n, t in self._stage.tensors().items()}
+        staged = {} if self._stage is None else self._stage.state_tensors()
         return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):
@@ -490,9 +490,10 @@ class ShadowKVLayer(CacheLayer):
         return self.seen  # every token is represented (exactly, low-rank + host, or generated)
 
     def cached_elements(self) -> int:
-        ref = self.exact_k if self._stage is None else self._stage.buffer.k
-        if ref is None:
+        if self._stage is not None:
+            return self._stage.cached_elements()
+        if self.exact_k is None:
             return 0
-        b, h, _, d = ref.shape
+        b, h, _, d = self.exact_k.shape
         return 2 * b * h * self.seen * d
 

@@ -280,7 +280,7 @@ class SnapKVLayer(RecordingLayer):
 
     # ------------------------------------------------------------------ accounting
     def state_tensors(self):
-        staged = {} if self._stage is None else {f"_stage_{n}": t for n, t in self._stage.tensors().items()}
+        staged = {} if self._stage is None else self._stage.state_tensors()
         return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score, **staged}
 
     def stored_tokens(self) -> int:
@@ -288,8 +288,7 @@ class SnapKVLayer(RecordingLayer):
 
     def cached_elements(self) -> int:
         if self._stage is not None:
-            b, h, _, d = self._stage.buffer.k.shape
-            return 2 * b * h * self._stage.length * d
+            return self._stage.cached_elements()
         if self.k is None:
             return 0
         b, h, _, d = self.k.shape
