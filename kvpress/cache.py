@@ -433,7 +433,20 @@ class PolicyCache(Cache):
         if seen == 0:
             self._set_row_start(left_padding(mask))
         elif not bool(mask[:, seen:].all()):
-            raise ValueError("new tokens after the prompt must not be padding (left padding only)")
+            if not self.prompt_open:
+                raise ValueError("new tokens after the prompt must not be padding (left padding only)")
+            self._extend_padding(left_padding(mask), seen)
+
+    def _extend_padding(self, row_start: torch.Tensor, seen: int) -> None:
+        """A later piece of an open prompt continues the padding of rows that were all padding so
+        far (a row padded by more than the pieces before it): their first real token moves on.
+        The layers saw those rows' ``seen`` tokens as padding either way, and nothing at or after
+        a row's first real token has arrived yet, so no stored state depends on the old value."""
+        old = self._row_start if self._row_start is not None else torch.zeros_like(row_start)
+        moved = row_start != old.to(row_start.device)
+        if not bool((old.to(row_start.device)[moved] == seen).all()):
+            raise ValueError("this piece's attention mask disagrees with the earlier pieces' left padding")
+        self._set_row_start(row_start)
 
     def _set_row_start(self, row_start: torch.Tensor | None) -> None:
         self._row_start = None if row_start is None else row_start.to(torch.long)

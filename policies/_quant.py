@@ -19,6 +19,10 @@ from kvpress.kernels import native
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
+# A forward of at least this many tokens (a prompt piece, a new turn) dequantizes the packed store
+# once into a transient fp32 copy and attends through SDPA; shorter ones (decode steps, assisted
+# decoding's verifications) read the codes directly. See `QuantWindowLayer.attend`.
+DEQUANT_MIN_QUERIES = 16
 
 
 def append_tokens(buf: torch.Tensor | None, length: int, x: torch.Tensor, grow: int = GROW) -> torch.Tensor:
@@ -79,8 +83,23 @@ class QuantWindowLayer(CacheLayer):
     def _quant_tensors(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def _dequantize_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> bool:
+        """Write the N packed tokens' keys and values, as `_quant_scores` / `_quant_output` read
+        them, into ``k_out`` / ``v_out`` fp32 (B, H_kv, N, D); return False if this layer cannot
+        (then multi-token forwards read the codes). Each row's left-padding tokens go to its first
+        columns, so column ``c < row_start`` is hidden as in sequence order; the other tokens may
+        come in any order, since every packed token precedes every query."""
+        return False
+
+    def _lse_rows(self, q_start: int, T: int) -> torch.Tensor | None:
+        """bool (T,): the rows of a ``T``-token forward starting at ``q_start`` whose log-sum-exp
+        `_after_attend` reads (None: none); the other rows' log-sum-exp is NaN there."""
+        return None
+
     def _after_attend(self, q: torch.Tensor, lse: torch.Tensor, q_start: int, scaling: float) -> None:
-        """Called with the step's queries (B, H_q, T, D) and their log-sum-exp (B, H_q, T)."""
+        """Called with the step's queries (B, H_q, T, D) and their log-sum-exp (B, H_q, T): exact
+        in the rows `_lse_rows` names (every row of a forward shorter than `DEQUANT_MIN_QUERIES`),
+        NaN in the others, None when `_lse_rows` names none."""
 
     def _prefill(self, q, k, v, scaling) -> None:
         """Store a prompt whose attention already ran (``q`` may be None: shared prefill)."""
@@ -98,32 +117,72 @@ class QuantWindowLayer(CacheLayer):
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += T
-        kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
-        vw = self.v_win[:, :, : self.win_len].float()
-        # queries in blocks, so a long forward (a prompt chunk, a new turn) never holds more than
-        # SCORE_BYTES of fp32 scores at once
-        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * self.score_block_factor))
-        parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling) for i in range(0, T, step)]
-        out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts], dim=2)
-        lse = parts[0][1] if len(parts) == 1 else torch.cat([l for _, l in parts], dim=2)
-        self._after_attend(q, lse, q_start, scaling)
+        out = self._dequantized_attend(q, q_start, scaling) if T >= DEQUANT_MIN_QUERIES else None
+        if out is None:
+            kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
+            vw = self.v_win[:, :, : self.win_len].float()
+            # queries in blocks, so a long forward never holds more than SCORE_BYTES of fp32 scores at once
+            step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * self.score_block_factor))
+            parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling) for i in range(0, T, step)]
+            out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts], dim=2)
+            lse = parts[0][1] if len(parts) == 1 else torch.cat([l for _, l in parts], dim=2)
+            self._after_attend(q, lse, q_start, scaling)
         self._maybe_flush()
         return out.to(q.dtype)
 
-    def _attend_rows(self, q, q_start: int, kw, vw, scaling):
-        """Queries ``q`` (B, H_q, T, D) at sequence indices ``q_start ..`` over [packed | window]:
-        fp32 output (B, H_q, T, D) and log-sum-exp (B, H_q, T)."""
+    def _dequantized_attend(self, q, q_start: int, scaling):
+        """A long forward's attention over a transient fp32 copy of [packed | window] through
+        SDPA (`dense_causal_attention`), then `_after_attend` with the log-sum-exp of the rows it
+        reads (`_lse_rows`); None when the layer cannot dequantize or every row's log-sum-exp is
+        needed (then the blocked path, which computes it anyway, is no slower).
+
+        Reading the codes block by block materialises fp32 scores and unpacks the whole store
+        once per query block; here the store is unpacked once per forward and SDPA's fused kernel
+        never holds a score matrix. The copy (2 x N x D fp32 per KV head, plus the window) lives
+        until the layer returns, like the forward's other activations.
+        """
+        B, H_q, T, D = q.shape
+        rows = self._lse_rows(q_start, T)
+        if rows is not None and bool(rows.all()):
+            return None
+        H, n, W = self.k_win.shape[1], self.n_quant, self.win_len
+        k_all = q.new_empty(B, H, n + W, D, dtype=torch.float32)  # (B, H, N + W, D)
+        v_all = torch.empty_like(k_all)
+        if n and not self._dequantize_into(k_all[:, :, :n], v_all[:, :, :n]):
+            return None
+        k_all[:, :, n:] = self.k_win[:, :, :W]
+        v_all[:, :, n:] = self.v_win[:, :, :W]
+        out = dense_causal_attention(q.float(), k_all, v_all, scaling, q_start=q_start, row_start=self.row_start)
+        lse = None
+        if rows is not None:  # the few rows whose log-sum-exp the layer keeps, the codes read directly
+            idx = rows.nonzero().squeeze(1).to(q.device)
+            kw, vw = k_all[:, :, n:], v_all[:, :, n:]
+            lse = q.new_full((B, H_q, T), float("nan"), dtype=torch.float32)
+            lse[:, :, idx] = self._attend_rows(q[:, :, idx], q_start + idx, kw, vw, scaling)[1]
+        self._after_attend(q, lse, q_start, scaling)
+        return out
+
+    def _attend_rows(self, q, q_start, kw, vw, scaling):
+        """Queries ``q`` (B, H_q, T, D) at sequence indices ``q_start ..`` (an int, or a long
+        tensor (T,) of each row's index) over [packed | window]: fp32 output (B, H_q, T, D) and
+        log-sum-exp (B, H_q, T)."""
         B, H_q, T, D = q.shape
         H = kw.shape[1]
         qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
         s_win = (qg @ kw.transpose(-1, -2)) * scaling  # (B, H, M, W)
         k_pos = torch.arange(self.n_quant, self.seen, device=q.device)
-        q_pos = torch.arange(q_start, q_start + T, device=q.device).repeat(H_q // H)  # (M,)
+        if not torch.is_tensor(q_start):
+            q_start = torch.arange(q_start, q_start + T, device=q.device)
+        q_pos = q_start.repeat(H_q // H)  # (M,)
         hidden = k_pos[None, :] > q_pos[:, None]  # (M, W) causal
         rs = self.row_start
         if rs is not None:
             hidden = hidden[None] | (k_pos[None, None, :] < rs[:, None, None])  # (B, M, W)
-            hidden = hidden[:, None]
+            # a padding query (a prompt padded beyond its first piece) attends only to itself, as
+            # in `dense_causal_attention`: every packed column is padding to it, and an empty row
+            # would be NaN
+            own = (k_pos[None, :] == q_pos[:, None])[None] & (q_pos[None, :, None] < rs[:, None, None])
+            hidden = (hidden & ~own)[:, None]
         s_win = s_win.masked_fill(hidden, float("-inf"))
         # one softmax over [packed | window], each part exponentiated in place (no concatenated copy)
         s_q = self._quant_scores(qg, scaling) if self.n_quant else None  # (B, H, M, N)

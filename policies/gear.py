@@ -292,6 +292,30 @@ class GearLayer(QuantWindowLayer):
             return self.native_decode(q, k_new, v_new, scaling, [seg])
         return super().attend(q, k_new, v_new, scaling)
 
+    def _dequantize_into(self, k_out, v_out):
+        p, n, g = self.p, self.n_quant, self.p.group_size
+        (kc, ks, kz), (vc, vs, vz) = self._views()
+        k_out.copy_(dequantize_per_channel(kc, ks, kz, p.bits, g))
+        v_out.copy_(dequantize_per_token(vc, vs, vz, p.bits, g))
+        if p.rank:  # each flushed chunk's error factors: left (B, H, t, r) @ right (B, H, D, r)^T
+            for c, (a, b) in enumerate(zip(self.chunk_starts, self.chunk_starts[1:] + [n])):
+                k_out[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
+                v_out[:, :, a:b] += self.vl[:, :, a:b].float() @ self.vr[:, :, c].float().transpose(-1, -2)
+        B, H, _, D = k_out.shape
+        if p.outliers_per_group:  # exact corrections at each outlier's (token, channel)
+            rows = (torch.arange(B, device=k_out.device)[:, None, None], torch.arange(H, device=k_out.device)[None, :, None])
+            tok, chan = outlier_positions(self.ko[:, :, : n // g].long(), g, True)  # (B, H, O) each
+            k_out.index_put_((*rows, tok, chan), self.kx[:, :, : n // g].float().flatten(2), accumulate=True)
+            off = self.vo[:, :, :n].long().unflatten(3, (D // g, p.outliers_per_group))
+            tok, chan = outlier_positions(off, g, False)
+            v_out.index_put_((*rows, tok, chan), self.vx[:, :, :n].float().flatten(2), accumulate=True)
+        if self.sk is not None:  # what the parts above miss on the sinks (zero until flushed)
+            col = self.sink_positions(p.sink_tokens, B, k_out.device).clamp(max=n - 1)
+            idx = col[:, None, :, None].expand(-1, H, -1, D)  # (B, H, S, D)
+            k_out.scatter_add_(2, idx, self.sk.float())
+            v_out.scatter_add_(2, idx, self.sv.float())
+        return True
+
     def _quant_scores(self, qg, scaling):
         p, n, g = self.p, self.n_quant, self.p.group_size
         q = qg * scaling

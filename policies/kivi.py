@@ -8,8 +8,9 @@ import torch
 from kvpress.kernels import native
 from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.merge import merge_states
-from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quant_decode,
-                                   quantize_per_channel, quantize_per_token, token_quant_values)
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
+                                   dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
+                                   token_quant_values)
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -203,6 +204,18 @@ class KiviLayer(QuantWindowLayer):
             p = p.scatter_add(-1, col, -p_sink)
         out = token_quant_values(p, vc, vs, vz, self.bits, self.value_group, backend=self.read_backend)
         return out if p_sink is None else out + p_sink @ self.sv.float()
+
+    def _dequantize_into(self, k_out, v_out):
+        kc, ks, kz, vc, vs, vz = self._views()
+        k_out.copy_(dequantize_per_channel(kc, ks, kz, self.bits, self.group_size))
+        v_out.copy_(dequantize_per_token(vc, vs, vz, self.bits, self.value_group))
+        if self.sk is not None:  # flushed sink columns hold the exact rows, not the codes
+            col, flushed = self._sink_columns(k_out.shape[0], k_out.device)
+            idx = col[:, None, :, None].expand(-1, k_out.shape[1], -1, k_out.shape[3])  # (B, H, S, D)
+            here = flushed[:, None, :, None]
+            k_out.scatter_(2, idx, torch.where(here, self.sk.float(), k_out.gather(2, idx)))
+            v_out.scatter_(2, idx, torch.where(here, self.sv.float(), v_out.gather(2, idx)))
+        return True
 
     def attend(self, q, k_new, v_new, scaling):
         fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= MAX_GROUP * k_new.shape[1]

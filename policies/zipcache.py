@@ -7,7 +7,8 @@ import torch
 
 from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
-from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quantize_per_channel, quantize_per_token,
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
+                                   dequantize_per_token, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -144,6 +145,12 @@ class _Store:
         s = channel_quant_scores(q, *self.views()[0], self.bits, self.group_size, backend=self.backend)
         pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
         return s.masked_fill(pad[:, :, None], float("-inf"))
+
+    def dequantized(self):
+        """The store's keys and normalised values, fp32 (B, H, n, D) each."""
+        (kc, ks, kz), (vc, vs, vz) = self.views()
+        return (dequantize_per_channel(kc, ks, kz, self.bits, self.group_size),
+                dequantize_per_token(vc, vs, vz, self.bits, self.value_group_size))
 
     def output(self, p):
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
@@ -320,6 +327,29 @@ class ZipCacheLayer(QuantWindowLayer):
                                              value_scale=self.vn) for st in stores]
             return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
         return super().attend(q, k_new, v_new, scaling)
+
+    def _dequantize_into(self, k_out, v_out):
+        # column of each store row: every padding row first (the high store's, then the low
+        # store's), then the high store's real rows, then the low store's
+        stores = [st for st in (self.hi, self.lo) if st.n]
+        pads = [st.pad.long()[..., None] for st in stores]  # (B, H, 1) each
+        pad_total, real_before = sum(pads), 0
+        pad_before = torch.zeros_like(pad_total)
+        for st, pad in zip(stores, pads):
+            k, v = st.dequantized()
+            i = torch.arange(st.n, device=k.device)  # (n,) row of the store
+            col = torch.where(i < pad, pad_before + i, pad_total + real_before + i - pad)  # (B, H, n)
+            col = col[..., None].expand(-1, -1, -1, k.shape[-1])
+            k_out.scatter_(2, col, k)
+            v_out.scatter_(2, col, v * self.vn.float()[:, :, None])  # undo the value channel normalisation
+            pad_before, real_before = pad_before + pad, real_before + (st.n - pad)
+        return True
+
+    def _lse_rows(self, q_start, T):
+        if self._recorded:  # a crop re-reads the kept rows' log-sum-exp: every row may be needed
+            return torch.ones(T, dtype=torch.bool)
+        pos = torch.arange(q_start, q_start + T)
+        return self._random_probes(q_start, T, pos.device) | (pos >= self.seen - self.p.probe_recent)
 
     def _quant_scores(self, qg, scaling):
         q = qg * scaling

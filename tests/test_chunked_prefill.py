@@ -58,15 +58,41 @@ def test_chunked_prefill_ends_as_one_forward(model, name, chunk):
     assert_same_run(generate(model, ids, policy, chunk), generate(model, ids, policy))
 
 
-@pytest.mark.parametrize("name", ["snapkv", "shadowkv", "duo", "full"])
-def test_chunked_prefill_of_a_left_padded_batch(model, name):
+def padded_batch(padding):
+    """Two prompts, the second left-padded by ``padding`` tokens: (ids, attention_mask)."""
     ids = torch.cat([random_ids(PROMPT, seed=3), random_ids(PROMPT, seed=4)])
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    ids[1, :5] = 0
+    mask[1, :padding] = 0
+    ids[1, :padding] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("padding", [5, 20])
+def test_chunked_prefill_of_a_left_padded_batch(model, name, padding):
+    """Padding of 20 outlasts the first 16-token piece: that row's first real token is only known
+    from the second piece's mask on (`PolicyCache._extend_padding`)."""
+    ids, mask = padded_batch(padding)
     policy = example(name, model)
     assert_same_run(generate(model, ids, policy, 16, attention_mask=mask),
                     generate(model, ids, policy, attention_mask=mask))
+
+
+def test_padding_may_continue_only_on_rows_that_were_all_padding(model):
+    ids, mask = padded_batch(20)
+    early = mask.clone()
+    early[1, 5:] = 1  # the first piece says row 1 starts at 5, the second that it starts at 20
+    policy = kvpress.get_policy("full")
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        with cache.prompt():
+            model(ids[:, :16], attention_mask=early[:, :16], past_key_values=cache, use_cache=True)
+            with pytest.raises(ValueError, match="disagrees with the earlier pieces' left padding"):
+                model(ids[:, 16:32], attention_mask=mask[:, :32], past_key_values=cache, use_cache=True)
+        cache = kvpress.make_cache(model, policy)
+        model(ids[:, :16], attention_mask=mask[:, :16], past_key_values=cache, use_cache=True)
+        with pytest.raises(ValueError, match="new tokens after the prompt must not be padding"):
+            model(ids[:, 16:32], attention_mask=mask[:, :32], past_key_values=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("fields", [
@@ -182,20 +208,33 @@ def test_apply_restores_prefill(model):
 
 
 @pytest.mark.parametrize("name", QUANT)
-def test_quantizers_long_forwards_attend_in_bounded_query_blocks(model, name, monkeypatch):
-    """A multi-token forward on a quantized cache (a prompt chunk, a new turn) scores its queries
-    in blocks of at most ``SCORE_BYTES`` of fp32 scores; the blocks give the unblocked result."""
+@pytest.mark.parametrize("padding", [0, 20])
+def test_quantizers_long_forwards_dequantize_the_store_once(model, name, padding, monkeypatch):
+    """A forward of ``DEQUANT_MIN_QUERIES`` tokens or more on a quantized cache (a prompt piece, a
+    new turn) attends over a transient dequantized copy of the store through SDPA; reading the
+    codes (shorter forwards' path), also in query blocks of at most ``SCORE_BYTES`` of scores,
+    gives the same tokens, logits and bytes, left padding beyond the first piece included."""
     from kvpress.policies import _quant
 
-    ids = random_ids(PROMPT)
+    ids, mask = padded_batch(padding)
     policy = example(name, model)
-    whole = generate(model, ids, policy, 16)
+    cls = type(kvpress.make_cache(model, policy).layers[0])
+    calls = []
+    real = cls._dequantize_into
+    monkeypatch.setattr(cls, "_dequantize_into", lambda self, k, v: calls.append(k.shape[2]) or real(self, k, v))
+    dequantized = generate(model, ids, policy, 16, attention_mask=mask)
+    assert calls and max(calls) > 0  # the later pieces read a non-empty store through the copy
+    fast_calls = len(calls)
+    monkeypatch.setattr(_quant, "DEQUANT_MIN_QUERIES", 10**9)
+    codes = generate(model, ids, policy, 16, attention_mask=mask)
     monkeypatch.setattr(_quant, "SCORE_BYTES", 1)  # one query row per block
-    blocks = generate(model, ids, policy, 16)
-    assert torch.equal(whole.sequences, blocks.sequences)
-    for a, b in zip(whole.scores, blocks.scores):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert kvpress.cache_stats(whole).resident_bytes == kvpress.cache_stats(blocks).resident_bytes
+    blocks = generate(model, ids, policy, 16, attention_mask=mask)
+    assert len(calls) == fast_calls  # the codes paths never dequantize
+    for other in (codes, blocks):
+        assert torch.equal(dequantized.sequences, other.sequences)
+        for a, b in zip(dequantized.scores, other.scores):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert kvpress.cache_stats(dequantized).resident_bytes == kvpress.cache_stats(other).resident_bytes
 
 
 @pytest.mark.parametrize("name", [None, "full", "snapkv", "duo"])

@@ -313,3 +313,33 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
     for t in hot:  # each hot key is stored at 4 bits: some high-precision entry reproduces it closely
         err = (hi - k[:, :, t : t + 1]).norm(dim=-1).min(-1).values / k[:, :, t].norm(dim=-1)
         assert (err < 0.1).all(), err
+
+
+@pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("gear", {}), ("zipcache", {})])
+@pytest.mark.parametrize("padded", [False, True])
+def test_dequantized_store_is_what_attention_reads(llama, name, overrides, padded):
+    """`_dequantize_into` (long forwards' transient copy) holds what the packed readers compute:
+    scores of identity queries are the keys, outputs of one-hot probabilities the values, column
+    for column once each row's padding (first in the copy) is set aside."""
+    from kvpress.evals.bench_quant import _reproduced_kv
+
+    policy = kvpress.policy_class(name).example(kvpress.get_adapter(llama)).replace(**overrides)
+    ids = random_ids(96, batch=2, seed=11)
+    kw = {}
+    if padded:
+        kw["attention_mask"] = torch.ones_like(ids)
+        kw["attention_mask"][1, :13] = 0
+    layer = greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0]
+    n = layer.n_quant
+    assert n >= 64
+    kh, vh = _reproduced_kv(layer)  # (B, H, N, D), -inf keys on padding columns
+    k_out, v_out = torch.full_like(kh, float("nan")), torch.full_like(vh, float("nan"))
+    assert layer._dequantize_into(k_out, v_out)
+    assert torch.isfinite(k_out).all() and torch.isfinite(v_out).all()  # every column written
+    for b in range(2):
+        for h in range(kh.shape[1]):
+            real = torch.isfinite(kh[b, h, :, 0])
+            pad = n - int(real.sum())
+            assert pad == (13 if padded and b == 1 else 0)
+            torch.testing.assert_close(k_out[b, h, pad:], kh[b, h, real], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v_out[b, h, pad:], vh[b, h, real], atol=1e-5, rtol=1e-5)
