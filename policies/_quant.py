@@ -5,9 +5,11 @@ Every step the new tokens enter the window; once the window holds ``residual_len
 flush_unit`` tokens or more, its oldest ``flush_unit``-multiples are handed to the subclass's
 :meth:`QuantWindowLayer._flush`, which quantizes and packs them. Attention of a step = one
 softmax over [packed tokens | window + new tokens]: the subclass scores its packed tokens and
-applies the probabilities to them straight from the codes (``kvpress.kernels.quant``), so no
-full-precision copy of the cache is ever rebuilt. Prefill is plain causal attention over the
-unquantized prompt (as KIVI does), then the prompt is stored like any other tokens.
+applies the probabilities to them straight from the codes (``kvpress.kernels.quant``), so a
+decode step never rebuilds a full-precision copy of the cache. Prefill is plain causal
+attention over the unquantized prompt (as KIVI does), then the prompt is stored like any other
+tokens. A later forward of ``DEQUANT_MIN_QUERIES`` tokens or more (a prompt piece, a new turn)
+amortises one transient fp32 copy of the packed tokens over its queries and runs SDPA.
 """
 from __future__ import annotations
 

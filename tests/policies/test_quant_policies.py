@@ -230,6 +230,16 @@ def test_beam_search_reorders_state(llama, name):
     assert out.shape == (1, 44)
 
 
+def _two_rows(padded: bool):
+    """A 96-token batch of two rows, the second left-padded by 13 when ``padded``: (ids, generate kwargs)."""
+    ids = random_ids(96, batch=2, seed=11)
+    if not padded:
+        return ids, {}
+    mask = torch.ones_like(ids)
+    mask[1, :13] = 0
+    return ids, {"attention_mask": mask}
+
+
 @pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("kivi", {"bits": 2, "sink_tokens": 0}),
                                             ("zipcache", {}), ("gear", {})])
 @pytest.mark.parametrize("padded", [False, True])
@@ -243,11 +253,7 @@ def test_native_reader_decodes_like_the_torch_path(llama, name, overrides, padde
     if not native.available():
         pytest.skip("native CPU kernels not built here")
     example = kvpress.policy_class(name).example(kvpress.get_adapter(llama)).replace(**overrides)
-    ids = random_ids(96, batch=2, seed=11)
-    kw = {}
-    if padded:
-        kw["attention_mask"] = torch.ones_like(ids)
-        kw["attention_mask"][1, :13] = 0
+    ids, kw = _two_rows(padded)
     ref = greedy(llama, ids, example.replace(backend="torch"), new=8, **kw)
     calls = []
     real = native.quant_attend
@@ -324,11 +330,7 @@ def test_dequantized_store_is_what_attention_reads(llama, name, overrides, padde
     from kvpress.evals.bench_quant import _reproduced_kv
 
     policy = kvpress.policy_class(name).example(kvpress.get_adapter(llama)).replace(**overrides)
-    ids = random_ids(96, batch=2, seed=11)
-    kw = {}
-    if padded:
-        kw["attention_mask"] = torch.ones_like(ids)
-        kw["attention_mask"][1, :13] = 0
+    ids, kw = _two_rows(padded)
     layer = greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0]
     n = layer.n_quant
     assert n >= 64
