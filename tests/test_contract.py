@@ -254,6 +254,29 @@ def test_beam_search_reorders_the_policy_cache(cache_model, name):
         assert torch.equal(got, greedy(cache_model, ids, kvpress.get_policy("full"), num_beams=2).sequences)
 
 
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def half_model(request):
+    return tiny_model("llama").to(request.param)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_runs_in_half_precision_on_cpu(half_model, name):
+    """A model loaded in bf16 / fp16 on a CPU (the compiled kernels take fp32 only, so the torch
+    paths run): every policy generates finite logits for a left-padded batch, in one forward and
+    in 16-token pieces, and is measured against the model's own 2-byte cache."""
+    adapter = kvpress.get_adapter(half_model)
+    policy = example(name, adapter)
+    ids = random_ids(PROMPT, batch=2, seed=12)
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    for chunk in (None, 16):
+        out = greedy(half_model, ids, policy, attention_mask=mask, **({} if chunk is None else {"prefill_chunk_size": chunk}))
+        assert all(torch.isfinite(s).all() for s in out.scores), chunk
+        stats = kvpress.cache_stats(out.past_key_values)
+        # K and V, 2 rows, 2 bytes an element
+        assert stats.dense_bytes == 2 * 2 * 2 * adapter.num_layers * stats.tokens * adapter.num_kv_heads * adapter.head_dim
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", POLICIES)
