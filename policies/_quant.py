@@ -22,8 +22,10 @@ from kvpress.kernels import native
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
 # A forward of at least this many tokens (a prompt piece, a new turn) dequantizes the packed store
-# once into a transient fp32 copy and attends through SDPA; shorter ones (decode steps, assisted
-# decoding's verifications) read the codes directly. See `QuantWindowLayer.attend`.
+# once into a transient fp32 copy and attends through SDPA; shorter ones (decode steps, short
+# verifications) read the codes directly. From 16 tokens the copy is the faster path for all three
+# quantizers on the 2-core CPU at 8k, at 8 only for gear (`python -m kvpress.evals.bench_quant_forward`,
+# BENCHMARKS "Session 25"). See `QuantWindowLayer.attend`.
 DEQUANT_MIN_QUERIES = 16
 
 
@@ -115,59 +117,66 @@ class QuantWindowLayer(CacheLayer):
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             self._prefill(q, k_new, v_new, scaling)
             return out
-        B, H_q, T, D = q.shape
+        T = q.shape[2]
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += T
-        out = self._dequantized_attend(q, q_start, scaling) if T >= DEQUANT_MIN_QUERIES else None
-        if out is None:
-            kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
-            vw = self.v_win[:, :, : self.win_len].float()
-            # queries in blocks, so a long forward never holds more than SCORE_BYTES of fp32 scores at once
-            step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * self.score_block_factor))
-            parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling) for i in range(0, T, step)]
-            out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts], dim=2)
-            lse = parts[0][1] if len(parts) == 1 else torch.cat([l for _, l in parts], dim=2)
-            self._after_attend(q, lse, q_start, scaling)
+        kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
+        vw = self.v_win[:, :, : self.win_len].float()
+        copy = self._dequantized(kw, vw) if T >= DEQUANT_MIN_QUERIES else None  # [packed | window] fp32
+        packed = None if copy is None else (copy[0][:, :, : self.n_quant], copy[1][:, :, : self.n_quant])
+        rows = self._lse_rows(q_start, T)
+        if copy is not None and (rows is None or not bool(rows.all())):
+            # SDPA over the copy; the log-sum-exp only of the rows the layer keeps
+            out = dense_causal_attention(q.float(), *copy, scaling, q_start=q_start, row_start=self.row_start)
+            lse = None
+            if rows is not None:
+                idx = rows.nonzero().squeeze(1).to(q.device)
+                lse = torch.full_like(out[..., 0], float("nan"))
+                lse[:, :, idx] = self._attend_rows(q[:, :, idx], q_start + idx, kw, vw, scaling, packed)[1]
+        else:
+            out, lse = self._blocked_attend(q, q_start, kw, vw, scaling, packed)
+        self._after_attend(q, lse, q_start, scaling)
         self._maybe_flush()
         return out.to(q.dtype)
 
-    def _dequantized_attend(self, q, q_start: int, scaling):
-        """A long forward's attention over a transient fp32 copy of [packed | window] through
-        SDPA (`dense_causal_attention`), then `_after_attend` with the log-sum-exp of the rows it
-        reads (`_lse_rows`); None when the layer cannot dequantize or every row's log-sum-exp is
-        needed (then the blocked path, which computes it anyway, is no slower).
+    def _dequantized(self, kw, vw):
+        """The packed tokens dequantized into a transient fp32 copy, followed by the window
+        ``kw`` / ``vw`` (B, H, W, D): ``(k, v)`` (B, H, N + W, D) for a forward of
+        `DEQUANT_MIN_QUERIES` tokens or more; None when nothing is packed or the layer cannot
+        (`_dequantize_into`).
 
         Reading the codes block by block materialises fp32 scores and unpacks the whole store
-        once per query block; here the store is unpacked once per forward and SDPA's fused kernel
-        never holds a score matrix. The copy (2 x N x D fp32 per KV head, plus the window) lives
-        until the layer returns, like the forward's other activations.
+        once per query block; the copy is unpacked once per forward, and SDPA's fused kernel over
+        it never holds a score matrix. It (2 x N x D fp32 per KV head) lives until the layer
+        returns, like the forward's other activations.
         """
-        B, H_q, T, D = q.shape
-        rows = self._lse_rows(q_start, T)
-        if rows is not None and bool(rows.all()):
+        n = self.n_quant
+        if not n:
             return None
-        H, n, W = self.k_win.shape[1], self.n_quant, self.win_len
-        k_all = q.new_empty(B, H, n + W, D, dtype=torch.float32)  # (B, H, N + W, D)
-        v_all = torch.empty_like(k_all)
-        if n and not self._dequantize_into(k_all[:, :, :n], v_all[:, :, :n]):
+        B, H, W, D = kw.shape
+        k, v = kw.new_empty(B, H, n + W, D), vw.new_empty(B, H, n + W, D)
+        if not self._dequantize_into(k[:, :, :n], v[:, :, :n]):
             return None
-        k_all[:, :, n:] = self.k_win[:, :, :W]
-        v_all[:, :, n:] = self.v_win[:, :, :W]
-        out = dense_causal_attention(q.float(), k_all, v_all, scaling, q_start=q_start, row_start=self.row_start)
-        lse = None
-        if rows is not None:  # the few rows whose log-sum-exp the layer keeps, the codes read directly
-            idx = rows.nonzero().squeeze(1).to(q.device)
-            kw, vw = k_all[:, :, n:], v_all[:, :, n:]
-            lse = q.new_full((B, H_q, T), float("nan"), dtype=torch.float32)
-            lse[:, :, idx] = self._attend_rows(q[:, :, idx], q_start + idx, kw, vw, scaling)[1]
-        self._after_attend(q, lse, q_start, scaling)
-        return out
+        k[:, :, n:], v[:, :, n:] = kw, vw
+        return k, v
 
-    def _attend_rows(self, q, q_start, kw, vw, scaling):
+    def _blocked_attend(self, q, q_start: int, kw, vw, scaling, packed=None):
+        """`_attend_rows` over queries in blocks, so a forward never holds more than SCORE_BYTES of
+        fp32 scores at once: fp32 output (B, H_q, T, D) and log-sum-exp (B, H_q, T)."""
+        B, H_q, T, _ = q.shape
+        factor = 1 if packed is not None else self.score_block_factor
+        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * factor))
+        parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling, packed) for i in range(0, T, step)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([l for _, l in parts], dim=2)
+
+    def _attend_rows(self, q, q_start, kw, vw, scaling, packed=None):
         """Queries ``q`` (B, H_q, T, D) at sequence indices ``q_start ..`` (an int, or a long
         tensor (T,) of each row's index) over [packed | window]: fp32 output (B, H_q, T, D) and
-        log-sum-exp (B, H_q, T)."""
+        log-sum-exp (B, H_q, T). The packed tokens are read from the codes, or from ``packed``:
+        their dequantized ``(k, v)`` (B, H, N, D) as `_dequantize_into` lays them out."""
         B, H_q, T, D = q.shape
         H = kw.shape[1]
         qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
@@ -187,7 +196,15 @@ class QuantWindowLayer(CacheLayer):
             hidden = (hidden & ~own)[:, None]
         s_win = s_win.masked_fill(hidden, float("-inf"))
         # one softmax over [packed | window], each part exponentiated in place (no concatenated copy)
-        s_q = self._quant_scores(qg, scaling) if self.n_quant else None  # (B, H, M, N)
+        if not self.n_quant:
+            s_q = None
+        elif packed is None:
+            s_q = self._quant_scores(qg, scaling)  # (B, H, M, N)
+        else:  # the copy's padding columns come first: column c < row_start is hidden
+            s_q = (qg @ packed[0].transpose(-1, -2)) * scaling
+            if rs is not None:
+                pad = torch.arange(self.n_quant, device=q.device)[None, :] < rs[:, None]  # (B, N)
+                s_q = s_q.masked_fill(pad[:, None, None], float("-inf"))
         top = s_win.amax(-1, keepdim=True)
         if s_q is not None:
             top = torch.maximum(top, s_q.amax(-1, keepdim=True))
@@ -199,7 +216,8 @@ class QuantWindowLayer(CacheLayer):
         lse = (top + total.log()).squeeze(-1)  # (B, H, M)
         out = p_win.div_(total) @ vw
         if s_q is not None:
-            out = out + self._quant_output(p_q.div_(total))
+            p_q = p_q.div_(total)
+            out = out + (self._quant_output(p_q) if packed is None else p_q @ packed[1])
         return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D), lse.view(B, H_q, T)
 
     # ------------------------------------------------------------------ native CPU decode

@@ -332,6 +332,15 @@ class ZipCacheLayer(QuantWindowLayer):
         # column of each store row: every padding row first (the high store's, then the low
         # store's), then the high store's real rows, then the low store's
         stores = [st for st in (self.hi, self.lo) if st.n]
+        vn = self.vn.float()[:, :, None]  # undo the value channel normalisation
+        if self.row_start is None:  # no padding: the stores one after the other
+            i = 0
+            for st in stores:
+                k, v = st.dequantized()
+                k_out[:, :, i : i + st.n] = k
+                torch.mul(v, vn, out=v_out[:, :, i : i + st.n])
+                i += st.n
+            return True
         pads = [st.pad.long()[..., None] for st in stores]  # (B, H, 1) each
         pad_total, real_before = sum(pads), 0
         pad_before = torch.zeros_like(pad_total)
@@ -341,7 +350,7 @@ class ZipCacheLayer(QuantWindowLayer):
             col = torch.where(i < pad, pad_before + i, pad_total + real_before + i - pad)  # (B, H, n)
             col = col[..., None].expand(-1, -1, -1, k.shape[-1])
             k_out.scatter_(2, col, k)
-            v_out.scatter_(2, col, v * self.vn.float()[:, :, None])  # undo the value channel normalisation
+            v_out.scatter_(2, col, v * vn)
             pad_before, real_before = pad_before + pad, real_before + (st.n - pad)
         return True
 

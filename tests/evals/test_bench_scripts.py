@@ -153,3 +153,14 @@ def test_bench_chunked_prefill_on_random_tiny(tmp_path, capsys):
     assert rows[1]["peak_mib"] < rows[0]["peak_mib"]
     assert rows[1]["kv_mib"] == rows[0]["kv_mib"] and rows[3]["kv_mib"] == rows[2]["kv_mib"]
     assert "peak - KV" in capsys.readouterr().out
+
+
+def test_bench_quant_forward_paths_agree_and_time(tmp_path, capsys):
+    from kvpress.evals.bench_quant_forward import main
+
+    rows = main(["--context", "300", "--tokens", "2,20", "--repeats", "1", "--out", str(tmp_path / "q.jsonl")])
+    assert [(r["policy"], r["tokens"]) for r in rows] == [
+        (p, t) for p in ("kivi:bits=4", "zipcache", "gear") for t in (2, 20)]  # each after its agreement check
+    assert all(r["codes_ms"] > 0 and r["copy_ms"] > 0 for r in rows)
+    assert "T=20 codes" in capsys.readouterr().out
+    assert len((tmp_path / "q.jsonl").read_text().splitlines()) == 6
