@@ -376,8 +376,11 @@ class PolicyCache(Cache):
         ``shadowkv``'s factorisation) wait for the block's end, holding the prompt's K/V until
         then; the others store each piece as it comes (the quantizers' later pieces read the
         earlier ones quantized: ``Policy.chunked_prompt_exact``). ``generate(..., prefill_chunk_size=N)``
-        under :func:`kvpress.apply` opens this block itself. Starts on an empty cache, without
-        past recording; the prompt is closed on normal exit only.
+        under :func:`kvpress.apply` opens this block itself. On a cache that already holds tokens
+        (a new turn) the pieces continue it as one forward of them would: the layers that
+        compress only the first prompt as a whole take them as they take any later forward, and
+        ``duo``'s streaming heads continue the chunk a piece ends in. Not while the cache records
+        its past; the prompt is closed on normal exit only.
         """
         self.begin_prompt()
         yield self
@@ -387,8 +390,6 @@ class PolicyCache(Cache):
         """Why a prompt in several forwards cannot be opened now, or None when it can."""
         if self.prompt_open:
             return "a prompt is already open on this cache"
-        if self.get_seq_length():
-            return f"a prompt in several forwards starts on an empty cache; this one holds {self.get_seq_length()} tokens"
         if any(layer.record_past for layer in self.layers):
             return "a prompt in several forwards cannot be opened while the cache records its past (assisted decoding)"
         return None

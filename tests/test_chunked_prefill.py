@@ -167,6 +167,36 @@ def test_prompt_block_by_hand_equals_one_forward(model):
     torch.testing.assert_close(step, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("padding", [0, 5])
+def test_a_new_turn_in_pieces_ends_as_one_forward_of_it(model, name, padding):
+    """A second ``generate`` on the cache of the first (a new turn of 40 tokens) with
+    ``prefill_chunk_size``: the pieces run in a prompt block on the non-empty cache and end as
+    one forward of the turn (``duo``'s streaming heads continue their chunk across the pieces)."""
+    ids, mask = padded_batch(padding)
+    policy = example(name, model)
+    runs = []
+    for chunk in (None, 16):
+        first = generate(model, ids, policy, attention_mask=mask)
+        turn = torch.cat([first.sequences, random_ids(40, batch=2, seed=5)], dim=1)
+        turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+        runs.append(generate(model, turn, policy, chunk, attention_mask=turn_mask, past_key_values=first.past_key_values))
+    assert_same_run(*runs)
+
+
+@pytest.mark.parametrize("fields", [dict(prefill="chunked", prefill_chunk_size=8), dict(prefill="streaming")],
+                         ids=["chunked8", "streaming"])
+def test_duo_new_turn_in_pieces_of_seven(model, fields):
+    ids = random_ids(PROMPT)
+    policy = example("duo", model, **fields)
+    runs = []
+    for chunk in (None, 7):
+        first = generate(model, ids, policy)
+        turn = torch.cat([first.sequences, random_ids(30, seed=6)], dim=1)
+        runs.append(generate(model, turn, policy, chunk, past_key_values=first.past_key_values))
+    assert_same_run(*runs)
+
+
 def test_prompt_block_refuses_misuse(model):
     policy = example("shadowkv", model)
     cache = kvpress.make_cache(model, policy)
@@ -177,8 +207,6 @@ def test_prompt_block_refuses_misuse(model):
             with pytest.raises(ValueError, match="already open"):
                 cache.begin_prompt()
             model(random_ids(8), past_key_values=cache, use_cache=True)
-        with pytest.raises(ValueError, match="starts on an empty cache; this one holds 8 tokens"):
-            cache.begin_prompt()
     recording = kvpress.make_cache(model, policy)
     recording.activate_past_recording()
     with pytest.raises(ValueError, match="records its past"):
