@@ -8,8 +8,9 @@ Importing this module registers the type (``kvpress lm-eval`` does it for you)::
 ``model_args``: ``pretrained`` (``smollm2``, a local folder or a hub id, loaded with
 :func:`kvpress.load_model`), ``policy`` (a registered name, default ``full``), any field of that
 policy (``window_size=252``, ``bits=2`` ...), ``budget`` (through ``policy.with_budget`` when the
-policy has no ``budget`` field), ``chunk_size`` (prefill chunk, default 512), and lm-eval's own
-HF arguments (``batch_size``, ``max_length``, ``dtype``, ``device``, ``add_bos_token`` ...). The
+policy has no ``budget`` field), ``chunk_size`` (prefill chunk of loglikelihood requests, default
+512), ``prefill_chunk_size`` (generation's prompt in forwards of this many tokens,
+``generate(prefill_chunk_size=...)``; default: one forward), and lm-eval's own HF arguments (``batch_size``, ``max_length``, ``dtype``, ``device``, ``add_bos_token`` ...). The
 policy and its fields are validated before the model loads.
 
 * ``generate_until`` tasks run ``model.generate`` inside ``kvpress.apply``: the policy cache
@@ -45,7 +46,7 @@ _UNSUPPORTED = ("parallelize", "peft", "delta", "autogptq", "gptqmodel", "tp_pla
                 "max_cpu_memory", "offload_folder", "backend", "subfolder")
 # HFLM arguments passed on to kvpress.load_model instead.
 _LOAD_KWARGS = ("revision", "trust_remote_code", "gguf_file")
-_OWN = ("pretrained", "policy", "budget", "chunk_size", "tokenizer")
+_OWN = ("pretrained", "policy", "budget", "chunk_size", "prefill_chunk_size", "tokenizer")
 
 
 def _hflm_params() -> set[str]:
@@ -127,20 +128,26 @@ class KVPressLM(HFLM):
         Tokens attended per KV head per decode step.
     chunk_size : int
         Prefill chunk for loglikelihood requests.
+    prefill_chunk_size : int, optional
+        ``generate_until`` requests feed their prompt in forwards of this many tokens (bounds the
+        prefill's activations; see `kvpress.PolicyCache.prompt`); None: one forward.
     **kwargs
         Policy fields and lm-eval HF arguments.
     """
 
     def __init__(self, pretrained: str = "smollm2", policy: str = "full", budget: int | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs):
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, prefill_chunk_size: int | None = None, **kwargs):
         if not isinstance(pretrained, str):
             raise TypeError("the kvpress model type loads the model itself: pass pretrained=<name or path>")
         policy_kwargs, hf_kwargs, load_kwargs = split_model_args({"policy": policy, **kwargs})
         self.policy = build_policy(policy, budget, **policy_kwargs)  # before any weights load
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        if prefill_chunk_size is not None and (not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1):
+            raise ValueError(f"prefill_chunk_size must be an int >= 1 (or unset: one forward), got {prefill_chunk_size!r}")
         check_model_name(pretrained)
         self.chunk_size = chunk_size
+        self.prefill_chunk_size = prefill_chunk_size
 
         accelerator = None
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch: one process per device
@@ -179,6 +186,8 @@ class KVPressLM(HFLM):
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """lm-eval's batched ``generate`` with the policy cache."""
+        if self.prefill_chunk_size is not None:
+            generation_kwargs.setdefault("prefill_chunk_size", self.prefill_chunk_size)
         with kvpress.apply(self.model, self.policy):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
@@ -190,6 +199,7 @@ class KVPressLM(HFLM):
             "model_name": self.pretrained,
             "kvpress_policy": self.policy.to_dict(),
             "kvpress_chunk_size": self.chunk_size,
+            "kvpress_prefill_chunk_size": self.prefill_chunk_size,
         }
 
 

@@ -65,6 +65,8 @@ def test_policy_and_fields_are_validated_before_loading(monkeypatch):
         KVPressLM(pretrained="no-such-model", policy="full")
     with pytest.raises(ValueError, match="chunk_size"):
         KVPressLM(pretrained="smollm2", chunk_size=0)
+    with pytest.raises(ValueError, match="prefill_chunk_size must be an int >= 1"):
+        KVPressLM(pretrained="smollm2", prefill_chunk_size=0)
 
 
 def test_model_args_split_and_budget():
@@ -96,6 +98,21 @@ def test_generation_runs_under_the_policy(lms):
     assert isinstance(lms["window"].generate_until(req)[0], str)
     info = lms["window"].get_model_info()
     assert info["kvpress_policy"] == {"policy": "window", "window_size": 16}
+
+
+def test_generation_prompt_in_pieces(tiny_dir, lms, monkeypatch):
+    """``prefill_chunk_size``: generate's prompt in forwards of that many tokens (inside the
+    policy cache's prompt block), with the same text as one forward for ``full``."""
+    from kvpress.cache import PolicyCache
+
+    chunked = KVPressLM(pretrained=tiny_dir, policy="full", prefill_chunk_size=4, device="cpu")
+    opened = []
+    monkeypatch.setattr(PolicyCache, "begin_prompt",
+                        lambda self, _orig=PolicyCache.begin_prompt: (opened.append(1), _orig(self))[1])
+    req = [Instance("generate_until", {}, ("Hello there, how", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}), 0)]
+    assert chunked.generate_until(req) == lms["full"].generate_until(req)
+    assert opened  # the prompt went in pieces
+    assert chunked.get_model_info()["kvpress_prefill_chunk_size"] == 4
 
 
 def test_lm_eval_passthrough_adds_our_include_path(monkeypatch):
