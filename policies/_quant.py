@@ -101,9 +101,10 @@ class QuantWindowLayer(CacheLayer):
         return None
 
     def _after_attend(self, q: torch.Tensor, lse: torch.Tensor, q_start: int, scaling: float) -> None:
-        """Called with the step's queries (B, H_q, T, D) and their log-sum-exp (B, H_q, T): exact
-        in the rows `_lse_rows` names (every row of a forward shorter than `DEQUANT_MIN_QUERIES`),
-        NaN in the others, None when `_lse_rows` names none."""
+        """Called with the step's queries (B, H_q, T, D) and their log-sum-exp (B, H_q, T). Every
+        row is exact after the blocked paths (decode steps, forwards shorter than
+        `DEQUANT_MIN_QUERIES`, or `_lse_rows` naming all rows); after SDPA over the copy only the
+        rows `_lse_rows` names are (NaN in the others), and ``lse`` is None when it names none."""
 
     def _prefill(self, q, k, v, scaling) -> None:
         """Store a prompt whose attention already ran (``q`` may be None: shared prefill)."""
@@ -125,7 +126,7 @@ class QuantWindowLayer(CacheLayer):
         vw = self.v_win[:, :, : self.win_len].float()
         copy = self._dequantized(kw, vw) if T >= DEQUANT_MIN_QUERIES else None  # [packed | window] fp32
         packed = None if copy is None else (copy[0][:, :, : self.n_quant], copy[1][:, :, : self.n_quant])
-        rows = self._lse_rows(q_start, T)
+        rows = self._lse_rows(q_start, T) if copy is not None else None
         if copy is not None and (rows is None or not bool(rows.all())):
             # SDPA over the copy; the log-sum-exp only of the rows the layer keeps
             out = dense_causal_attention(q.float(), *copy, scaling, q_start=q_start, row_start=self.row_start)
