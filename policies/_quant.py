@@ -18,6 +18,8 @@ import torch
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
+from kvpress.kernels.checks import MAX_GROUP
+from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
@@ -220,6 +222,25 @@ class QuantWindowLayer(CacheLayer):
             p_q = p_q.div_(total)
             out = out + (self._quant_output(p_q) if packed is None else p_q @ packed[1])
         return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D), lse.view(B, H_q, T)
+
+    # ------------------------------------------------------------------ fused GPU decode
+    def fused_step_ok(self, q, k_new, decode_backend: str) -> bool:
+        """Whether this step runs on the fused dequantize-attention kernel (`quant_decode`): a
+        one-token step over packed tokens on CUDA (or ``decode_backend="triton"``, the tests' way
+        on CPU) with a head_dim and GQA group the kernel takes."""
+        return ((q.is_cuda or decode_backend == "triton") and q.shape[2] == 1 and bool(self.n_quant)
+                and q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= MAX_GROUP * k_new.shape[1])
+
+    def window_decode(self, qg: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step's queries ``qg`` fp32 (B, H, G, D) over the full-precision window (the
+        new token included, left padding masked): fp32 output (B, H, G, D) and log-sum-exp (B, H, G)."""
+        s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
+        rs = self.row_start
+        if rs is not None:
+            k_pos = self.n_quant + torch.arange(self.win_len, device=qg.device)
+            s = s.masked_fill((k_pos[None, :] < rs[:, None])[:, None, None], float("-inf"))
+        lse = s.logsumexp(-1)
+        return (s - lse[..., None]).exp() @ self.v_win[:, :, : self.win_len].float(), lse
 
     # ------------------------------------------------------------------ native CPU decode
     def native_step_ok(self, q, k_new, backend: str, stores) -> bool:

@@ -6,12 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpress.kernels import native
-from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
-from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
@@ -218,8 +216,7 @@ class KiviLayer(QuantWindowLayer):
         return True
 
     def attend(self, q, k_new, v_new, scaling):
-        fused_ok = q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= MAX_GROUP * k_new.shape[1]
-        if (q.is_cuda or self.decode_backend == "triton") and fused_ok and q.shape[2] == 1 and self.n_quant:
+        if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         if self._native_step(q, k_new):
             return self._native_decode(q, k_new, v_new, scaling)
@@ -259,7 +256,7 @@ class KiviLayer(QuantWindowLayer):
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += 1
-        rs = starts = self.row_start
+        starts = self.row_start
         qg = q[:, :, 0].float().view(B, H, H_q // H, D)
         if self.sk is not None:  # the packed part starts after the flushed sinks, which attend exactly
             pos = self.sink_positions(self.sink_tokens, B, q.device)
@@ -271,12 +268,7 @@ class KiviLayer(QuantWindowLayer):
         out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
                                     seq_starts=starts, scale=scaling, backend=self.decode_backend,
                                     value_group_size=self.value_group)
-        s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
-        if rs is not None:
-            k_pos = self.n_quant + torch.arange(self.win_len, device=q.device)
-            s = s.masked_fill((k_pos[None, :] < rs[:, None])[:, None, None], float("-inf"))
-        lse_w = s.logsumexp(-1)
-        out_w = (s - lse_w[..., None]).exp() @ self.v_win[:, :, : self.win_len].float()
+        out_w, lse_w = self.window_decode(qg, scaling)
         out, lse = merge_states(out_q.float(), lse_q, out_w.view(B, H_q, D), lse_w.view(B, H_q))
         if self.sk is not None:
             out, lse = merge_states(out, lse, out_s.view(B, H_q, D), lse_s.view(B, H_q))

@@ -7,8 +7,9 @@ import torch
 
 from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
+from kvpress.kernels.merge import merge_states
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
-                                   dequantize_per_token, quantize_per_channel, quantize_per_token,
+                                   dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -58,7 +59,10 @@ class ZipCachePolicy(Policy):
     stores, each with its own left padding, the value normaliser and the window under one
     softmax; ``backend="auto"``, ``"torch"`` the reference path): 1.22x ``full``'s decode speed
     at 8k on one thread, 1.16x on two (BENCHMARKS "Session 19"; 1.11x / 1.00x when only the two
-    reads were native, session 18).
+    reads were native, session 18). On CUDA a decode step runs each store through the fused
+    dequantize-attention kernel (`kvpress.kernels.quant_decode`, as ``kivi``) and merges them with
+    the window (session 25; tested under the Triton interpreter against the torch path, not yet
+    timed on a GPU: session 8 measured the torch path at 816 ms per step on an 8B shape).
     """
 
     bits_high: int = 4
@@ -178,6 +182,7 @@ class ZipCacheLayer(QuantWindowLayer):
         self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = None
         self._scaling = 1.0
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
+        self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
     # ------------------------------------------------------------------ probes
     def _random_probes(self, q_start: int, T: int, device) -> torch.Tensor:
@@ -321,12 +326,39 @@ class ZipCacheLayer(QuantWindowLayer):
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
     def attend(self, q, k_new, v_new, scaling):
+        if self.fused_step_ok(q, k_new, self.decode_backend):
+            return self._fused_decode(q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
         if self.native_step_ok(q, k_new, self.p.backend, [st.views() for st in stores]):
             segments = [native.PackedSegment(*st.views(), st.bits, st.group_size, st.value_group_size, starts=st.pad,
                                              value_scale=self.vn) for st in stores]
             return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
         return super().attend(q, k_new, v_new, scaling)
+
+    def _fused_decode(self, q, k_new, v_new, scaling):
+        """GPU decode: each store through the fused dequantize-attention kernel (`quant_decode`),
+        the window in torch, merged by log-sum-exp. A store's left padding is its first ``pad``
+        rows, the same count in every head (padding has -inf saliency in all of them, so every
+        flush sends the same number of padding tokens to each store): ``pad[:, 0]`` is the
+        kernel's per-row start."""
+        B, H_q, _, D = q.shape
+        H = k_new.shape[1]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        out, lse = self.window_decode(q[:, :, 0].float().view(B, H, H_q // H, D), scaling)
+        out, lse = out.view(B, H_q, D), lse.view(B, H_q)
+        vn = self.vn.float().repeat_interleave(H_q // H, dim=1)  # (B, H_q, D): query head h reads KV head h // G
+        for st in (self.hi, self.lo):
+            if st.n:
+                (kc, ks, kz), (vc, vs, vz) = st.views()
+                o, l = quant_decode(q[:, :, 0], kc, ks, kz, vc, vs, vz, bits=st.bits, group_size=st.group_size,
+                                    seq_starts=st.pad[:, 0], scale=scaling, backend=self.decode_backend,
+                                    value_group_size=st.value_group_size)
+                out, lse = merge_states(out, lse, o.float() * vn, l)
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.to(q.dtype)[:, :, None]
 
     def _dequantize_into(self, k_out, v_out):
         # column of each store row: every padding row first (the high store's, then the low
