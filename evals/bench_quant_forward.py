@@ -11,6 +11,12 @@ flush is switched off and the window rolled back after every forward, so each re
 same attention; the table gives the median ms per forward of ``--repeats`` and checks first
 that the two paths' outputs agree. `_quant.DEQUANT_MIN_QUERIES` is the ``T`` from which
 ``attend`` takes the copy.
+
+``--ppl-tokens N`` adds a model-level comparison: the perplexity of N tokens of the long-text
+task fed through each policy's cache in 512-token chunks (`kvpress.generation.chunked_nll`, the
+eval suite's ``ppl`` path) with each path, and its wall time::
+
+    python -m kvpress.evals.bench_quant_forward --ppl-tokens 4096 --tokens 16 --threads 2
 """
 from __future__ import annotations
 
@@ -64,6 +70,41 @@ def forward(layer, q, k, v, threshold: int):
     return out, seconds
 
 
+def perplexities(model_name: str, policies: list[str], tokens: int) -> list[dict]:
+    """Perplexity and seconds of `chunked_nll` (512-token chunks) per policy with each path."""
+    import math
+
+    import kvpress
+    from kvpress.evals.models import load_eval_model
+    from kvpress.evals.runner import parse_policy_spec
+    from kvpress.evals.tasks import get_task
+    from kvpress.generation import chunked_nll
+
+    model, tokenizer = load_eval_model(model_name)
+    ids = torch.tensor([get_task("ppl").token_ids(tokenizer, tokens)])
+    rows = []
+    print(f"# {model_name}: perplexity of {ids.shape[1]} tokens in 512-token chunks; seconds")
+    print(f"{'policy':<22}{'codes ppl':>12}{'s':>8}{'copy ppl':>12}{'s':>8}")
+    for spec in policies:
+        name, fields = parse_policy_spec(spec)
+        row = {"policy": spec, "ppl_tokens": ids.shape[1]}
+        for mode, threshold in (("codes", 10**9), ("copy", 1)):
+            from kvpress.policies import _quant
+
+            saved, _quant.DEQUANT_MIN_QUERIES = _quant.DEQUANT_MIN_QUERIES, threshold
+            try:
+                start = time.perf_counter()
+                nll = chunked_nll(model, ids, kvpress.get_policy(name, **fields), chunk_size=512)
+                row[f"{mode}_s"] = time.perf_counter() - start
+            finally:
+                _quant.DEQUANT_MIN_QUERIES = saved
+            row[f"{mode}_ppl"] = math.exp(nll.mean().item())
+        rows.append(row)
+        print(f"{spec:<22}{row['codes_ppl']:>12.4f}{row['codes_s']:>8.1f}{row['copy_ppl']:>12.4f}{row['copy_s']:>8.1f}",
+              flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     import kvpress
     from kvpress.evals.results import write_jsonl
@@ -75,15 +116,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tokens", default="2,4,8,16,32,64", help="forward lengths T, comma list")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ppl-tokens", type=int, default=0, help="also compare perplexity over this many tokens (0: no)")
+    p.add_argument("--model", default="smollm2", help="the model of --ppl-tokens")
     p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    policies = args.policies.split(",")
     model = one_layer_model()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = []
     print(f"# context={args.context} threads={args.threads} repeats={args.repeats}; ms per forward of one layer (median)")
     print(f"{'policy':<22}" + "".join(f"{'T=' + str(t) + ' codes':>13}{'copy':>8}" for t in tokens))
-    for spec in args.policies.split(","):
+    for spec in policies:
         name, fields = parse_policy_spec(spec)
         layer = filled_layer(model, kvpress.get_policy(name, **fields), args.context)
         line = f"{spec:<22}"
@@ -99,6 +143,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append({"policy": spec, "context": args.context, "tokens": T, "codes_ms": ms["codes"], "copy_ms": ms["copy"]})
             line += f"{ms['codes']:>13.2f}{ms['copy']:>8.2f}"
         print(line, flush=True)
+    if args.ppl_tokens:
+        rows += perplexities(args.model, policies, args.ppl_tokens)
     if args.out:
         write_jsonl(args.out, rows)
     return rows

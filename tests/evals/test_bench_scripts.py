@@ -158,9 +158,14 @@ def test_bench_chunked_prefill_on_random_tiny(tmp_path, capsys):
 def test_bench_quant_forward_paths_agree_and_time(tmp_path, capsys):
     from kvpress.evals.bench_quant_forward import main
 
-    rows = main(["--context", "300", "--tokens", "2,20", "--repeats", "1", "--out", str(tmp_path / "q.jsonl")])
-    assert [(r["policy"], r["tokens"]) for r in rows] == [
+    rows = main(["--context", "300", "--tokens", "2,20", "--repeats", "1", "--out", str(tmp_path / "q.jsonl"),
+                 "--ppl-tokens", "700", "--model", "random-tiny"])
+    paths, ppl = rows[:6], rows[6:]
+    assert [(r["policy"], r["tokens"]) for r in paths] == [
         (p, t) for p in ("kivi:bits=4", "zipcache", "gear") for t in (2, 20)]  # each after its agreement check
-    assert all(r["codes_ms"] > 0 and r["copy_ms"] > 0 for r in rows)
+    assert all(r["codes_ms"] > 0 and r["copy_ms"] > 0 for r in paths)
+    assert [r["policy"] for r in ppl] == ["kivi:bits=4", "zipcache", "gear"]
+    for r in ppl:  # the same attention to rounding: the perplexities agree closely
+        assert math.isfinite(r["codes_ppl"]) and abs(r["copy_ppl"] / r["codes_ppl"] - 1) < 1e-3, r
     assert "T=20 codes" in capsys.readouterr().out
-    assert len((tmp_path / "q.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "q.jsonl").read_text().splitlines()) == 9
