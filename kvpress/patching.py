@@ -193,8 +193,8 @@ def _policy_cache_for_generate(session: _Session, prepare):
 
 
 def _prompt_for_prefill(prefill):
-    """``generate``'s prefill; a prompt it cuts into several forwards (``prefill_chunk_size``) on an
-    empty policy cache runs inside :meth:`PolicyCache.prompt`."""
+    """``generate``'s prefill; a prompt it cuts into several forwards (``prefill_chunk_size``) on a
+    policy cache (empty, or holding an earlier turn) runs inside :meth:`PolicyCache.prompt`."""
 
     def wrapped(input_ids, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
