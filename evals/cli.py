@@ -54,6 +54,7 @@ def cmd_eval(args) -> int:
         sample_ids=_csv(args.sample_ids, int), seed=args.seed,
         options=parse_options(args.option), share_prefill=not args.no_share_prefill, chunk_size=args.chunk_size,
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
     )
     run_eval(grid, args.out, max_cells=args.max_cells, progress=not args.no_progress, plots=not args.no_plots,
              reuse=_csv(args.reuse))
@@ -79,6 +80,9 @@ def configure_eval(p) -> None:
                    help="output folders of earlier runs: cells with the same key (model, policy fields, task, length, "
                         "sample, seed) are copied from there, marked reused_from, instead of computed (e.g. full's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="cap each answer's token budget")
+    p.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
+                   help="generation prompts in forwards of N tokens; policies whose pieces do not end as one "
+                        "forward (the quantizers) run as their own '~prefillN' variants")
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk of the ppl task")
     p.add_argument("--no-share-prefill", action="store_true", help="prefill every policy separately")
     p.add_argument("--no-progress", action="store_true")

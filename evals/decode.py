@@ -121,10 +121,14 @@ def decode_from_cache(model, policy, cache, first_logits: torch.Tensor, prompt_l
 
 
 def generate_sample(model, policy, input_ids: torch.Tensor, *, max_new_tokens: int, eos_token_id=None,
-                    prefill: SharedPrefill | None = None) -> DecodeResult:
-    """Greedy generation for one prompt [1, T]; from ``prefill`` when given (``full_prefill`` policies)."""
+                    prefill: SharedPrefill | None = None, prefill_chunk_size: int | None = None) -> DecodeResult:
+    """Greedy generation for one prompt [1, T]; from ``prefill`` when given (``full_prefill`` policies),
+    else its own prefill, in forwards of ``prefill_chunk_size`` tokens when given."""
+    if prefill is not None and prefill_chunk_size is not None:
+        raise ValueError("a shared dense prefill is one forward: pass prefill or prefill_chunk_size, not both")
     if prefill is None:
-        res = timed_generate(model, input_ids, policy, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        res = timed_generate(model, input_ids, policy, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             prefill_chunk_size=prefill_chunk_size)
         return DecodeResult(res.tokens[0].tolist(), res.prefill_s, res.decode_ms_per_token, res.stats)
     _sync(model.device)
     start = time.perf_counter()

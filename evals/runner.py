@@ -44,10 +44,12 @@ class PolicyVariant:
     budget: int | None = None
     bits: int | None = None
     spec: str = ""
+    prefill_chunk: int | None = None  # its prompts in forwards of this many tokens (`EvalGrid.prefill_chunk_size`)
 
     @property
     def config(self) -> dict:
-        return self.policy.to_dict()
+        config = self.policy.to_dict()
+        return config if self.prefill_chunk is None else {**config, "prefill_chunk_size": self.prefill_chunk}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,13 @@ class EvalGrid:
         Chunk of the ``ppl`` task's prefill through the policy cache.
     max_new_tokens : int, optional
         Cap on each sample's answer budget (quick runs; default: the task's own).
+    prefill_chunk_size : int, optional
+        Generation tasks feed each prompt in forwards of this many tokens
+        (``generate(prefill_chunk_size=...)``). Policies whose pieces end as one forward
+        (``chunked_prompt_exact``) give the same cells either way and keep their keys, labels and
+        the shared prefill; the others (the quantizers, whose later pieces read the earlier ones
+        quantized) become variants of their own, labelled ``~prefillN``, that never share a
+        prefill. The ``ppl`` task is chunked by ``chunk_size`` regardless.
     """
 
     model: str = "smollm2"
@@ -96,6 +105,7 @@ class EvalGrid:
     dtype: str | None = None
     device: str | None = None
     max_new_tokens: int | None = None
+    prefill_chunk_size: int | None = None
 
     def __post_init__(self):
         for name in ("policies", "budgets", "bits", "tasks", "lengths", "sample_ids"):
@@ -119,6 +129,9 @@ class EvalGrid:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.prefill_chunk_size is not None and (not isinstance(self.prefill_chunk_size, int)
+                                                    or self.prefill_chunk_size < 1):
+            raise ValueError(f"prefill_chunk_size must be an int >= 1 (or None: one forward), got {self.prefill_chunk_size!r}")
         for spec in self.tasks:
             get_task(spec)
         self.variants()  # unknown policies / fields / out-of-range values fail here
@@ -131,7 +144,13 @@ class EvalGrid:
 
     def variants(self) -> list[PolicyVariant]:
         """Every distinct policy config of the grid, in the order given."""
-        return expand_policies(self.policies, self.budgets, self.bits, self.options)
+        variants = expand_policies(self.policies, self.budgets, self.bits, self.options)
+        n = self.prefill_chunk_size
+        if n is None:
+            return variants
+        return [v if v.policy.chunked_prompt_exact else
+                dataclasses.replace(v, label=f"{v.label}~prefill{n}", spec=f"{v.spec}~prefill{n}", prefill_chunk=n)
+                for v in variants]
 
 
 def parse_policy_spec(spec: str) -> tuple[str, dict]:
@@ -307,7 +326,7 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
                     samples_cache = {key: _samples_for(task, tokenizer, length, grid.samples, grid.seed)}
                 sample = samples_cache[key][index]
                 ids = torch.tensor([build_input_ids(tokenizer, sample)])
-                sharers = [v for v in pending if v.policy.prefills_densely()]
+                sharers = [v for v in pending if v.policy.prefills_densely() and v.prefill_chunk is None]
                 if grid.share_prefill and len(sharers) >= 2:
                     prefill = shared_prefill(model, ids)
             for variant in pending:
@@ -317,9 +336,9 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
                 if task.kind == "perplexity":
                     cell = _ppl_cell(model, tokenizer, variant, length, grid.chunk_size)
                 else:
-                    use = prefill if variant.policy.prefills_densely() else None
+                    use = prefill if variant.policy.prefills_densely() and variant.prefill_chunk is None else None
                     out = generate_sample(model, variant.policy, ids, max_new_tokens=min(sample.max_new_tokens, grid.max_new_tokens or sample.max_new_tokens),
-                                          eos_token_id=eos, prefill=use)
+                                          eos_token_id=eos, prefill=use, prefill_chunk_size=variant.prefill_chunk)
                     text = tokenizer.decode(out.tokens, skip_special_tokens=True)
                     cell = {"metric": "score", "score": task.score(text, sample), "num_tokens": ids.shape[1],
                             "prefill_s": out.prefill_s, "decode_ms_per_token": out.decode_ms_per_token,

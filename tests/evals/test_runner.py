@@ -47,6 +47,7 @@ def _grid(**kw):
         (dict(samples=0), "samples"),
         (dict(lengths=()), "at least one"),
         (dict(samples=2, sample_ids=(2,)), r"sample_ids must be ints in 0 \.\. samples - 1 = 1, got 2"),
+        (dict(prefill_chunk_size=0), "prefill_chunk_size must be an int >= 1"),
     ],
 )
 def test_bad_grid_is_a_value_error(kw, message):
@@ -251,6 +252,37 @@ def test_runner_with_and_without_prefill_sharing_agree(tiny, tmp_path):
     assert any(r["shared_prefill"] for r in a) and not any(r["shared_prefill"] for r in b)
     pick = lambda rs: sorted((r["policy_label"], r["prediction"], r["score"], r["resident_bytes"]) for r in rs)  # noqa: E731
     assert pick(a) == pick(b)
+
+
+def test_prompts_in_pieces_split_only_the_policies_they_change(tiny, tmp_path, monkeypatch):
+    """``prefill_chunk_size``: the exact policies keep their keys and shared prefill (their pieces end
+    as one forward), so a chunked grid resumes their cells; a quantizer becomes a ``~prefillN``
+    variant of its own whose cell is generation with the prompt in pieces."""
+    from kvpress.evals.runner import _eos
+    from kvpress.evals.tasks import build_input_ids
+
+    model, tok = tiny
+    spec = "kivi:bits=4:group_size=8:residual_length=16"
+    kw = dict(policies=("full", spec), budgets=(), samples=1, max_new_tokens=3)
+    plain = run_eval(_grid(**kw), tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    grid = _grid(**kw, prefill_chunk_size=100)
+    assert [v.label for v in grid.variants()] == ["full", f"{spec}~prefill100"]
+    opened = []
+    monkeypatch.setattr(kvpress.PolicyCache, "begin_prompt",
+                        lambda self, _orig=kvpress.PolicyCache.begin_prompt: (opened.append(1), _orig(self))[1])
+    records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    assert len(records) == 3 and len(opened) == 1  # full's cell resumed; the quantizer's prompt went in pieces
+    chunked = next(r for r in records if r["policy_label"] == f"{spec}~prefill100")
+    assert chunked["policy"]["prefill_chunk_size"] == 100 and not chunked["shared_prefill"]
+    assert chunked["policy_spec"].endswith("~prefill100") and chunked["key"] not in {r["key"] for r in plain}
+    sample = grid.task_objects()[0].generate(tok, 512, num_samples=1, seed=grid.seed)[0]
+    ids = torch.tensor([build_input_ids(tok, sample)])
+    direct = generate_sample(model, grid.variants()[1].policy, ids, max_new_tokens=min(sample.max_new_tokens, 3),
+                             eos_token_id=_eos(tok, model), prefill_chunk_size=100)
+    assert tok.decode(direct.tokens, skip_special_tokens=True).strip() == chunked["prediction"]
+    with pytest.raises(ValueError, match="not both"):
+        generate_sample(model, grid.variants()[1].policy, ids, max_new_tokens=1, prefill=shared_prefill(model, ids),
+                        prefill_chunk_size=100)
 
 
 def test_policy_that_cannot_run_on_the_model_fails_before_any_cell(tiny, tmp_path):
