@@ -88,27 +88,40 @@ def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2):
     gen = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(B, 4, 120, 64, generator=gen), torch.randn(B, 2, 120, 64, generator=gen), \
         torch.randn(B, 2, 120, 64, generator=gen)
-    outs, layers = [], []
+    # flushes between the 40 steps (saliency from the probes the steps keep)
+    outs, layers, fused_steps = _fused_and_torch_paths(model, policy, q, k, v, 80, row_start)
+    hi_same = torch.equal(layers[0].hi.t["kc"][:, :, : layers[0].hi.n], layers[1].hi.t["kc"][:, :, : layers[1].hi.n])
+    return {"err": (outs[0] - outs[1]).abs().max().item(), "hi": layers[0].hi.n, "lo": layers[0].lo.n,
+            "fused_steps": fused_steps, "same_salient_store": hi_same,
+            "pads": [layers[0].hi.pad[:, 0].tolist(), layers[0].lo.pad[:, 0].tolist()]}
+
+
+def _fused_and_torch_paths(model, policy, q, k, v, prompt, row_start):
+    """One layer of ``policy`` prefilled with the first ``prompt`` tokens of q / k / v, then decoding
+    the rest one token at a time, once on the fused path (``decode_backend="triton"``) and once on
+    the torch path: (the two paths' decode outputs, their layers, fused steps run)."""
+    import torch
+
+    import kvpress
+
+    outs, layers, fused_calls = [], [], []
     for backend in ("triton", "torch"):
         layer = kvpress.make_cache(model, policy).layers[0]
         if row_start is not None:
             layer.cache._set_row_start(torch.tensor(row_start))
         layer.decode_backend = backend
         if backend == "triton":  # count the steps the fused kernel runs (a fallback would compare torch to torch)
-            fused, fused_calls = layer._fused_decode, []
-            layer._fused_decode = lambda *a, _f=fused, _n=fused_calls: _n.append(1) or _f(*a)
-        layer.update(k[:, :, :80], v[:, :, :80])
-        layer.attend(q[:, :, :80], *layer.take_pending(), 0.125)
+            fused = layer._fused_decode
+            layer._fused_decode = lambda *a, _f=fused: fused_calls.append(1) or _f(*a)
+        layer.update(k[:, :, :prompt], v[:, :, :prompt])
+        layer.attend(q[:, :, :prompt], *layer.take_pending(), 0.125)
         steps = []
-        for t in range(80, 120):  # flushes (saliency from the probes the steps keep) happen in between
+        for t in range(prompt, k.shape[2]):
             layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
             steps.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.125))
         outs.append(torch.cat(steps, 2))
         layers.append(layer)
-    hi_same = torch.equal(layers[0].hi.t["kc"][:, :, : layers[0].hi.n], layers[1].hi.t["kc"][:, :, : layers[1].hi.n])
-    return {"err": (outs[0] - outs[1]).abs().max().item(), "hi": layers[0].hi.n, "lo": layers[0].lo.n,
-            "fused_steps": len(fused_calls), "same_salient_store": hi_same,
-            "pads": [layers[0].hi.pad[:, 0].tolist(), layers[0].lo.pad[:, 0].tolist()]}
+    return outs, layers, len(fused_calls)
 
 
 def _kivi_layer_case(sink_tokens=0, row_start=None, heads=4, kv_heads=2):
@@ -128,23 +141,9 @@ def _kivi_layer_case(sink_tokens=0, row_start=None, heads=4, kv_heads=2):
     q, k, v = torch.randn(B, heads, 100, 64, generator=gen), torch.randn(B, kv_heads, 100, 64, generator=gen), \
         torch.randn(B, kv_heads, 100, 64, generator=gen)
     k[:, :, :4] *= 10  # large first keys: sinks the fused path must read exactly
-    outs = []
-    for backend in ("triton", "torch"):
-        layer = kvpress.make_cache(model, policy).layers[0]
-        if row_start is not None:
-            layer.cache._set_row_start(torch.tensor(row_start))
-        layer.decode_backend = backend
-        if backend == "triton":  # count the steps the fused kernel runs (a fallback would compare torch to torch)
-            fused, fused_calls = layer._fused_decode, []
-            layer._fused_decode = lambda *a, _f=fused, _n=fused_calls: _n.append(1) or _f(*a)
-        layer.update(k[:, :, :80], v[:, :, :80])
-        layer.attend(q[:, :, :80], *layer.take_pending(), 0.125)
-        steps = []
-        for t in range(80, 100):
-            layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-            steps.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.125))
-        outs.append(torch.cat(steps, 2))
-    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant, "fused_steps": len(fused_calls),
+    outs, layers, fused_steps = _fused_and_torch_paths(model, policy, q, k, v, 80, row_start)
+    layer = layers[1]
+    return {"err": (outs[0] - outs[1]).abs().max().item(), "n_quant": layer.n_quant, "fused_steps": fused_steps,
             "sinks": None if layer.sk is None else list(layer.sk.shape)}
 
 
