@@ -155,3 +155,56 @@ def test_smollm2_4k_needle_survives_budget_1024():
     """The case that exposed the narrow pool: SmolLM2, 4k niah_single, needle at depth 0."""
     score, stats = needle_run(kvpress.get_policy("snapkv", budget=1024))
     assert score == 1.0
+
+
+def _twins(model, length, extra, batch=1, row_start=None, **fields):
+    """Two layers after the same ``length``-token prompt, and ``extra`` more tokens' q / k / v."""
+    g = torch.Generator().manual_seed(1000 * length + extra)
+    q = torch.randn(batch, 4, length + extra, 16, generator=g)
+    k, v = torch.randn(batch, 2, length + extra, 16, generator=g), torch.randn(batch, 2, length + extra, 16, generator=g)
+    layers = []
+    for _ in range(2):
+        layer = snap_layer(model, row_start=row_start, **fields)
+        layer.lazy_initialization(k, v)
+        layer.attend(q[:, :, :length], k[:, :, :length], v[:, :, :length], 0.25)
+        layers.append(layer)
+    return layers, (q[:, :, length:], k[:, :, length:], v[:, :, length:])
+
+
+def _same_state(a, b):
+    assert (a.filled, a.seen, a.prompt_len) == (b.filled, b.seen, b.prompt_len)
+    for name in ("k", "v", "pos", "score", "kept"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("length,extra,batch,row_start,fields,planned", [
+    (60, 2, 1, None, {}, True),     # a short verification: prompt tokens evicted by score
+    (60, 7, 1, None, {}, True),     # past the window: generated tokens of this forward leave
+    (60, 200, 1, None, {}, True),   # a long new turn
+    (9, 5, 1, None, {}, True),      # a short prompt grows, within the budget
+    (9, 40, 1, None, {}, True),     # ... then reaches it and evicts
+    (3, 60, 1, None, {}, True),     # prompt shorter than the window
+    (60, 30, 2, [0, 5], {}, True),  # padding, both rows over the budget
+    (9, 8, 2, [0, 3], {}, True),    # padding while the rows grow
+    (60, 30, 2, [0, 50], {}, False),  # a short padded row fills its free slots: token by token
+    (60, 30, 1, None, {"budget": 6}, False),  # fewer scored prompt tokens than evictions
+])
+def test_several_tokens_after_the_prompt_equal_as_many_decode_steps(model, length, extra, batch, row_start,
+                                                                     fields, planned):
+    (one, steps), (q, k, v) = _twins(model, length, extra, batch, row_start, **fields)
+    assert (one._plan(extra) is not None) == planned  # (a plan only grows the buffers, as the steps would)
+    out = one.attend(q, k, v, 0.25)
+    ref = torch.cat([steps.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], 0.25) for t in range(extra)], 2)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    _same_state(one, steps)
+
+
+def test_crop_of_a_planned_forward_stores_again_as_the_steps_would(model):
+    (one, steps), (q, k, v) = _twins(model, 60, 12)
+    one.activate_past_recording()
+    one.record_forward(k, v)
+    one.attend(q, k, v, 0.25)
+    one.remove_latest(5)  # store_again plans the 7 kept tokens
+    for t in range(7):
+        steps.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], 0.25)
+    _same_state(one, steps)
