@@ -45,7 +45,7 @@ class ChunkTail:
         if n == 0:
             return
         cs = self.chunk_size
-        self.chunks = -(-(start + n) // cs)
+        self.chunks = max(self.chunks, -(-(start + n) // cs))  # (groups of rows may append out of order)
         self._ensure(B, H, D, self.chunks, k.device)
         if from_chunk:
             row_start = torch.zeros(B, dtype=torch.long, device=k.device) if row_start is None else row_start
@@ -129,6 +129,28 @@ class ChunkTail:
     def restore(self, saved: dict) -> None:
         for name, value in saved.items():
             setattr(self, name, value)
+
+    def merge_rows(self, rows: torch.Tensor, full: dict, batch: int) -> None:
+        """Put this tail, which holds the ``rows`` of a batch of ``batch`` rows (taken out of ``full``,
+        the batch's `state_tensors`), back into the batch's tensors, grown to the larger capacity."""
+        sub = self.state_tensors()
+        if sub["tail_k_sum"] is None:  # the rows summed nothing
+            for name, t in full.items():
+                setattr(self, name, t)
+            return
+        for name, part in sub.items():
+            dim = 2 if part.dim() == 4 else 1  # the chunk dimension of the sums / of the counts
+            whole = full[name]
+            cap = part.shape[dim] if whole is None else max(part.shape[dim], whole.shape[dim])
+            if whole is None or whole.shape[dim] < cap:
+                shape = list(part.shape)
+                shape[0], shape[dim] = batch, cap
+                grown = part.new_zeros(shape)
+                if whole is not None:
+                    grown.narrow(dim, 0, whole.shape[dim]).copy_(whole)
+                whole = grown
+            whole.narrow(dim, 0, part.shape[dim]).index_copy_(0, rows, part)
+            setattr(self, name, whole)
 
     def batch_select(self, indices: torch.Tensor) -> None:
         for name, t in self.state_tensors().items():

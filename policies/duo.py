@@ -154,10 +154,9 @@ class DuoPolicy(Policy):
         (``"chunked"`` with one chunk; prefill costs what ``full``'s does, and a runner may share
         one dense prefill with this policy).
     prefill_chunk_size : int
-        Chunk of ``prefill="chunked"``, counted from the first token of the sequence, left
-        padding included: in a left-padded batch a row whose prompt spans more than one chunk
-        has its chunks cut elsewhere than in its batch-1 run, so its tokens can differ from that
-        run (the other modes match it).
+        Chunk of ``prefill="chunked"``, counted from each row's first real token, so a left-padded
+        row is cut where its prompt alone would be (rows whose padding differs modulo the chunk run
+        as separate groups of rows during the prompt).
     tail_chunk : int
         0 (the default, the paper): a streaming head forgets what leaves its window. ``N > 0``:
         it also keeps fp32 key / value sums of the tokens it evicted, per ``N``-token chunk, and

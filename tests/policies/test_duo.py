@@ -342,12 +342,32 @@ def test_chunked_prefill_generates_with_the_same_storage(model4):
     stream = run(model4, chunked.replace(prefill="streaming"), ids)
     assert not chunked.prefills_densely()
     assert kvpress.cache_stats(out.past_key_values).resident_bytes == kvpress.cache_stats(stream.past_key_values).resident_bytes
-    # left padding: chunks are counted in the batch's positions, so the unpadded row decodes as
-    # it does alone (a padded row's chunks start elsewhere than its own prompt's)
-    batch, mask = torch.zeros(2, 40, dtype=torch.long), torch.ones(2, 40, dtype=torch.long)
-    batch[0], batch[1, 11:], mask[1, :11] = ids[0], random_ids(29, seed=24)[0], 0
-    both = run(model4, chunked, batch, attention_mask=mask).sequences
-    assert torch.equal(both[0], out.sequences[0])
+
+
+
+@pytest.mark.parametrize("tail_chunk", [0, 4])
+@pytest.mark.parametrize("pieces", [None, 5, 16])
+def test_chunked_prefill_left_padded_rows_decode_as_alone(model4, tail_chunk, pieces):
+    """Chunks are counted from each row's first real token: rows padded by 11, 0 and 3 (phases 3,
+    0, 3 of 8-token chunks, run as two groups of rows) each give their batch-1 run's tokens and
+    scores, with the prompt in one forward or in pieces of 5 / 16 (`generate(prefill_chunk_size)`)."""
+    chunked = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6, prefill="chunked",
+                        prefill_chunk_size=8, tail_chunk=tail_chunk)
+    pads, rows = (11, 0, 3), [random_ids(40 - p, seed=24 + p) for p in (11, 0, 3)]
+    batch, mask = torch.zeros(3, 40, dtype=torch.long), torch.ones(3, 40, dtype=torch.long)
+    for r, (pad, ids) in enumerate(zip(pads, rows)):
+        batch[r, pad:], mask[r, :pad] = ids[0], 0
+    kw = {} if pieces is None else {"prefill_chunk_size": pieces}
+    both = run(model4, chunked, batch, attention_mask=mask, **kw)
+    for r, (pad, ids) in enumerate(zip(pads, rows)):
+        alone = run(model4, chunked, ids, **kw)
+        assert torch.equal(both.sequences[r, 40:], alone.sequences[0, 40 - pad:])
+        for a, b in zip(both.scores, alone.scores):
+            torch.testing.assert_close(a[r], b[0], atol=1e-4, rtol=0)
+    # with one padding for every row the chunks start at it too (one group, phase 3)
+    same = torch.stack([batch[0], batch[0]]), torch.stack([mask[0], mask[0]])
+    twice = run(model4, chunked, same[0], attention_mask=same[1], **kw)
+    assert torch.equal(twice.sequences[1], both.sequences[0])
 
 
 # ------------------------------------------------------------------ artifacts
