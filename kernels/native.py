@@ -55,7 +55,7 @@ import torch
 from ._native_lib import (ABI_VERSION, BUILDS, FLAGS, SOURCES, _fp32_cpu, _lib, _ptr, _rows_contiguous,  # noqa: F401
                           available, openmp_runtimes, threads)
 from .index import SparseIndex
-from .native_quant import (MAX_SEGMENTS, QUANT_MAX_ROWS, GearParts, PackedSegment, channel_scores,  # noqa: F401
+from .native_quant import (MAX_SEGMENTS, QUANT_MAX_ROWS, QUANT_NATIVE_READ_ROWS, GearParts, PackedSegment, channel_scores,  # noqa: F401
                            gear_key_extra, gear_value_extra, quant_attend, quant_unsupported, token_values)
 
 REDUCTION_CODES = {"max": 0, "mean": 1, "softmax_max": 2, "softmax_mean": 3}

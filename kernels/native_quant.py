@@ -12,7 +12,16 @@ import torch
 
 from ._native_lib import _I64, _P, _fp32_cpu, _lib, _ptr, _rows_contiguous
 
-QUANT_MAX_ROWS = 8  # query rows per KV head the packed-store kernels take (a decode step's GQA group)
+QUANT_MAX_ROWS = 8  # query rows per KV head one call of the packed-store kernels takes (a decode step's GQA group)
+# `channel_scores`, `token_values` and GEAR's extras take more rows in blocks of QUANT_MAX_ROWS, one
+# call each (every call reads the packed store again); `kvpress.kernels.quant.reads_natively`
+# sends reads of up to this many rows per KV head to them under backend="auto" (a verification
+# forward of a few tokens), more to torch
+QUANT_NATIVE_READ_ROWS = 64
+
+
+def _row_blocks(m: int) -> list[tuple[int, int]]:
+    return [(a, min(m, a + QUANT_MAX_ROWS)) for a in range(0, m, QUANT_MAX_ROWS)]
 
 
 def quant_unsupported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> str | None:
@@ -20,8 +29,8 @@ def quant_unsupported(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     or probabilities ``x`` (B, H, M, *), or None when they can."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.stride(3) != 1:
         return "it needs fp32 CPU queries / probabilities (B, H, M, *) with a contiguous last dim"
-    if not 1 <= x.shape[2] <= QUANT_MAX_ROWS:
-        return f"it takes 1 to {QUANT_MAX_ROWS} query rows per KV head (a decode step), got {x.shape[2]}"
+    if x.shape[2] < 1:
+        return "it needs at least one query row"
     if codes.dtype != torch.uint8 or codes.device.type != "cpu" or not _rows_contiguous(codes):
         return "it needs uint8 CPU codes (B, H, T, D * bits / 8) with dense (T, bytes) dims"
     if (scale.dtype != torch.float16 or zero.dtype != torch.float16 or not _rows_contiguous(scale)
@@ -34,9 +43,13 @@ def channel_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
                    group_size: int) -> torch.Tensor:
     """``q @ dequant(k)^T`` for per-channel-quantized keys (`kvpress.kernels.quant.channel_quant_scores`).
 
-    q : fp32 (B, H, M, D), M <= 8; codes (B, H, T, D * bits / 8); scale / zero fp16 (B, H, T / G, D).
+    q : fp32 (B, H, M, D); codes (B, H, T, D * bits / 8); scale / zero fp16 (B, H, T / G, D).
     Returns fp32 (B, H, M, T), unscaled. Inputs checked with `quant_unsupported` by the caller.
+    More than `QUANT_MAX_ROWS` rows run in blocks of that many.
     """
+    if q.shape[2] > QUANT_MAX_ROWS:
+        return torch.cat([channel_scores(q[:, :, a:b], codes, scale, zero, bits, group_size)
+                          for a, b in _row_blocks(q.shape[2])], dim=2)
     lib = _lib()
     q = q.contiguous()
     B, H, M, D = q.shape
@@ -54,10 +67,14 @@ def token_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero
                  group_size: int) -> torch.Tensor:
     """``p @ dequant(v)`` for per-token-quantized values (`kvpress.kernels.quant.token_quant_values`).
 
-    p : fp32 (B, H, M, T) with a contiguous last dim (a slice of wider scores is fine), M <= 8;
+    p : fp32 (B, H, M, T) with a contiguous last dim (a slice of wider scores is fine);
     codes (B, H, T, D * bits / 8); scale / zero fp16 (B, H, T, D / group_size).
     Returns fp32 (B, H, M, D). Inputs checked with `quant_unsupported` by the caller.
+    More than `QUANT_MAX_ROWS` rows run in blocks of that many.
     """
+    if p.shape[2] > QUANT_MAX_ROWS:
+        return torch.cat([token_values(p[:, :, a:b], codes, scale, zero, bits, group_size)
+                          for a, b in _row_blocks(p.shape[2])], dim=2)
     lib = _lib()
     B, H, M, T = p.shape
     if p.stride(0) != H * M * p.stride(2) or p.stride(1) != M * p.stride(2):
@@ -268,9 +285,13 @@ def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, parts: Gea
     token, ``q . sk_i`` at each sink's column (the torch reference is
     `kvpress.policies.gear.GearLayer._quant_scores`).
 
-    s : fp32 (B, H, M, N) contiguous, the packed codes' scores; q : fp32 (B, H, M, D), scaled, M <= 8.
-    Returns ``s``.
+    s : fp32 (B, H, M, N) contiguous, the packed codes' scores; q : fp32 (B, H, M, D), scaled
+    (more than `QUANT_MAX_ROWS` rows in blocks of that many). Returns ``s``.
     """
+    if q.shape[2] > QUANT_MAX_ROWS and s.shape[2] == q.shape[2]:
+        for a, b in _row_blocks(q.shape[2]):
+            s[:, :, a:b] = gear_key_extra(s[:, :, a:b].contiguous(), q[:, :, a:b], group_size, parts)
+        return s
     lib = _lib()
     q = q.contiguous()
     B, H, M, D = q.shape
@@ -293,8 +314,12 @@ def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, parts:
     (the torch reference is `kvpress.policies.gear.GearLayer._quant_output`).
 
     out : fp32 (B, H, M, D) contiguous; p : fp32 (B, H, M, N) probabilities of the N packed tokens
-    with a contiguous last dim, M <= 8. Returns ``out``.
+    with a contiguous last dim (more than `QUANT_MAX_ROWS` rows in blocks of that many). Returns ``out``.
     """
+    if p.shape[2] > QUANT_MAX_ROWS and out.shape[2] == p.shape[2]:
+        for a, b in _row_blocks(p.shape[2]):
+            out[:, :, a:b] = gear_value_extra(out[:, :, a:b].contiguous(), p[:, :, a:b], group_size, parts)
+        return out
     lib = _lib()
     B, H, M, N = p.shape
     D = out.shape[3]

@@ -203,13 +203,13 @@ READ_BACKENDS = ("auto", "torch", "native")
 def reads_natively(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
     """Whether a packed-store read goes through `kvpress.kernels.native`: ``"auto"`` on CPU with
     the kernels built and inputs they take, ``"native"`` always (a ValueError naming why when it
-    cannot). Reads for more than `native.QUANT_MAX_ROWS` query rows per KV head (prefill chunks,
-    not decode steps) take the torch path under either."""
+    cannot). Reads for more than `native.QUANT_NATIVE_READ_ROWS` query rows per KV head (prefill
+    chunks, not decode steps or short verifications) take the torch path under either."""
     if backend not in READ_BACKENDS:
         raise ValueError(f"backend must be one of {READ_BACKENDS}, got {backend!r}")
     from . import native
 
-    if backend == "torch" or (backend == "auto" and x.is_cuda) or (x.dim() == 4 and x.shape[2] > native.QUANT_MAX_ROWS):
+    if backend == "torch" or (backend == "auto" and x.is_cuda) or (x.dim() == 4 and x.shape[2] > native.QUANT_NATIVE_READ_ROWS):
         return False
 
     if backend == "auto" and not native.available():

@@ -35,7 +35,7 @@ def _store(bits, D, G, Gv, B=2, H=3, T=192, seed=0):
 
 
 @pytest.mark.parametrize("bits,D,G,Gv", SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 33])  # more than 8 rows: blocks of 8, one call each
 def test_channel_scores_equal_dequantized_reference(bits, D, G, Gv, M):
     (kc, ks, kz), _ = _store(bits, D, G, Gv)
     q = torch.randn(kc.shape[0], kc.shape[1], M, D, generator=torch.Generator().manual_seed(1))
@@ -46,7 +46,7 @@ def test_channel_scores_equal_dequantized_reference(bits, D, G, Gv, M):
 
 
 @pytest.mark.parametrize("bits,D,G,Gv", SHAPES)
-@pytest.mark.parametrize("M,T", [(1, 192), (3, 200), (8, 72)])
+@pytest.mark.parametrize("M,T", [(1, 192), (3, 200), (8, 72), (33, 72)])
 def test_token_values_equal_dequantized_reference(bits, D, G, Gv, M, T):
     _, (vc, vs, vz) = _store(bits, D, G if T % G == 0 else 8, Gv, T=T)
     gen = torch.Generator().manual_seed(2)
@@ -78,19 +78,22 @@ def test_fp16_subnormal_and_negative_scales_convert_exactly():
     torch.testing.assert_close(token_quant_values(p, codes, vs, vz, bits, 8, backend="native"), ref, atol=1e-2, rtol=1e-5)
 
 
-def test_auto_reads_natively_for_a_decode_step_only(monkeypatch):
+def test_auto_reads_natively_for_a_decode_step_or_a_short_verification_only(monkeypatch):
     (kc, ks, kz), (vc, vs, vz) = _store(4, 64, 32, 32, B=1, H=2, T=64)
     calls = []
     for name in ("channel_scores", "token_values"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    q3, q9 = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 9, 64)
+    many = native.QUANT_NATIVE_READ_ROWS
+    q3, q_many, q_more = (torch.randn(1, 2, m, 64) for m in (3, many, many + 1))
     channel_quant_scores(q3, kc, ks, kz, 4, 32)
     token_quant_values(torch.rand(1, 2, 3, 64), vc, vs, vz, 4, 32)
-    assert calls == ["channel_scores", "token_values"]
-    channel_quant_scores(q9, kc, ks, kz, 4, 32)  # 9 query rows (a prefill chunk): the torch path
+    channel_quant_scores(q_many, kc, ks, kz, 4, 32)  # a few tokens' GQA groups: still native, in blocks
+    assert calls == ["channel_scores", "token_values", "channel_scores"]
+    calls.clear()
+    channel_quant_scores(q_more, kc, ks, kz, 4, 32)  # more rows (a prefill chunk): the torch path
     channel_quant_scores(q3, kc, ks, kz, 4, 32, backend="torch")
-    assert calls == ["channel_scores", "token_values"]
+    assert calls == []
 
 
 @pytest.mark.parametrize("make,match", [
@@ -106,11 +109,12 @@ def test_native_refuses_what_it_cannot_read_with_the_reason(make, match):
 
 
 def test_native_leaves_prefill_chunks_to_torch(monkeypatch):
-    """More than 8 query rows per KV head (a prefill chunk, not a decode step) take the torch path
-    even under ``backend="native"``."""
+    """More than `QUANT_NATIVE_READ_ROWS` query rows per KV head (a prefill chunk, not a decode
+    step or a short verification) take the torch path even under ``backend="native"``."""
     (kc, ks, kz), _ = _store(4, 64, 32, 32, B=1, H=2, T=64)
-    monkeypatch.setattr(native, "channel_scores", lambda *a: pytest.fail("native kernel called for 9 rows"))
-    q = torch.randn(1, 2, 9, 64)
+    rows = native.QUANT_NATIVE_READ_ROWS + 1
+    monkeypatch.setattr(native, "channel_scores", lambda *a: pytest.fail(f"native kernel called for {rows} rows"))
+    q = torch.randn(1, 2, rows, 64)
     ref = q @ dequantize_per_channel(kc, ks, kz, 4, 32).transpose(-1, -2)
     torch.testing.assert_close(channel_quant_scores(q, kc, ks, kz, 4, 32, backend="native"), ref, atol=2e-4, rtol=1e-5)
 
@@ -228,12 +232,13 @@ def _sink_err(sk, start, N):
     return torch.zeros(B, H, N, D).scatter_add_(2, col[:, None, :, None].expand(B, H, S, D), sk.float())
 
 
-@pytest.mark.parametrize("R,J,S", [(1, 1, 2), (2, 2, 0), (0, 1, 0), (2, 0, 3), (0, 0, 2)])
-def test_gear_corrections_equal_their_dense_errors(R, J, S, torch_threads):
+@pytest.mark.parametrize("R,J,S,M", [(1, 1, 2, 3), (2, 2, 0, 3), (0, 1, 0, 3), (2, 0, 3, 3), (0, 0, 2, 3),
+                                     (1, 1, 2, 19)])
+def test_gear_corrections_equal_their_dense_errors(R, J, S, M, torch_threads):
     """GEAR's low-rank chunks, outliers and sink corrections added by the compiled kernels equal
     attention against the dense errors they stand for (0: that part absent); bitwise the same on
-    one and on two threads."""
-    B, H, M, N, D, G = 2, 3, 3, 96, 16, 8
+    one and on two threads; 19 rows run in blocks of 8."""
+    B, H, N, D, G = 2, 3, 96, 16, 8
     low, low_err, k_out, k_err, v_out, v_err = _gear_terms(B, H, N, D, G, max(R, 1), max(J, 1), chunks=[32, 40])
     gen = torch.Generator().manual_seed(3)
     sk, sv = torch.randn(B, H, S, D, generator=gen).half(), torch.randn(B, H, S, D, generator=gen).half()
