@@ -28,7 +28,9 @@ kvpress.evals.bench_quant kernel --device cpu --contexts 8k --threads 1 --clock 
 decode step on CPU (up to 8 query rows per KV head) goes to the compiled kernels of
 `kvpress.kernels.native` instead when they are built (``backend="auto"``; ``"torch"`` keeps this
 path, their reference): each packed row is unpacked in registers once for the whole GQA group,
-never written out (BENCHMARKS "Session 18"). On GPU the Triton kernel (``triton_quant.py``)
+never written out (BENCHMARKS "Session 18"). A forward of a few tokens (up to
+`native.QUANT_NATIVE_READ_ROWS` rows per KV head: an assisted-decoding verification) reads
+natively too, eight rows per call (BENCHMARKS "Session 26"). On GPU the Triton kernel (``triton_quant.py``)
 dequantizes each K/V tile in registers.
 """
 from __future__ import annotations
@@ -229,7 +231,8 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     q : fp32 (B, H, M, D)
         M query rows per KV head (GQA group x query tokens).
     codes, scale, zero : per-channel format, T tokens.
-    backend : "auto" (the native CPU kernel for up to 8 rows when built, else torch), "torch"
+    backend : "auto" (the native CPU kernels for up to `native.QUANT_NATIVE_READ_ROWS` rows, eight
+        per call, when built; else torch), "torch"
         or "native" (`READ_BACKENDS`).
 
     Returns

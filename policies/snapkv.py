@@ -42,8 +42,9 @@ class SnapKVPolicy(Policy):
     A forward of several tokens after the prompt (a new turn, an assisted-decoding verification)
     equals as many decode steps: which slot each token takes does not depend on the queries, so the
     steps' slots are planned first and the queries attend at once, each over the keys its step would
-    see (a 256-token turn after 3840 prompt tokens on SmolLM2: 0.61-0.71 s, ``full`` 1.06-1.25 s;
-    one decode step per token took 2.56 s; BENCHMARKS "Session 26"). A left-padded row still filling
+    see (a 256-token turn after a 4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s;
+    as one decode step per token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``, BENCHMARKS
+    "Session 26"). A left-padded row still filling
     its free slots past the budget, or more prompt evictions than scored prompt tokens, falls back
     to one step per token.
 

@@ -169,3 +169,20 @@ def test_bench_quant_forward_paths_agree_and_time(tmp_path, capsys):
         assert math.isfinite(r["codes_ppl"]) and abs(r["copy_ppl"] / r["codes_ppl"] - 1) < 1e-3, r
     assert "T=20 codes" in capsys.readouterr().out
     assert len((tmp_path / "q.jsonl").read_text().splitlines()) == 9
+
+
+def test_bench_turn_times_a_turn_and_checks_it_against_steps(tmp_path, capsys):
+    from kvpress.evals.bench_turn import main
+
+    out = tmp_path / "turn.jsonl"
+    assert main(["--model", "random-tiny", "--length", "400", "--turn", "40", "--policies", "full,snapkv,window",
+                 "--budget", "64", "--rounds", "2", "--check", "--threads", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["policy_label"] for r in rows] == ["full", "snapkv@64", "window@64"]
+    for r in rows:  # these attend a forward after the prompt as that many decode steps would
+        assert r["turn_tokens"] == 40 and len(r["turn_s_all"]) == 2 and r["turn_s"] > 0
+        assert r["max_abs_logit_diff_vs_steps"] < 1e-4, r
+    assert rows[0]["turn_vs_full"] == 1.0
+    assert "max |dlogit| vs steps" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="turn=1 must be >= 2"):
+        main(["--model", "random-tiny", "--turn", "1"])
