@@ -84,29 +84,39 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
     Tensor (B, H_kv, K, chunk_size, D) on ``device``.
     """
     B, H, C, cs, D = host.shape
-    K = chunk_idx.shape[2]
-    ids = chunk_idx.long()
-    valid = ids >= 0  # (B, H, K)
-    out = torch.zeros(B, H, K, cs, D, dtype=host.dtype, device=device)
-    need = valid
-    if prev_idx is not None and prev_idx.shape[2] and K:
-        match = (ids[..., :, None] == prev_idx.long()[..., None, :]) & valid[..., None]  # (B, H, K, K')
-        found = match.any(-1)
-        src = match.float().argmax(-1)  # (B, H, K) slot of the previous copy
-        reused = torch.gather(prev_values, 2, src[..., None, None].expand(B, H, K, cs, D))
-        out = torch.where(found[..., None, None], reused, out)
-        need = valid & ~found
+    K, BH = chunk_idx.shape[2], B * H
+    ids = chunk_idx.long().view(BH, K)
+    valid = ids >= 0  # (BH, K)
+    rows_of = torch.arange(BH, device=device)[:, None]  # (BH, 1)
+    # every slot is one row of a table [previous values | fetched chunks | a zero row] (one
+    # index_select builds the result: no scatter into zeros, no 5-D gather)
+    K_prev = 0 if prev_idx is None or prev_values is None else prev_idx.shape[2]
+    found = torch.zeros_like(valid)
+    prev_slot = ids  # (unused without a previous step)
+    if K_prev and K:
+        key, order = torch.where(prev_idx >= 0, prev_idx, C).long().view(BH, K_prev).sort(dim=-1)  # -1 -> C, last
+        pos = torch.searchsorted(key, torch.where(valid, ids, C + 1)).clamp_(max=K_prev - 1)
+        found = (key.gather(1, pos) == ids) & valid
+        prev_slot = order.gather(1, pos)  # (BH, K) the previous step's slot of each chunk
         counters.reused_chunks += int(found.sum())
-    flat = ((torch.arange(B * H, device=device).view(B, H, 1) * C) + ids)[need]  # (M,) rows of host.view(-1, cs, D)
+    need = valid & ~found
+    host_rows = (rows_of * C + ids)[need]  # (M,) rows of host.view(-1, cs * D), row-major over (BH, K)
+    M = host_rows.numel()
+    parts = [] if not K_prev else [prev_values.reshape(BH * K_prev, cs * D)]
     fetched_bytes = 0
-    if flat.numel():
-        rows = host.view(B * H * C, cs, D).index_select(0, flat.to(host.device))  # the host-side gather
+    if M:
+        rows = host.view(BH * C, cs * D).index_select(0, host_rows.to(host.device))  # the host-side gather
         if device.type == "cuda":
             rows = rows.pin_memory().to(device, non_blocking=True)
         else:
             rows = rows.to(device)
-        out[need] = rows
+        parts.append(rows)
         fetched_bytes = rows.numel() * rows.element_size()
+    parts.append(torch.zeros(1, cs * D, dtype=host.dtype, device=device))
+    fresh = BH * K_prev + need.view(-1).cumsum(0).view(BH, K) - 1  # row of each fetched chunk in the table
+    index = torch.where(found, rows_of * K_prev + prev_slot, torch.where(need, fresh, BH * K_prev + M))
+    table = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    out = table.index_select(0, index.view(-1)).view(B, H, K, cs, D)
     counters.steps += 1
     counters.requested_chunks += int(valid.sum())
     counters.fetched_bytes += fetched_bytes
