@@ -130,6 +130,20 @@ class CacheLayer(CacheLayerMixin):
     def record_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Called before each forward's new tokens ``k``/``v`` are stored while ``record_past`` is on."""
 
+    def verifies_as_steps(self, n_new: int) -> bool:
+        """Whether a forward of ``n_new`` tokens is assisted decoding's verification: several tokens
+        after the prompt while past recording is on. Layers whose multi-token forward would attend
+        more than their decode steps do (a dense continuation) run it as steps instead
+        (:meth:`attend_as_steps`), so prompt lookup keeps plain decoding's tokens; without past
+        recording (a new turn) they keep attending it as a prompt continuation."""
+        return n_new > 1 and self.seen > 0 and self.record_past and not self.cache.prompt_open
+
+    @staticmethod
+    def attend_as_steps(step, q, k_new, v_new, scaling) -> torch.Tensor:
+        """``step`` (an ``attend`` of one token) for each new token in order; outputs concatenated."""
+        return torch.cat([step(q[:, :, t:t + 1], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1], scaling)
+                          for t in range(k_new.shape[2])], dim=2)
+
     def end_prompt(self) -> None:
         """The prompt given in several forwards is complete (see :meth:`PolicyCache.prompt`)."""
 

@@ -204,6 +204,9 @@ class SinkWindowLayer(RecordingLayer):
         row_start = self._row_start(batch, k_new.device)
         if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
             out = self._decode(q, k_new, v_new, scaling, row_start)
+        elif self.dense_prefill and self.verifies_as_steps(n_new):
+            # (a dense-prefill chunk would let its queries see its earlier tokens beyond the window)
+            return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         elif self.dense_prefill:
             return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
         else:

@@ -56,6 +56,7 @@ class SelectiveLayer(DenseLayer):
         self.budget = budget
         self.tail = ChunkTail(tail_chunk) if tail_chunk else None
         self._validated = False  # sparse_decode checks the first index against the cache only
+        self.forward_start = 0  # sequence index of the current forward's first token
 
     # ------------------------------------------------------------------ hooks
     def on_append(self, start: int, n: int) -> None:
@@ -67,6 +68,16 @@ class SelectiveLayer(DenseLayer):
 
     # ------------------------------------------------------------------ contract
     def attend(self, q, k_new, v_new, scaling):
+        q_start = self.seen
+        n = k_new.shape[2]
+        self.forward_start = q_start
+        if self.verifies_as_steps(n):  # (a new turn attends densely, as a prompt continuation)
+            return self.attend_as_steps(self._attend_one, q, k_new, v_new, scaling)
+        return self._attend_one(q, k_new, v_new, scaling)
+
+    def _attend_one(self, q, k_new, v_new, scaling):
+        """Store ``k_new`` / ``v_new`` and attend ``q``: densely for several tokens (a prompt, a
+        continuation) or when every row fits the budget, else one sparse decode step."""
         q_start = self.seen
         n = k_new.shape[2]
         self.buffer.append(k_new, v_new)

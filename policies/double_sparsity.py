@@ -323,6 +323,8 @@ class DoubleSparsityLayer(DenseLayer):
 
     # ------------------------------------------------------------------ attention
     def attend(self, q, k_new, v_new, scaling):
+        if self.verifies_as_steps(k_new.shape[2]):  # (a new turn attends densely)
+            return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         q_start = self.seen
         self.buffer.append(k_new, v_new)
         self._append_labels(k_new)

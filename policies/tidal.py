@@ -196,14 +196,18 @@ class TidalLayer(SelectiveLayer):
         self.selects = selects
 
     def decode_step(self, q, scaling, lengths):
+        # the selection layer's index per step (sequence length) of the current forward: one, or
+        # several in a verification that runs as steps (`SelectiveLayer.attend`)
         if not self.selects:
-            seen, index = self.cache.step_shared.get("tidal_index", (None, None))
-            if seen != self.seen:
+            index = self.cache.step_shared.get("tidal_index", {}).get(self.seen)
+            if index is None:
                 raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
                                    "layer must run first in the same forward")
             return self.sparse_attend(q, index, scaling)
         out, index = self._attend_and_select(q[:, :, 0], scaling)
-        self.cache.step_shared["tidal_index"] = (self.seen, index)
+        if self.seen - 1 == self.forward_start or "tidal_index" not in self.cache.step_shared:
+            self.cache.step_shared["tidal_index"] = {}  # a new forward: the earlier ones' steps are done
+        self.cache.step_shared["tidal_index"][self.seen] = index
         return out[:, :, None]
 
     def _candidates(self, batch: int, device) -> torch.Tensor:

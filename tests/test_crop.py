@@ -11,9 +11,11 @@ from conftest import contract_model, random_ids, tiny_model
 POLICIES = kvpress.list_policies()
 CROPPABLE = [name for name in POLICIES if kvpress.policy_class(name).croppable]
 PROMPT = 48
-# policies whose forward of several tokens (after the prompt) attends as one-token forwards would:
-# assisted decoding's verification then changes no token (the others attend it more densely)
-ONE_AT_A_TIME = ("full", "window", "streaming", "shadowkv", "snapkv")
+# policies whose forward of several tokens after the prompt, with past recording on (assisted
+# decoding), attends as one-token forwards would: the verification then changes no token (the
+# quantizers attend its tokens unquantized, where steps could read some after a flush)
+ONE_AT_A_TIME = ("full", "window", "streaming", "shadowkv", "snapkv", "quest", "double_sparsity", "tidal",
+                 "exact_topk", "duo")
 
 
 def example(name, adapter):
@@ -93,7 +95,9 @@ def test_crop_takes_back_the_end_of_a_forward(cache_model, name, extra):
     ids = random_ids(PROMPT + extra, seed=11)
     more = random_ids(extra + 2, seed=12)
     got, cache = _forwards(cache_model, policy, [ids, more], [extra, extra])
-    ref, ref_cache = _forwards(cache_model, policy, [ids[:, :PROMPT], more[:, :2]], [0, 0], record=False)
+    # the reference records too (crops of 0): with past recording on a forward after the prompt
+    # attends as decode steps under the selection policies and duo, so its hidden states differ
+    ref, ref_cache = _forwards(cache_model, policy, [ids[:, :PROMPT], more[:, :2]], [0, 0])
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     assert kvpress.cache_stats(cache).tokens == kvpress.cache_stats(ref_cache).tokens == PROMPT + 2 + 3
 
@@ -245,6 +249,29 @@ def test_cut_back_to_a_prefilled_document(llama, name):
         got = llama(q2, use_cache=True, **cache_kwargs(llama, cache)).logits
     ref_cache = kvpress.make_cache(llama, policy)
     with torch.no_grad(), kvpress.apply(llama, policy):
+        ref_cache.activate_past_recording()  # (q2 then attends as steps in both)
         llama(doc, use_cache=True, **cache_kwargs(llama, ref_cache))
         ref = llama(q2, use_cache=True, **cache_kwargs(llama, ref_cache)).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo"])
+def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name):
+    """With past recording on (assisted decoding) a forward of several tokens after the prompt
+    gives the logits of the same tokens fed one at a time; without it (a new turn) it attends
+    as a prompt continuation, which differs once the selection or the window leaves tokens out."""
+    policy = example(name, kvpress.get_adapter(llama))
+    doc, turn = random_ids(PROMPT, seed=31), random_ids(6, seed=32)
+
+    def logits(record, one_at_a_time):
+        cache = kvpress.make_cache(llama, policy)
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            if record:
+                cache.activate_past_recording()
+            llama(doc, use_cache=True, **cache_kwargs(llama, cache))
+            pieces = [turn[:, t:t + 1] for t in range(6)] if one_at_a_time else [turn]
+            return torch.cat([llama(p, use_cache=True, **cache_kwargs(llama, cache)).logits for p in pieces], 1)
+
+    steps = logits(record=False, one_at_a_time=True)
+    torch.testing.assert_close(logits(record=True, one_at_a_time=False), steps, atol=1e-5, rtol=0)
+    assert (logits(record=False, one_at_a_time=False) - steps).abs().max() > 1e-3

@@ -48,9 +48,9 @@ def test_selection_layers_select_and_the_others_reuse(model):
     assert [getattr(l, "selects", None) for l in cache.layers] == [None, True, True, False]
     prefill(cache, 64)
     decode(cache, [0, 1])
-    first = cache.step_shared["tidal_index"][1]
+    first = cache.step_shared["tidal_index"][65]  # the selection for sequence length 65
     decode(cache, [2])
-    refreshed = cache.step_shared["tidal_index"][1]
+    refreshed = cache.step_shared["tidal_index"][65]
     assert refreshed is not first  # the re-selection layer replaced the selection
     assert refreshed.num_attended().tolist() == [[20, 20]]  # sinks + recent + top tokens == budget
     mask = refreshed.token_mask(65)[0]
@@ -69,7 +69,7 @@ def test_selected_tokens_are_the_top_exact_scores(model):
     layer = cache.layers[1]
     q = torch.randn(1, 4, 1, 16)
     out = layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
-    index = cache.step_shared["tidal_index"][1]
+    index = cache.step_shared["tidal_index"][51]
     keys = layer.buffer.keys[0]  # (H_kv, 51, D)
     # the selection layer itself attends every token (its q . k also feeds the selection)
     dense = dense_causal_attention(q, layer.buffer.keys, layer.buffer.values, 0.25, q_start=50)
@@ -86,7 +86,7 @@ def test_shared_selection_gives_every_kv_head_the_tokens_any_head_ranks_highest(
     layer = cache.layers[1]
     q = torch.randn(1, 4, 1, 16)
     layer.attend(q, torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), 0.25)
-    index = cache.step_shared["tidal_index"][1]
+    index = cache.step_shared["tidal_index"][51]
     keys = layer.buffer.keys[0]  # (H_kv, 51, D)
     probs = torch.stack([torch.softmax(q[0, 2 * h : 2 * h + 2, 0] @ keys[h, :50].T * 0.25, -1).amax(0)
                          for h in range(2)]).amax(0)  # group softmax-max, then max over the KV heads
