@@ -33,7 +33,7 @@ from kvpress.compat import cache_kwargs, output_cache
 
 from .models import check_model_name, default_device, load_eval_model
 from .results import MIB, environment, write_jsonl
-from .runner import expand_policies
+from .runner import add_policy_bench_args, expand_policies, policy_bench_setup
 from .tasks.haystack import prose_text
 
 
@@ -168,22 +168,14 @@ def run(model_name: str, policies, *, budget: int | None, length: int, new_token
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpress.evals.bench_assisted", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--policies", default="full,streaming,kivi:bits=4,double_sparsity,shadowkv,snapkv",
-                   help="comma list of policy specs (name:field=value)")
-    p.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: none)")
-    p.add_argument("--length", type=int, default=4096, help="prompt tokens (about)")
+    add_policy_bench_args(p, policies="full,streaming,kivi:bits=4,double_sparsity,shadowkv,snapkv", length=4096)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common = policy_bench_setup(args)
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (the first token comes from the prompt's forward)")
-    run(args.model, [s for s in args.policies.split(",") if s], budget=args.budget or None, length=args.length,
-        new_tokens=args.new_tokens, lookup=args.lookup, out=args.out)
+    run(args.model, common.pop("policies"), new_tokens=args.new_tokens, lookup=args.lookup, **common)
     return 0
 
 

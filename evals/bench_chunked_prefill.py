@@ -33,7 +33,7 @@ from kvpress.compat import output_cache
 from .bench_kernels import parse_ints
 from .models import check_model_name, default_device, load_eval_model
 from .results import MIB, environment, write_jsonl
-from .runner import expand_policies
+from .runner import add_policy_bench_args, expand_policies, policy_bench_setup
 from .tasks import build_input_ids, get_task
 
 
@@ -114,21 +114,14 @@ def run(model_name: str, policies, *, budget: int | None, length: int, chunks: l
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpress.evals.bench_chunked_prefill",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--policies", default="full,kivi:bits=4,streaming,duo,snapkv,shadowkv",
-                   help="comma list of policy specs (name:field=value)")
-    p.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: none)")
-    p.add_argument("--length", type=int, default=8192, help="prompt tokens (about)")
+    add_policy_bench_args(p, policies="full,kivi:bits=4,streaming,duo,snapkv,shadowkv", length=8192)
     p.add_argument("--chunks", default="0,1024", help="prefill_chunk_size values, comma list (0: one forward)")
     p.add_argument("--new-tokens", type=int, default=4)
     p.add_argument("--time", action="store_true", help="also time generate in a run without the profiler")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run(args.model, [s for s in args.policies.split(",") if s], budget=args.budget or None, length=args.length,
-        chunks=parse_ints(args.chunks), new_tokens=args.new_tokens, timed=args.time, out=args.out)
+    common = policy_bench_setup(args)
+    run(args.model, common.pop("policies"), chunks=parse_ints(args.chunks), new_tokens=args.new_tokens,
+        timed=args.time, **common)
     return 0
 
 

@@ -28,7 +28,7 @@ import kvpress
 
 from .models import check_model_name, default_device, load_eval_model
 from .results import environment, write_jsonl
-from .runner import expand_policies
+from .runner import add_policy_bench_args, expand_policies, policy_bench_setup
 from .tasks import build_input_ids, get_task
 
 
@@ -94,20 +94,13 @@ def run(model_name: str, policies, *, budget: int | None, length: int, turn: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvpress.evals.bench_turn", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--policies", default="full,snapkv,shadowkv", help="comma list of policy specs")
-    p.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: none)")
-    p.add_argument("--length", type=int, default=4096, help="prompt tokens (about)")
+    add_policy_bench_args(p, policies="full,snapkv,shadowkv", length=4096)
     p.add_argument("--turn", type=int, default=256, help="tokens of the new turn (>= 2)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of all policies (medians reported)")
     p.add_argument("--check", action="store_true", help="compare the turn's last logits with one token at a time")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=None, help="write the rows as JSON lines here")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run(args.model, [s for s in args.policies.split(",") if s], budget=args.budget or None, length=args.length,
-        turn=args.turn, rounds=args.rounds, check=args.check, out=args.out)
+    common = policy_bench_setup(args)
+    run(args.model, common.pop("policies"), turn=args.turn, rounds=args.rounds, check=args.check, **common)
     return 0
 
 

@@ -392,3 +392,24 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="cell", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def add_policy_bench_args(parser, *, policies: str, length: int) -> None:
+    """The arguments the per-policy benchmark scripts share: ``--model``, ``--policies``,
+    ``--budget``, ``--length``, ``--threads`` and ``--out`` (see `policy_bench_setup`)."""
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--policies", default=policies, help="comma list of policy specs (name:field=value)")
+    parser.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: none)")
+    parser.add_argument("--length", type=int, default=length, help="prompt tokens (about)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the rows as JSON lines here")
+
+
+def policy_bench_setup(args) -> dict:
+    """Apply ``--threads``; the keyword arguments of the scripts' ``run`` from the shared ones."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return {"policies": [s for s in args.policies.split(",") if s], "budget": args.budget or None,
+            "length": args.length, "out": args.out}
