@@ -54,6 +54,29 @@ def whole_cache_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
     return out[:, :, None]
 
 
+def masked_group_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """Grouped queries over keys each query row chooses, through SDPA with a boolean mask.
+
+    Parameters
+    ----------
+    qg : Tensor [B, H_kv, G, T, D]
+        Queries grouped by KV head (query head ``h * G + g`` reads KV head ``h``).
+    k, v : Tensor [B, H_kv, N, D], the dtype of ``qg``
+    visible : bool Tensor [B, H_kv, T, N]
+        Which keys each query row sees (the same for the G heads of a group); every row must see
+        at least one.
+
+    Returns
+    -------
+    Tensor [B, H_kv, G, T, D] in the dtype of ``qg``
+    """
+    B, H, G, T, D = qg.shape
+    mask = visible[:, :, None].expand(B, H, G, T, visible.shape[-1]).reshape(B, H, G * T, visible.shape[-1])
+    out = F.scaled_dot_product_attention(qg.reshape(B, H, G * T, D), k, v, attn_mask=mask, scale=scaling)
+    return out.view(B, H, G, T, D)
+
+
 def dense_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,

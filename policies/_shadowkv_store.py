@@ -22,7 +22,8 @@ class TransferCounters:
     Attributes
     ----------
     steps : int
-        Decode steps that fetched from the host tier.
+        Fetches from the host tier: decode steps, and new turns (which fetch every selectable
+        chunk once for their dense pass).
     requested_chunks : int
         Selected chunks summed over steps, rows and KV heads.
     reused_chunks : int

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpress.attention import dense_causal_attention
+from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import CacheLayer, PromptStage
 from kvpress.kernels import REDUCTIONS, SparseIndex, chunk_landmarks, merge_states, native, sparse_decode
-from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
+from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
@@ -127,6 +127,14 @@ class ShadowKVPolicy(Policy):
     torch 0.46x): per layer its step is mostly the 8x shortlist's rebuild (rank x head_dim
     multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
 
+    Several tokens after the prompt: assisted decoding's verification (past recording on) runs
+    as that many decode steps, so prompt lookup keeps plain decoding's tokens; a new turn (a
+    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation, as
+    for the selection policies: its tokens attend every exact token, every selectable chunk (keys
+    rebuilt, values fetched once: counted as one fetch) and each other densely, then stay as
+    generated tokens (session 26; before, a turn ran as one decode step per token, 4.5x ``full``'s
+    turn at 4k; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26").
+
     A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
     ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
     """
@@ -237,9 +245,10 @@ class ShadowKVLayer(CacheLayer):
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             self._ingest(k_new, v_new)
             return out
-        outs = [self._decode(q[:, :, i : i + 1], k_new[:, :, i : i + 1], v_new[:, :, i : i + 1], scaling)
-                for i in range(q.shape[2])]  # several new tokens: one causal step each
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2]):
+            return self._attend_turn(q, k_new, v_new, scaling)  # a new turn: a prompt continuation
+        # a decode step, or assisted decoding's verification: one causal step per token
+        return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)
 
     def ingest_prefill(self, k, v):
         if not self.is_initialized:
@@ -324,20 +333,67 @@ class ShadowKVLayer(CacheLayer):
                 self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
         self.seen += T
 
+    # ------------------------------------------------------------------ a new turn
+    def _attend_turn(self, q, k_new, v_new, scaling):
+        """Several tokens after the prompt without past recording (a new turn, a continuation):
+        they attend densely, as any policy's prompt continuation does -- every exact token, every
+        selectable chunk (keys rebuilt from the factors with RoPE, values fetched from the host
+        tier, counted as one fetch), the generated tokens and their own earlier tokens -- and are
+        then kept as generated tokens. One pass instead of a decode step per token; the rebuilt
+        keys and fetched values are transient (a layer's worth, like a prefill's)."""
+        p = self.policy
+        B, H_q, T, D = q.shape
+        H, dev = k_new.shape[1], q.device
+        keys, values, seen_by_all = [], [], []  # keys every query of the turn may see, and which are real
+        if self.exact_max:
+            keys.append(self.exact_k)
+            values.append(self.exact_v)
+            seen_by_all.append(torch.arange(self.exact_max, device=dev) < self.exact_cnt[..., None].to(dev))
+        if self.max_selectable:
+            C, cs = self.selectable.shape[-1], p.chunk_size
+            order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
+            ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
+            keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                         chunk_size=cs, backend=p.backend))
+            fetched = fetch_chunks(self.v_host, ids, None, None, self.counters, dev)
+            values.append(fetched.view(B, H, self.max_selectable * cs, D))
+            seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
+        if self.gen_len:
+            keys.append(self.gen_k[:, :, : self.gen_len])
+            values.append(self.gen_v[:, :, : self.gen_len])
+            seen_by_all.append(torch.ones(B, H, self.gen_len, dtype=torch.bool, device=dev))
+        keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
+        seen_by_all = torch.cat(seen_by_all, dim=2)  # (B, H, N0)
+        qg = q.reshape(B, H, H_q // H, T, D)
+        out = q.new_empty(B, H, H_q // H, T, D)
+        steps = torch.arange(T, device=dev)
+        block = 128
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            own = steps[None, :t1] <= steps[t0:t1, None]  # (b, t1) causal over the turn's tokens
+            visible = torch.cat([seen_by_all[:, :, None].expand(-1, -1, t1 - t0, -1),
+                                 own.expand(B, H, -1, -1)], dim=-1)
+            n0 = seen_by_all.shape[2]
+            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys[:, :, : n0 + t1],
+                                                         values[:, :, : n0 + t1], visible, scaling)
+        self._append_generated(k_new, v_new)
+        self.seen += T
+        return out.reshape(B, H_q, T, D).to(q.dtype)
+
     # ------------------------------------------------------------------ decode
     def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        B, H, _, D = k.shape
-        if self.gen_k is None or self.gen_len == self.gen_k.shape[2]:
-            cap = self.gen_len + 64  # grow in 64-token steps: one copy every 64 tokens
+        B, H, n, D = k.shape
+        if self.gen_k is None or self.gen_len + n > self.gen_k.shape[2]:
+            cap = -(-(self.gen_len + n) // 64) * 64  # grow in 64-token steps: one copy every 64 tokens
             # zeros, not empty: a backend reading the unused slots under a -inf mask must not meet NaN (0 * NaN)
             new_k, new_v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
             if self.gen_len:
                 new_k[:, :, : self.gen_len] = self.gen_k[:, :, : self.gen_len]
                 new_v[:, :, : self.gen_len] = self.gen_v[:, :, : self.gen_len]
             self.gen_k, self.gen_v = new_k, new_v
-        self.gen_k[:, :, self.gen_len] = k[:, :, 0]
-        self.gen_v[:, :, self.gen_len] = v[:, :, 0]
-        self.gen_len += 1
+        self.gen_k[:, :, self.gen_len : self.gen_len + n] = k
+        self.gen_v[:, :, self.gen_len : self.gen_len + n] = v
+        self.gen_len += n
 
     def _decode(self, q, k_new, v_new, scaling):
         p = self.policy

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpress.attention import dense_causal_attention
+from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._sparse import check_budget
@@ -359,10 +359,8 @@ class SnapKVLayer(RecordingLayer):
             see_new = (t_k[None, None, None, :] <= t_q[:, None]) & (t_q[:, None] < end_new[:, :, None, lo:t1])
             keys = torch.cat([k_old, k_new[:, :, lo:t1].float()], dim=2)  # (B, H, cap + m, D)
             values = torch.cat([v_old, v_new[:, :, lo:t1].float()], dim=2)
-            logits = (qg[:, :, :, t0:t1] @ keys[:, :, None].transpose(-1, -2)) * scaling  # (B, H, G, b, N)
-            visible = torch.cat([see_old, see_new], dim=-1)[:, :, None]
-            probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
-            out[:, :, :, t0:t1] = probs @ values[:, :, None]
+            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys, values,
+                                                         torch.cat([see_old, see_new], dim=-1), scaling)
         return out.reshape(B, H_q, n, D).to(q.dtype)
 
     def _apply_plan(self, k_new, v_new, slots) -> None:

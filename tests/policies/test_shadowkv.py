@@ -115,17 +115,45 @@ def test_rebuilt_keys_match_original_post_rope_keys(model, rank, min_sqnr):
     assert sqnr > min_sqnr
 
 
-def test_multi_token_forward_after_prefill_equals_one_token_steps(model):
-    pol = policy()
-    ids = random_ids(PROMPT, seed=5)
-    more = random_ids(3, seed=6)
+def _turn_logits(model, pol, ids, more, *, record, one_at_a_time=False, rank_check=False):
+    cache = kvpress.make_cache(model, pol)
     with torch.no_grad(), kvpress.apply(model, pol):
-        a = model(ids, use_cache=True)
-        together = model(more, past_key_values=a.past_key_values, use_cache=True).logits
-        b = model(ids, use_cache=True)
-        steps = [model(more[:, i:i + 1], past_key_values=b.past_key_values, use_cache=True).logits
-                 for i in range(3)]
-    torch.testing.assert_close(together, torch.cat(steps, 1), atol=1e-5, rtol=0)
+        if record:
+            cache.activate_past_recording()
+        model(ids, past_key_values=cache, use_cache=True)
+        pieces = [more[:, i:i + 1] for i in range(more.shape[1])] if one_at_a_time else [more]
+        logits = torch.cat([model(p, past_key_values=cache, use_cache=True).logits for p in pieces], 1)
+    return logits, cache
+
+
+def test_verification_forward_after_prefill_equals_one_token_steps(model):
+    """With past recording on (assisted decoding) several tokens after the prompt run as decode steps."""
+    pol, ids, more = policy(), random_ids(PROMPT, seed=5), random_ids(3, seed=6)
+    together, _ = _turn_logits(model, pol, ids, more, record=True)
+    steps, _ = _turn_logits(model, pol, ids, more, record=False, one_at_a_time=True)
+    torch.testing.assert_close(together, steps, atol=1e-5, rtol=0)
+
+
+def test_new_turn_attends_every_chunk_densely_then_keeps_its_tokens_exact(model):
+    """A new turn (no recording) is a prompt continuation: with exact keys (rank = the key
+    dimension) it equals ``full``'s continuation; its tokens become generated tokens, its fetch of
+    every selectable chunk is counted, and decoding goes on sparsely from there."""
+    ids, more = random_ids(PROMPT, seed=5), random_ids(20, seed=6)
+    exact_keys = policy(rank=32)  # 2 KV heads x head_dim 16
+    turn, cache = _turn_logits(model, exact_keys, ids, more, record=False)
+    full, _ = _turn_logits(model, kvpress.get_policy("full"), ids, more, record=False)
+    torch.testing.assert_close(turn, full, atol=1e-4, rtol=0)
+    layer = cache.layers[1]
+    assert layer.gen_len == 20 and layer.seen == PROMPT + 20
+    chunks = int(layer.selectable.sum())
+    assert layer.counters.steps == 1 and layer.counters.fetched_bytes == chunks * 8 * 16 * 4  # fp32 values
+    # the default rank: every token still sees the whole prompt, unlike one decode step per token
+    low, _ = _turn_logits(model, policy(), ids, more, record=False)
+    steps, _ = _turn_logits(model, policy(), ids, more, record=False, one_at_a_time=True)
+    assert (low - full).abs().max() < (steps - full).abs().max()
+    with torch.no_grad(), kvpress.apply(model, exact_keys):  # decoding goes on (here the generated
+        model(more[:, :1], past_key_values=cache, use_cache=True)  # tokens fill the budget: no chunk)
+    assert layer.gen_len == 21 and layer.seen == PROMPT + 21 and layer.counters.steps == 1
 
 
 def test_low_budget_still_attends_exact_parts(model):
