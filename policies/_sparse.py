@@ -86,7 +86,9 @@ class SelectiveLayer(DenseLayer):
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, self.row_start)
         lengths = self.lengths()
-        if n > 1 or self.dense_step(lengths):
+        # several tokens, or any piece of an open prompt (a one-token last piece included), attend
+        # as a prompt continuation
+        if n > 1 or self.cache.prompt_open or self.dense_step(lengths):
             return dense_causal_attention(
                 q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
             )

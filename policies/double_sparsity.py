@@ -332,7 +332,7 @@ class DoubleSparsityLayer(DenseLayer):
         row_start = self.row_start
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, row_start)
-        if q.shape[2] > 1 or self._budget_covers(row_start):
+        if q.shape[2] > 1 or self.cache.prompt_open or self._budget_covers(row_start):
             # prefill (full attention, as the paper), or every real token fits in the budget
             return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
                                           q_start=q_start, row_start=row_start)

@@ -245,8 +245,9 @@ class ShadowKVLayer(CacheLayer):
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             self._ingest(k_new, v_new)
             return out
-        if q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2]):
-            return self._attend_turn(q, k_new, v_new, scaling)  # a new turn: a prompt continuation
+        if self.cache.prompt_open or (q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2])):
+            # a new turn (any piece of one, a one-token last piece included): a prompt continuation
+            return self._attend_turn(q, k_new, v_new, scaling)
         # a decode step, or assisted decoding's verification: one causal step per token
         return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)
 

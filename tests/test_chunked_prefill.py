@@ -51,7 +51,7 @@ def assert_same_run(a, b):
 
 
 @pytest.mark.parametrize("name", EXACT)
-@pytest.mark.parametrize("chunk", [16, 7])
+@pytest.mark.parametrize("chunk", [16, 7, 47])  # 47: a last piece of one token
 def test_chunked_prefill_ends_as_one_forward(model, name, chunk):
     ids = random_ids(PROMPT)
     policy = example(name, model)
@@ -176,12 +176,13 @@ def test_a_new_turn_in_pieces_ends_as_one_forward_of_it(model, name, padding):
     ids, mask = padded_batch(padding)
     policy = example(name, model)
     runs = []
-    for chunk in (None, 16):
+    for chunk in (None, 16, 20):  # the turn's 41 new tokens: 16 + 16 + 9, or 20 + 20 + a piece of one
         first = generate(model, ids, policy, attention_mask=mask)
         turn = torch.cat([first.sequences, random_ids(40, batch=2, seed=5)], dim=1)
         turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
         runs.append(generate(model, turn, policy, chunk, attention_mask=turn_mask, past_key_values=first.past_key_values))
-    assert_same_run(*runs)
+    assert_same_run(runs[0], runs[1])
+    assert_same_run(runs[0], runs[2])
 
 
 @pytest.mark.parametrize("fields", [dict(prefill="chunked", prefill_chunk_size=8), dict(prefill="streaming")],
