@@ -364,7 +364,7 @@ class ShadowKVLayer(CacheLayer):
             values.append(self.gen_v[:, :, : self.gen_len])
             seen_by_all.append(torch.ones(B, H, self.gen_len, dtype=torch.bool, device=dev))
         keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
-        seen_by_all = torch.cat(seen_by_all, dim=2)  # (B, H, N0)
+        seen_by_all = torch.cat(seen_by_all + [torch.zeros(B, H, 0, dtype=torch.bool, device=dev)], dim=2)  # (B, H, N0)
         qg = q.reshape(B, H, H_q // H, T, D)
         out = q.new_empty(B, H, H_q // H, T, D)
         steps = torch.arange(T, device=dev)
