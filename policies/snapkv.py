@@ -44,8 +44,8 @@ class SnapKVPolicy(Policy):
     steps' slots are planned first and the queries attend at once, each over the keys its step would
     see (a 256-token turn after a 4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s;
     as one decode step per token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``, BENCHMARKS
-    "Session 26"). A left-padded row still filling
-    its free slots past the budget, or more prompt evictions than scored prompt tokens, falls back
+    "Session 26"). Left-padded rows filling their free slots are planned too; more evictions by
+    score than a row has scored prompt tokens (a budget barely above ``window_size``) falls back
     to one step per token.
 
     A prompt in several forwards (``generate(prefill_chunk_size=N)``, `PolicyCache.prompt`) is
@@ -290,17 +290,21 @@ class SnapKVLayer(RecordingLayer):
         """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.
 
         Returns long ``(B, H_kv, n)``, after growing the buffers as those calls would; or None
-        (nothing changed) where the plan does not apply -- a left-padded row still filling its free
-        slots once the budget is reached, or fewer scored prompt tokens than the steps that evict
-        one -- and the caller stores token by token.
+        (nothing changed) where a row has fewer scored prompt tokens than the steps that evict one
+        by score, and the caller stores token by token. Per row, once the rows stop growing: a
+        shorter left-padded row first fills the free slots before its tokens (last first), then,
+        as a full row, evicts its lowest-scored prompt tokens while the token leaving the recent
+        window is a prompt token, then the generated token leaving it.
         """
         p = self.policy
+        W, seen = p.window_size, self.seen
         grow = min(n, p.budget - self.filled)  # steps that append while the rows grow
-        if n > grow and int(self.kept.min()) < self.filled:
-            return None  # a shorter row fills the free slot before its tokens: token by token
-        first_victim = self.seen + grow  # position of the first token that evicts
-        by_score = min(n - grow, max(0, self.prompt_len + p.window_size - first_victim))
-        if by_score and int(torch.isfinite(self.score).sum(-1).min()) < by_score:
+        free = (self.filled - self.kept).clamp(min=0)  # (B,) free slots before each row's tokens
+        full_at = grow + free  # (B,) first step at which each row evicts
+        by_prompt = self.prompt_len + W - seen  # steps before this one see a prompt token leave the window
+        by_score = (min(n, by_prompt) - full_at).clamp(min=0)  # (B,) evictions by score per row
+        need = int(by_score.max()) if n > grow else 0
+        if need and bool((torch.isfinite(self.score).sum(-1) < by_score[:, None]).any()):
             return None  # the observation window or generated tokens would be evicted: token by token
         cap = self.k.shape[2]
         while cap < self.filled + grow:
@@ -311,18 +315,31 @@ class SnapKVLayer(RecordingLayer):
         dev = self.pos.device
         slots = torch.empty(B, H, n, dtype=torch.long, device=dev)
         slots[:, :, :grow] = self.filled + torch.arange(grow, device=dev)
-        if by_score:  # lowest score first, ties by slot (argmin's order); evicted slots score +inf
-            slots[:, :, grow:grow + by_score] = torch.sort(self.score, dim=-1, stable=True).indices[:, :, :by_score]
-        t = grow + by_score
-        while t < n:  # the generated token at position seen + t - window_size leaves
-            leaving = self.seen + t - p.window_size
-            if leaving < self.seen:  # stored before this forward: where it is
-                c = min(n - t, self.seen - leaving)
+        if n == grow:
+            return slots
+        steps = torch.arange(grow, n, device=dev)  # (m,)
+        filling = steps[None, :] < full_at[:, None]  # (B, m) a free slot: the one before the row's tokens
+        free_slot = free[:, None] - 1 - (steps[None, :] - grow)
+        scored = ~filling & (steps[None, :] < by_prompt)  # (B, m) the next lowest-scored prompt token
+        score_slot = free_slot  # (placeholder where no row evicts by score)
+        if need:  # lowest score first, ties by slot (argmin's order); evicted slots score +inf
+            order = torch.sort(self.score, dim=-1, stable=True).indices  # (B, H, cap)
+            rank = (steps[None, :] - full_at[:, None]).clamp(0, need - 1)  # (B, m)
+            score_slot = order.gather(2, rank[:, None, :].expand(B, H, -1))
+        t = grow
+        while t < n:  # otherwise the generated token at position seen + t - W leaves: its slot
+            leaving = seen + t - W
+            if leaving < seen:  # stored before this forward: where it is
+                c = min(n - t, seen - leaving)
                 wanted = torch.arange(leaving, leaving + c, device=dev)
-                slots[:, :, t:t + c] = (self.pos[:, :, None, :] == wanted[:, None]).to(torch.int8).argmax(-1)
+                leave = (self.pos[:, :, None, :] == wanted[:, None]).to(torch.int8).argmax(-1)
             else:  # a token of this forward: the slot it took
-                c = min(n - t, p.window_size)
-                slots[:, :, t:t + c] = slots[:, :, t - p.window_size:t - p.window_size + c]
+                c = min(n - t, W)
+                leave = slots[:, :, t - W:t - W + c]
+            a, b = t - grow, t - grow + c
+            pick = lambda x: x[:, None, a:b] if x.dim() == 2 else x[:, :, a:b]  # noqa: E731
+            slots[:, :, t:t + c] = torch.where(pick(filling), pick(free_slot),
+                                               torch.where(pick(scored), pick(score_slot), leave))
             t += c
         return slots
 

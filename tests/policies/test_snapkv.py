@@ -186,7 +186,10 @@ def _same_state(a, b):
     (3, 60, 1, None, {}, True),     # prompt shorter than the window
     (60, 30, 2, [0, 5], {}, True),  # padding, both rows over the budget
     (9, 8, 2, [0, 3], {}, True),    # padding while the rows grow
-    (60, 30, 2, [0, 50], {}, False),  # a short padded row fills its free slots: token by token
+    (60, 30, 2, [0, 50], {}, True),  # a short padded row fills its free slots first, then evicts
+    (60, 3, 2, [0, 50], {}, True),  # ... only free slots
+    (9, 40, 2, [0, 3], {}, True),  # growth, then the padded row fills its free slots
+    (60, 30, 2, [0, 50], {"budget": 6}, False),  # fewer scored prompt tokens than evictions
     (60, 30, 1, None, {"budget": 6}, False),  # fewer scored prompt tokens than evictions
 ])
 def test_several_tokens_after_the_prompt_equal_as_many_decode_steps(model, length, extra, batch, row_start,
