@@ -25,6 +25,7 @@ import time
 import torch
 
 import kvpress
+from kvpress.compat import cache_kwargs
 
 from .models import check_model_name, default_device, load_eval_model
 from .results import environment, write_jsonl
@@ -35,7 +36,7 @@ from .tasks import build_input_ids, get_task
 def _prefilled(model, policy, prompt):
     cache = kvpress.make_cache(model, policy)
     t0 = time.perf_counter()
-    model(prompt, past_key_values=cache, use_cache=True)
+    model(prompt, use_cache=True, **cache_kwargs(model, cache))
     return cache, time.perf_counter() - t0
 
 
@@ -63,12 +64,12 @@ def run(model_name: str, policies, *, budget: int | None, length: int, turn: int
                 with kvpress.apply(model, v.policy):
                     cache, prefill[v.label] = _prefilled(model, v.policy, prompt)
                     t0 = time.perf_counter()
-                    logits = model(new, past_key_values=cache, use_cache=True).logits[0, -1]
+                    logits = model(new, use_cache=True, **cache_kwargs(model, cache)).logits[0, -1]
                     times[v.label].append(time.perf_counter() - t0)
                     if check and r == 0:
                         steps, _ = _prefilled(model, v.policy, prompt)
                         for t in range(turn):
-                            last = model(new[:, t:t + 1], past_key_values=steps, use_cache=True).logits[0, -1]
+                            last = model(new[:, t:t + 1], use_cache=True, **cache_kwargs(model, steps)).logits[0, -1]
                         diffs[v.label] = float((logits.float() - last.float()).abs().max())
     width = max([24] + [len(v.label) for v in variants])
     header = (f"{'policy':<{width}} {'prefill s':>9} {'turn s':>8} {'ms/token':>9} {'vs full':>8}"

@@ -25,7 +25,8 @@ that would start too late is skipped and says so):
 ``prefill``   ``bench_prefill``: the sliding-window layers' prefill (SDPA over query chunks against
               the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk;
               then ``bench_chunked_prefill`` at 32k: peak memory of generate with the prompt in one
-              forward or in 4096-token chunks, per policy
+              forward or in 4096-token chunks, per policy; then ``bench_turn`` at 8k: a 256-token
+              new turn's forward per policy against ``full``'s
 
 Everything lands in ``--out``: ``suite.log`` (all output), ``summary.txt`` (each stage's status
 and the tail of its table, also printed last) and ``results.tar.gz`` (the stages' JSON / CSV).
@@ -121,7 +122,11 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
                 # peak memory of generate with the prompt in one forward or in chunks (prefill_chunk_size)
                 py + ["kvpress.evals.bench_chunked_prefill", "--model", model, *chunked, "--new-tokens", "4",
                       "--policies", "full,kivi,streaming,snapkv,shadowkv", "--time",
-                      "--out", str(work / "prefill" / "chunked_prefill.jsonl")]]
+                      "--out", str(work / "prefill" / "chunked_prefill.jsonl")],
+                # a new turn's forward after the prompt (session 26: snapkv planned, shadowkv dense)
+                py + ["kvpress.evals.bench_turn", "--model", model, "--length", "1024" if smoke else "8192",
+                      "--turn", "40" if smoke else "256", "--budget", "96" if smoke else "1024",
+                      "--policies", "full,snapkv,shadowkv,quest,kivi", "--out", str(work / "prefill" / "turn.jsonl")]]
     raise ValueError(f"unknown stage {stage!r}; allowed: {', '.join(STAGES)}")
 
 
