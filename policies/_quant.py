@@ -62,6 +62,12 @@ class QuantWindowLayer(CacheLayer):
     # score-sized temporaries a subclass's `_quant_scores` / `_quant_output` hold per block (GEAR's
     # rank-wide corrections): the query blocks of a multi-token forward shrink by this factor
     score_block_factor = 1
+    # Whether a flush can be taken back (`_flush_state` / `_unflush`): the packed store only grows
+    # at ``n_quant`` and nothing else depends on the steps' queries. Then assisted decoding's
+    # verification flushes where decode steps would (`_attend_across_flushes`), so it keeps plain
+    # decoding's tokens; otherwise (ZipCache: saliency from the probes) its tokens are all read
+    # unquantized and its flush waits for `crop`.
+    undoable_flush = False
 
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
         super().__init__(cache, layer_idx)
@@ -71,6 +77,7 @@ class QuantWindowLayer(CacheLayer):
         self.win_len = 0
         self.n_quant = 0
         self._recorded = 0  # tokens of the latest forward while its flush waits for `crop`
+        self._undo: list[tuple] = []  # flushes inside the recorded forward: (after step, n_quant, k, v, state)
 
     # ------------------------------------------------------------------ subclass hooks
     def _flush(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -97,6 +104,13 @@ class QuantWindowLayer(CacheLayer):
         come in any order, since every packed token precedes every query."""
         return False
 
+    def _flush_state(self):
+        """What a flush changes besides the packed store's length (taken before an undoable flush)."""
+        return None
+
+    def _unflush(self, state) -> None:
+        """Take back the latest flush's side state (`_flush_state`); ``n_quant`` is reset by the caller."""
+
     def _lse_rows(self, q_start: int, T: int) -> torch.Tensor | None:
         """bool (T,): the rows of a ``T``-token forward starting at ``q_start`` whose log-sum-exp
         `_after_attend` reads (None: none); the other rows' log-sum-exp is NaN there."""
@@ -116,6 +130,31 @@ class QuantWindowLayer(CacheLayer):
 
     # ------------------------------------------------------------------ CacheLayer API
     def attend(self, q, k_new, v_new, scaling):
+        T = q.shape[2]
+        if self.undoable_flush and self.seen and self.verifies_as_steps(T):
+            first = self.residual_length + self.flush_unit - self.win_len - 1  # decode steps flush after this one
+            if 0 <= first < T - 1:
+                return self._attend_across_flushes(q, k_new, v_new, scaling, first)
+        return self._attend_forward(q, k_new, v_new, scaling)
+
+    def _attend_across_flushes(self, q, k_new, v_new, scaling, first: int) -> torch.Tensor:
+        """Assisted decoding's verification crossing the window's flush point: decode steps read
+        the flushed tokens quantized from the step after the flush on, so the forward runs in
+        segments with each flush between them, recorded (`_undo`) so that `crop` can take back a
+        flush that only rejected tokens reached."""
+        T, outs, a, cut = q.shape[2], [], 0, first + 1
+        while a < T:
+            b = min(T, cut)
+            outs.append(self._attend_forward(q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b], scaling))
+            if b < T:
+                n = self.flush_unit
+                self._undo.append((b - 1, self.n_quant, self.k_win[:, :, :n].clone(), self.v_win[:, :, :n].clone(),
+                                   self._flush_state()))
+                self._flush_window()
+            a, cut = b, b + self.flush_unit
+        return torch.cat(outs, dim=2)
+
+    def _attend_forward(self, q, k_new, v_new, scaling):
         if self.seen == 0:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             self._prefill(q, k_new, v_new, scaling)
@@ -305,6 +344,7 @@ class QuantWindowLayer(CacheLayer):
     # ------------------------------------------------------------------ crop
     def record_forward(self, k, v):
         self._recorded = k.shape[2]
+        self._undo = []  # an earlier forward's flushes are final
 
     def removable(self) -> int:
         return self._recorded
@@ -313,12 +353,26 @@ class QuantWindowLayer(CacheLayer):
         return self._record_hint()
 
     def remove_latest(self, n):
+        kept = self._recorded - n
         self._recorded = 0
+        while self._undo and self._undo[-1][0] >= kept:  # a flush after a step that is taken back
+            _, n_quant, k, v, state = self._undo.pop()
+            self.n_quant = n_quant
+            self._unflush(state)
+            self._prepend_window(k, v)
+        self._undo = []
         if n:
             self.win_len -= n
             self.seen -= n
         self._after_crop(n)
         self._maybe_flush()
+
+    def _prepend_window(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put flushed tokens ``k`` / ``v`` (B, H, n, D) back in front of the window."""
+        k_all = torch.cat([k, self.k_win[:, :, : self.win_len]], dim=2)
+        v_all = torch.cat([v, self.v_win[:, :, : self.win_len]], dim=2)
+        self.win_len = 0
+        self._append(k_all, v_all)
 
     def _after_crop(self, n: int) -> None:
         """Hook: the latest forward lost its last ``n`` tokens (window cut, not flushed yet)."""
@@ -326,6 +380,10 @@ class QuantWindowLayer(CacheLayer):
     def _maybe_flush(self) -> None:
         if self._recorded:  # a recorded forward: flush at `crop`, once its kept tokens are known
             return
+        self._flush_window()
+
+    def _flush_window(self) -> None:
+        """Quantize the window's oldest ``flush_unit``-multiples beyond ``residual_length``."""
         excess = self.win_len - self.residual_length
         n = excess // self.flush_unit * self.flush_unit if excess >= self.flush_unit else 0
         if n:

@@ -252,6 +252,17 @@ class GearLayer(QuantWindowLayer):
         self.chunk_starts.append(start)
         self._chunk_ids = self._chunk_bounds = None
 
+    undoable_flush = True  # a flush appends codes, factors and outliers at n_quant and one chunk start
+
+    def _flush_state(self):
+        return len(self.chunk_starts), None if self.sk is None else (self.sk.clone(), self.sv.clone())
+
+    def _unflush(self, state) -> None:
+        chunks, sinks = state
+        del self.chunk_starts[chunks:]
+        self._chunk_ids = self._chunk_bounds = None
+        self.sk, self.sv = (None, None) if sinks is None else sinks
+
     # ------------------------------------------------------------------ attention
     def _chunk_of_token(self, device) -> torch.Tensor:
         if self._chunk_ids is None:

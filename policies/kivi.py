@@ -171,6 +171,14 @@ class KiviLayer(QuantWindowLayer):
         self.ks = append_tokens(self.ks, start // g, ks, grow=max(1, 256 // g))
         self.kz = append_tokens(self.kz, start // g, kz, grow=max(1, 256 // g))
 
+    undoable_flush = True  # a flush appends codes at n_quant (and may fill the exact sinks)
+
+    def _flush_state(self):
+        return None if self.sk is None else (self.sk.clone(), self.sv.clone())
+
+    def _unflush(self, state) -> None:
+        self.sk, self.sv = (None, None) if state is None else state
+
     def _sink_columns(self, batch: int, device):
         """Packed column of each sink (B, S), clamped into range, and whether it is flushed (B, S)."""
         pos = self.sink_positions(self.sink_tokens, batch, device)

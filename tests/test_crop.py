@@ -12,10 +12,10 @@ POLICIES = kvpress.list_policies()
 CROPPABLE = [name for name in POLICIES if kvpress.policy_class(name).croppable]
 PROMPT = 48
 # policies whose forward of several tokens after the prompt, with past recording on (assisted
-# decoding), attends as one-token forwards would: the verification then changes no token (the
-# quantizers attend its tokens unquantized, where steps could read some after a flush)
+# decoding), attends as one-token forwards would: the verification then changes no token (zipcache
+# attends its tokens unquantized, where steps could read some after a flush)
 ONE_AT_A_TIME = ("full", "window", "streaming", "shadowkv", "snapkv", "quest", "double_sparsity", "tidal",
-                 "exact_topk", "duo")
+                 "exact_topk", "duo", "kivi", "gear")
 
 
 def example(name, adapter):
@@ -255,13 +255,15 @@ def test_cut_back_to_a_prefilled_document(llama, name):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo"])
+@pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo", "kivi", "gear"])
 def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name):
     """With past recording on (assisted decoding) a forward of several tokens after the prompt
     gives the logits of the same tokens fed one at a time; without it (a new turn) it attends
-    as a prompt continuation, which differs once the selection or the window leaves tokens out."""
+    as a prompt continuation, which differs once the selection or the window leaves tokens out.
+    12 tokens cross the examples' quantized windows' flush point (16 + 8 tokens, 16 after the
+    prompt): steps read the flushed tokens quantized from there on, and so does the verification."""
     policy = example(name, kvpress.get_adapter(llama))
-    doc, turn = random_ids(PROMPT, seed=31), random_ids(6, seed=32)
+    doc, turn = random_ids(PROMPT, seed=31), random_ids(12, seed=32)
 
     def logits(record, one_at_a_time):
         cache = kvpress.make_cache(llama, policy)
@@ -269,9 +271,44 @@ def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name
             if record:
                 cache.activate_past_recording()
             llama(doc, use_cache=True, **cache_kwargs(llama, cache))
-            pieces = [turn[:, t:t + 1] for t in range(6)] if one_at_a_time else [turn]
+            if record:
+                cache.crop(0)  # as assisted decoding does after each forward (a quantized window flushes)
+            pieces = [turn[:, t:t + 1] for t in range(12)] if one_at_a_time else [turn]
             return torch.cat([llama(p, use_cache=True, **cache_kwargs(llama, cache)).logits for p in pieces], 1)
 
     steps = logits(record=False, one_at_a_time=True)
     torch.testing.assert_close(logits(record=True, one_at_a_time=False), steps, atol=1e-5, rtol=0)
     assert (logits(record=False, one_at_a_time=False) - steps).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["kivi", "gear"])
+@pytest.mark.parametrize("keep", [3, 10])
+def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
+    """A verification of 12 tokens flushes after its 8th (where decode steps would); cropped to 3
+    tokens that flush is taken back, cropped to 10 it stays: either way the first layer (whose keys
+    do not depend on attention) holds exactly what decode steps of the kept tokens leave."""
+    policy = example(name, kvpress.get_adapter(llama))
+    doc, turn = random_ids(PROMPT, seed=33), random_ids(12, seed=34)
+    caches = []
+    for record in (True, False):
+        cache = kvpress.make_cache(llama, policy)
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            if record:
+                cache.activate_past_recording()
+            llama(doc, use_cache=True, **cache_kwargs(llama, cache))
+            if record:
+                cache.crop(0)
+                llama(turn, use_cache=True, **cache_kwargs(llama, cache))
+                cache.crop(-(12 - keep))
+            else:
+                for t in range(keep):
+                    llama(turn[:, t:t + 1], use_cache=True, **cache_kwargs(llama, cache))
+        caches.append(cache.layers[0])
+    got, ref = caches
+    assert (got.n_quant, got.win_len, got.seen) == (ref.n_quant, ref.win_len, ref.seen)
+    assert got.n_quant == PROMPT - 16 + (8 if keep == 10 else 0)  # (the examples' windows: 16 + 8)
+    # the packed store as attention reads it (codes, sinks, GEAR's corrections) and the window; a
+    # 12-row projection rounds a little differently from a 1-row one (1e-7), nothing more
+    for a, b in zip(*(layer._dequantized(layer.k_win[:, :, :layer.win_len].float(),
+                                         layer.v_win[:, :, :layer.win_len].float()) for layer in (got, ref))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
