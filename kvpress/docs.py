@@ -13,6 +13,8 @@ def policy_table() -> str:
 
     yes = {True: "yes", False: "no"}
     chunked = {True: "as one forward", False: "reads quantized pieces"}
+    assisted = {(True, True): "as plain decoding", (True, False): "yes (tokens may differ)", (False, True): "no",
+                (False, False): "no"}
     lines = ["| policy | what it does | paper | keeps full cache | prefill is full attention | assisted decoding "
              "| chunked prefill |",
              "|---|---|---|---|---|---|---|"]
@@ -20,7 +22,8 @@ def policy_table() -> str:
         cls = kvpress.policy_class(name)
         lines.append(
             f"| `{name}` | {cls.description} | {cls.paper or '-'} | {yes[cls.keeps_full_cache]} | "
-            f"{yes[cls.full_prefill]} | {yes[cls.croppable]} | {chunked[cls.chunked_prompt_exact]} |"
+            f"{yes[cls.full_prefill]} | {assisted[cls.croppable, cls.verifies_as_decoding]} | "
+            f"{chunked[cls.chunked_prompt_exact]} |"
         )
     return "\n".join(lines)
 

@@ -43,6 +43,11 @@ class Policy:
         which assisted decoding (``generate(assistant_model=...)``,
         ``generate(prompt_lookup_num_tokens=...)``) does after every draft verification; see
         :meth:`kvpress.cache.CacheLayer.crop`. The contract tests check the layers agree.
+    ``verifies_as_decoding``
+        With past recording on, a forward of several tokens after the prompt (assisted decoding's
+        verification) attends as that many decode steps would, so assisted decoding keeps plain
+        decoding's greedy tokens (`tests/test_crop.py`). False for ZipCache, which reads a
+        verification's tokens unquantized (its flush waits for the crop).
     ``chunked_prompt_exact``
         A prompt given in several forwards (``generate(prefill_chunk_size=N)``, or
         :meth:`kvpress.cache.PolicyCache.prompt`) leaves the cache and outputs one forward of the
@@ -58,6 +63,7 @@ class Policy:
     keeps_full_cache: ClassVar[bool] = True
     needs_artifact: ClassVar[bool] = False
     croppable: ClassVar[bool] = False
+    verifies_as_decoding: ClassVar[bool] = True
     chunked_prompt_exact: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

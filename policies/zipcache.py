@@ -81,6 +81,7 @@ class ZipCachePolicy(Policy):
     description = "mixed 4/2-bit KV quantization of salient / other tokens, probe-query saliency (ZipCache)"
     paper = "arXiv 2405.14256"
     full_prefill = False
+    verifies_as_decoding = False  # a verification reads its tokens unquantized (flush at the crop)
     keeps_full_cache = False
     croppable = True
     chunked_prompt_exact = False  # prompt pieces read the quantized cache, each draws its own probes

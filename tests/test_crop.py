@@ -14,8 +14,7 @@ PROMPT = 48
 # policies whose forward of several tokens after the prompt, with past recording on (assisted
 # decoding), attends as one-token forwards would: the verification then changes no token (zipcache
 # attends its tokens unquantized, where steps could read some after a flush)
-ONE_AT_A_TIME = ("full", "window", "streaming", "shadowkv", "snapkv", "quest", "double_sparsity", "tidal",
-                 "exact_topk", "duo", "kivi", "gear")
+ONE_AT_A_TIME = [name for name in CROPPABLE if kvpress.policy_class(name).verifies_as_decoding]
 
 
 def example(name, adapter):
