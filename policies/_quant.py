@@ -63,10 +63,9 @@ class QuantWindowLayer(CacheLayer):
     # rank-wide corrections): the query blocks of a multi-token forward shrink by this factor
     score_block_factor = 1
     # Whether a flush can be taken back (`_flush_state` / `_unflush`): the packed store only grows
-    # at ``n_quant`` and nothing else depends on the steps' queries. Then assisted decoding's
-    # verification flushes where decode steps would (`_attend_across_flushes`), so it keeps plain
-    # decoding's tokens; otherwise (ZipCache: saliency from the probes) its tokens are all read
-    # unquantized and its flush waits for `crop`.
+    # at ``n_quant``. Then assisted decoding's verification flushes where decode steps would
+    # (`_attend_across_flushes`), so it keeps plain decoding's tokens; otherwise its tokens are
+    # all read unquantized and its flush waits for `crop`.
     undoable_flush = False
 
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):

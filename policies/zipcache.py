@@ -81,7 +81,6 @@ class ZipCachePolicy(Policy):
     description = "mixed 4/2-bit KV quantization of salient / other tokens, probe-query saliency (ZipCache)"
     paper = "arXiv 2405.14256"
     full_prefill = False
-    verifies_as_decoding = False  # a verification reads its tokens unquantized (flush at the crop)
     keeps_full_cache = False
     croppable = True
     chunked_prompt_exact = False  # prompt pieces read the quantized cache, each draws its own probes
@@ -262,14 +261,23 @@ class ZipCacheLayer(QuantWindowLayer):
         else:
             _, q, lse, q_start, scaling = record
             keep = self.seen - q_start
-            self._after_attend(q[:, :, :keep], lse[:, :, :keep], q_start, scaling)
+            self._after_attend(q[:, :, :keep], lse[:, :, :keep], q_start, scaling, as_steps=True)
 
-    def _after_attend(self, q, lse, q_start, scaling):
-        if self._recorded and q_start:
-            self._forward_q = ("step", q, lse, q_start, scaling)
+    def _after_attend(self, q, lse, q_start, scaling, as_steps: bool = False):
+        verification = bool(self._recorded and q_start)  # assisted decoding's: probes as its decode steps'
+        if verification:
+            prev = self._forward_q
+            if prev is not None and prev[0] == "step" and prev[3] + prev[1].shape[2] == q_start:
+                # a later segment of the same verification (`_attend_across_flushes`): all its queries
+                self._forward_q = ("step", torch.cat([prev[1], q], 2), torch.cat([prev[2], lse], 2), prev[3], scaling)
+            else:
+                self._forward_q = ("step", q, lse, q_start, scaling)
         T = q.shape[2]
         pos = torch.arange(q_start, q_start + T, device=q.device)
-        rand = self._random_probes(q_start, T, q.device)
+        if verification or as_steps:  # a one-token step draws no random probe (none of its rows is older)
+            rand = torch.zeros(T, dtype=torch.bool, device=q.device)
+        else:
+            rand = self._random_probes(q_start, T, q.device)
         if self.probe_q is None:
             self._keep_probes(q, lse, pos, rand)
             return
@@ -301,6 +309,17 @@ class ZipCacheLayer(QuantWindowLayer):
         return sal if pad is None else sal.masked_fill(pad[:, None, :], float("-inf"))
 
     # ------------------------------------------------------------------ storage
+    # a flush appends to the two stores (and sets the value normaliser once); the saliency it
+    # reads comes from the probes of the steps before it, which a segmented verification has
+    undoable_flush = True
+
+    def _flush_state(self):
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
+        return self.hi.n, clone(self.hi.pad), self.lo.n, clone(self.lo.pad), self.vn
+
+    def _unflush(self, state) -> None:
+        self.hi.n, self.hi.pad, self.lo.n, self.lo.pad, self.vn = state
+
     def _flush(self, k, v, start):
         B, H, n, D = k.shape
         g = self.p.group_size

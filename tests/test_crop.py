@@ -254,7 +254,8 @@ def test_cut_back_to_a_prefilled_document(llama, name):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo", "kivi", "gear"])
+@pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo", "kivi", "gear",
+                                  "zipcache"])
 def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name):
     """With past recording on (assisted decoding) a forward of several tokens after the prompt
     gives the logits of the same tokens fed one at a time; without it (a new turn) it attends
@@ -280,7 +281,7 @@ def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name
     assert (logits(record=False, one_at_a_time=False) - steps).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["kivi", "gear"])
+@pytest.mark.parametrize("name", ["kivi", "gear", "zipcache"])
 @pytest.mark.parametrize("keep", [3, 10])
 def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
     """A verification of 12 tokens flushes after its 8th (where decode steps would); cropped to 3
@@ -311,3 +312,7 @@ def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
     for a, b in zip(*(layer._dequantized(layer.k_win[:, :, :layer.win_len].float(),
                                          layer.v_win[:, :, :layer.win_len].float()) for layer in (got, ref))):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    if name == "zipcache":  # the probes the next flush's saliency reads: the kept steps' queries
+        assert torch.equal(got.probe_pos, ref.probe_pos) and torch.equal(got.probe_rand, ref.probe_rand)
+        torch.testing.assert_close(got.probe_q, ref.probe_q, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.probe_lse, ref.probe_lse, atol=1e-5, rtol=0)
