@@ -254,6 +254,19 @@ def test_cut_back_to_a_prefilled_document(llama, name):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def _after_prompt(model, policy, doc, record):
+    """A cache holding the prompt ``doc``; with ``record`` it records each forward and the prompt's
+    is ended by ``crop(0)``, as assisted decoding does after each forward (a quantized window flushes)."""
+    cache = kvpress.make_cache(model, policy)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        if record:
+            cache.activate_past_recording()
+        model(doc, use_cache=True, **cache_kwargs(model, cache))
+        if record:
+            cache.crop(0)
+    return cache
+
+
 @pytest.mark.parametrize("name", ["quest", "double_sparsity", "tidal", "exact_topk", "duo", "kivi", "gear",
                                   "zipcache"])
 def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name):
@@ -266,13 +279,8 @@ def test_verification_attends_as_decode_steps_and_a_new_turn_densely(llama, name
     doc, turn = random_ids(PROMPT, seed=31), random_ids(12, seed=32)
 
     def logits(record, one_at_a_time):
-        cache = kvpress.make_cache(llama, policy)
+        cache = _after_prompt(llama, policy, doc, record)
         with torch.no_grad(), kvpress.apply(llama, policy):
-            if record:
-                cache.activate_past_recording()
-            llama(doc, use_cache=True, **cache_kwargs(llama, cache))
-            if record:
-                cache.crop(0)  # as assisted decoding does after each forward (a quantized window flushes)
             pieces = [turn[:, t:t + 1] for t in range(12)] if one_at_a_time else [turn]
             return torch.cat([llama(p, use_cache=True, **cache_kwargs(llama, cache)).logits for p in pieces], 1)
 
@@ -291,13 +299,9 @@ def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
     doc, turn = random_ids(PROMPT, seed=33), random_ids(12, seed=34)
     caches = []
     for record in (True, False):
-        cache = kvpress.make_cache(llama, policy)
+        cache = _after_prompt(llama, policy, doc, record)
         with torch.no_grad(), kvpress.apply(llama, policy):
             if record:
-                cache.activate_past_recording()
-            llama(doc, use_cache=True, **cache_kwargs(llama, cache))
-            if record:
-                cache.crop(0)
                 llama(turn, use_cache=True, **cache_kwargs(llama, cache))
                 cache.crop(-(12 - keep))
             else:
