@@ -160,9 +160,9 @@ class SnapKVLayer(RecordingLayer):
                 out = self._attend_planned(q, k_new, v_new, scaling, slots)
                 self._apply_plan(k_new, v_new, slots)
                 return out
-        outs = [self._decode(q[:, :, t : t + 1], k_new[:, :, t : t + 1], v_new[:, :, t : t + 1], scaling)
-                for t in range(n)]  # where the plan does not apply: one token at a time
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        if n == 1:
+            return self._decode(q, k_new, v_new, scaling)
+        return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)  # where the plan does not apply
 
     def end_prompt(self) -> None:
         stage, self._stage = self._stage, None

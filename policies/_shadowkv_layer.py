@@ -1,0 +1,385 @@
+"""The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): prefill factorisation, per-step
+sparse rebuild with the host value tier, a new turn's dense pass, crop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from kvpress.attention import dense_causal_attention, masked_group_attention
+from kvpress.cache import CacheLayer, PromptStage
+from kvpress.kernels import SparseIndex, chunk_landmarks, merge_states, native, sparse_decode
+from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
+
+from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
+from ._shadowkv_store import TransferCounters, default_rank, fetch_chunks, low_rank, to_host
+
+if TYPE_CHECKING:
+    from .shadowkv import ShadowKVPolicy
+
+
+class ShadowKVLayer(CacheLayer):
+    """Per-layer ShadowKV state (see :class:`ShadowKVPolicy`).
+
+    Token axis of the prompt state: the prompt of ``T`` tokens is padded at the front by
+    ``shift = (-T) % chunk_size`` so chunks align with the end of the prompt; padded token
+    ``t`` is sequence index ``t - shift``, and row ``b``'s RoPE position is ``t - rope_start[b]``.
+    Aligning on the end (not on index 0) makes a left-padded row chunk exactly like the same
+    prompt run alone.
+
+    Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
+    (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
+    with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
+    the previous step's fetched chunks ``sel_idx``/``sel_values``, and with ``tail_chunk`` the
+    value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier: ``v_host``
+    (B, H_kv, C, chunk_size, D). Transfers: ``counters`` (:class:`TransferCounters`).
+    """
+
+    croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
+    _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "exact_k", "exact_v", "exact_idx",
+              "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
+
+    def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
+        super().__init__(cache, layer_idx)
+        self.policy = policy
+        self.max_attended = 0  # most tokens one KV head attended in a decode step
+        self.counters = TransferCounters()
+        self._inv_freq = None
+        self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
+        self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
+        self._clear()
+
+    def _clear(self) -> None:
+        """No prompt, no generated tokens (a new layer, or a prompt forward taken back)."""
+        for name in self._STATE:
+            setattr(self, name, None)
+        self.v_host = None
+        self.gen_len = 0
+        self.exact_max = 0  # most exact tokens of any (row, KV head)
+        self.max_selectable = 0
+        self.exact_mode = False
+        self._exact_cnt_cpu = self._sel_cnt_cpu = None
+        self.seen = 0
+
+    # ------------------------------------------------------------------ prefill
+    def attend(self, q, k_new, v_new, scaling):
+        if self.cache.prompt_open and (self.seen == 0 or self._stage is not None):  # factorised at its end
+            if self._stage is None:
+                self._stage = PromptStage()
+            self.seen += k_new.shape[2]
+            return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
+        if self.seen == 0:
+            out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
+            self._ingest(k_new, v_new)
+            return out
+        if self.cache.prompt_open or (q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2])):
+            # a new turn (any piece of one, a one-token last piece included): a prompt continuation
+            return self._attend_turn(q, k_new, v_new, scaling)
+        # a decode step, or assisted decoding's verification: one causal step per token
+        return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)
+
+    def ingest_prefill(self, k, v):
+        if not self.is_initialized:
+            self.lazy_initialization(k, v)
+        self._ingest(k, v)
+
+    def end_prompt(self) -> None:
+        stage, self._stage = self._stage, None
+        if stage is not None:  # the whole prompt, as one forward would have left it
+            self.seen = 0
+            self._ingest(stage.buffer.keys, stage.buffer.values)
+
+    @torch.no_grad()
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        p, adapter = self.policy, self.cache.adapter
+        B, H, T, D = k.shape
+        cs, dev = p.chunk_size, k.device
+        shift = (-T) % cs
+        C = (T + shift) // cs
+        rs = self.row_start
+        rs = torch.zeros(B, dtype=torch.long, device=dev) if rs is None else rs.to(dev)
+        rope_start = rs + shift  # (B,) padded index of each row's first real token
+        kp = F.pad(k, (0, 0, shift, 0))  # (B, H, T_pad, D)
+        vp = F.pad(v, (0, 0, shift, 0))
+        tok = torch.arange(C * cs, device=dev)
+        real = tok[None, :] >= rope_start[:, None]  # (B, T_pad)
+        chunk = torch.arange(C, device=dev)
+        n_win = -(-p.local_window // cs)
+        win_first = max(C - n_win, 0)
+        first_full = (rope_start + cs - 1) // cs  # (B,) first chunk without padding
+        middle = (chunk[None, :] >= first_full[:, None]) & (chunk[None, :] < win_first)  # (B, C)
+        # A row whose prompt fits the budget keeps every chunk exact (decided per row, so a padded
+        # row of a batch behaves like the same prompt alone); other rows keep `outlier_chunks`.
+        row_exact = p.budget >= T - rs  # (B,)
+        out_cnt = torch.where(row_exact, middle.sum(1), middle.sum(1).clamp(max=p.outlier_chunks))  # (B,)
+        n_out = int(out_cnt.max()) if B else 0
+        self.exact_mode = bool(row_exact.all())
+
+        landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
+        # Outliers: chunks whose landmark represents its keys worst (lowest min cosine similarity).
+        cos = F.cosine_similarity(kp.float().view(B, H, C, cs, D), landmarks.float()[:, :, :, None], dim=-1)
+        cos = cos.masked_fill(~real.view(B, 1, C, cs), float("inf")).amin(-1)  # (B, H, C)
+        cos = cos.masked_fill(~middle[:, None], float("inf"))
+        out_score, out_ids = torch.topk(-cos, n_out, dim=-1)  # (B, H, n_out)
+        out_ok = torch.isfinite(out_score) & (torch.arange(n_out, device=dev) < out_cnt[:, None, None])
+        is_outlier = torch.zeros(B, H, C + 1, dtype=torch.bool, device=dev)
+        is_outlier.scatter_(2, torch.where(out_ok, out_ids, torch.full_like(out_ids, C)), True)
+        selectable = middle[:, None] & ~is_outlier[:, :, :C]  # (B, H, C)
+
+        # Exact tokens: the partial chunk at the row start, the outliers, the window chunks.
+        head = (first_full - 1)[:, None, None].expand(B, H, 1)
+        head_ok = (head >= 0) & (head < win_first)
+        win = torch.arange(win_first, C, device=dev).view(1, 1, -1).expand(B, H, -1)
+        ex_chunks = torch.cat([head, out_ids, win], dim=2)  # (B, H, N_ex)
+        ex_ok = torch.cat([head_ok, out_ok, torch.ones_like(win, dtype=torch.bool)], dim=2)
+        pos = (ex_chunks.clamp(min=0)[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, N_ex*cs)
+        ok = ex_ok.repeat_interleave(cs, dim=2) & torch.gather(real[:, None].expand(B, H, -1), 2, pos)
+        order = torch.sort((~ok).to(torch.int8), dim=2, stable=True).indices  # valid slots first
+        cnt = ok.sum(2)  # (B, H)
+        E = int(cnt.max()) if B else 0
+        pos = torch.gather(pos, 2, order[..., :E])  # (B, H, E)
+        gidx = pos[..., None].expand(B, H, E, D)
+        self.exact_k = torch.gather(kp, 2, gidx).contiguous()
+        self.exact_v = torch.gather(vp, 2, gidx).contiguous()
+        slots = torch.arange(E, device=dev)
+        self.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)  # (B, H, E)
+        self.exact_cnt = cnt.to(torch.int32)
+        self.exact_max = E
+        self._exact_cnt_cpu = cnt.cpu()  # (B, H) per-head budgets, read on the host: no sync per step
+        self._sel_cnt_cpu = selectable.sum(-1).cpu()
+
+        self.max_selectable = int(selectable.sum(-1).max()) if B else 0
+        if self.max_selectable:
+            self.landmarks, self.selectable, self.rope_start = landmarks, selectable, rope_start
+            # Pre-RoPE keys (exact inverse rotation), padding zeroed.
+            k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
+            k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
+            rank = default_rank(H * D) if p.rank is None else p.rank
+            self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
+            self.v_host = to_host(vp.view(B, H, C, cs, D))
+            if p.tail_chunk:
+                self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
+        self.seen += T
+
+    # ------------------------------------------------------------------ a new turn
+    def _attend_turn(self, q, k_new, v_new, scaling):
+        """Several tokens after the prompt without past recording (a new turn, a continuation):
+        they attend densely, as any policy's prompt continuation does -- every exact token, every
+        selectable chunk (keys rebuilt from the factors with RoPE, values fetched from the host
+        tier, counted as one fetch), the generated tokens and their own earlier tokens -- and are
+        then kept as generated tokens. One pass instead of a decode step per token; the rebuilt
+        keys and fetched values are transient (a layer's worth, like a prefill's)."""
+        p = self.policy
+        B, H_q, T, D = q.shape
+        H, dev = k_new.shape[1], q.device
+        keys, values, seen_by_all = [], [], []  # keys every query of the turn may see, and which are real
+        if self.exact_max:
+            keys.append(self.exact_k)
+            values.append(self.exact_v)
+            seen_by_all.append(torch.arange(self.exact_max, device=dev) < self.exact_cnt[..., None].to(dev))
+        if self.max_selectable:
+            C, cs = self.selectable.shape[-1], p.chunk_size
+            order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
+            ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
+            keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                         chunk_size=cs, backend=p.backend))
+            fetched = fetch_chunks(self.v_host, ids, None, None, self.counters, dev)
+            values.append(fetched.view(B, H, self.max_selectable * cs, D))
+            seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
+        if self.gen_len:
+            keys.append(self.gen_k[:, :, : self.gen_len])
+            values.append(self.gen_v[:, :, : self.gen_len])
+            seen_by_all.append(torch.ones(B, H, self.gen_len, dtype=torch.bool, device=dev))
+        keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
+        seen_by_all = torch.cat(seen_by_all + [torch.zeros(B, H, 0, dtype=torch.bool, device=dev)], dim=2)  # (B, H, N0)
+        qg = q.reshape(B, H, H_q // H, T, D)
+        out = q.new_empty(B, H, H_q // H, T, D)
+        steps = torch.arange(T, device=dev)
+        block = 128
+        for t0 in range(0, T, block):
+            t1 = min(T, t0 + block)
+            own = steps[None, :t1] <= steps[t0:t1, None]  # (b, t1) causal over the turn's tokens
+            visible = torch.cat([seen_by_all[:, :, None].expand(-1, -1, t1 - t0, -1),
+                                 own.expand(B, H, -1, -1)], dim=-1)
+            n0 = seen_by_all.shape[2]
+            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys[:, :, : n0 + t1],
+                                                         values[:, :, : n0 + t1], visible, scaling)
+        self._append_generated(k_new, v_new)
+        self.seen += T
+        return out.reshape(B, H_q, T, D).to(q.dtype)
+
+    # ------------------------------------------------------------------ decode
+    def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, H, n, D = k.shape
+        if self.gen_k is None or self.gen_len + n > self.gen_k.shape[2]:
+            cap = -(-(self.gen_len + n) // 64) * 64  # grow in 64-token steps: one copy every 64 tokens
+            # zeros, not empty: a backend reading the unused slots under a -inf mask must not meet NaN (0 * NaN)
+            new_k, new_v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
+            if self.gen_len:
+                new_k[:, :, : self.gen_len] = self.gen_k[:, :, : self.gen_len]
+                new_v[:, :, : self.gen_len] = self.gen_v[:, :, : self.gen_len]
+            self.gen_k, self.gen_v = new_k, new_v
+        self.gen_k[:, :, self.gen_len : self.gen_len + n] = k
+        self.gen_v[:, :, self.gen_len : self.gen_len + n] = v
+        self.gen_len += n
+
+    def _decode(self, q, k_new, v_new, scaling):
+        p = self.policy
+        self._append_generated(k_new, v_new)
+        self.seen += 1
+        q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
+        # chunks each (row, KV head) may add: what its own exact tokens and the generated ones leave
+        allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
+        allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
+        k_sel = int(allow.max()) if allow.numel() else 0
+        if self._native_step_ok(q0):
+            out, lse, ids, values = self._native_step(q0, k_sel, allow, scaling)
+        else:
+            out, lse, ids, values = self._torch_step(q0, k_sel, allow, scaling)
+        if p.tail_chunk and self.max_selectable:
+            o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
+                                 chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
+            out, lse = merge_states(out, lse, o.to(out.dtype), l)
+        attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
+        self.max_attended = max(self.max_attended, attended + self.gen_len)
+        return out[:, :, None]
+
+    def _torch_step(self, q0, k_sel, allow, scaling):
+        """Generated tokens, exact tokens and selected chunks, each through `sparse_decode`, merged."""
+        B, _, D = q0.shape
+        H, dev = self.gen_k.shape[1], q0.device
+        full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
+        gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
+        out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._decode_backend,
+                                 validate_index=False)
+        if self.exact_max:
+            index = SparseIndex(1, self.exact_idx, self.exact_cnt, full(self.exact_max))
+            o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
+                                 validate_index=False)
+            out, lse = merge_states(out, lse, o, l)
+        ids = values = None
+        if k_sel:
+            o, l, ids, values = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
+            out, lse = merge_states(out, lse, o, l)
+        return out, lse, ids, values
+
+    def _native_step_ok(self, q0: torch.Tensor) -> bool:
+        """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
+        return (self.policy.backend == "auto" and q0.device.type == "cpu" and q0.dtype == torch.float32
+                and self.gen_k.dtype == torch.float32 and q0.shape[1] // self.gen_k.shape[1] <= 8 and native.available()
+                and (self.landmarks is None
+                     or native.shadowkv_unsupported(q0, self.landmarks, self.factor, self.basis) is None))
+
+    def _native_step(self, q0, k_sel, allow, scaling):
+        """`native.shadowkv_select` (selection and the chosen chunks' keys), the values fetched, then
+        `native.attend_rows` over generated tokens, exact tokens and chosen chunks under one softmax."""
+        p = self.policy
+        B, _, D = q0.shape
+        H, cs = self.gen_k.shape[1], p.chunk_size
+        sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
+        if self.exact_max:
+            sets.append((self.exact_k, self.exact_v, self.exact_cnt, self.exact_max))
+        ids = values = None
+        if k_sel:
+            n_cand = min(k_sel * p.rerank, self.max_selectable)
+            ids, keys = native.shadowkv_select(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                                               self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
+                                               shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                                               reduction=p.score_reduction)
+            values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
+            self.sel_idx, self.sel_values = ids, values
+            rows = (ids >= 0).sum(-1).to(torch.int32) * cs
+            sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
+        out, lse = native.attend_rows(q0, sets, scale=scaling)
+        return out, lse, ids, values
+
+    def _attend_selected(self, q0, k_sel, allow, scaling):
+        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head: rebuild their keys, fetch their values, attend."""
+        p = self.policy
+        B, H, _, D = self.landmarks.shape
+        cs, dev = p.chunk_size, q0.device
+        n_cand = min(k_sel * p.rerank, self.max_selectable)
+        ids, keys = select_chunks(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                                  self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
+                                  shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                                  reduction=p.score_reduction, backend=p.backend)
+        values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
+        self.sel_idx, self.sel_values = ids, values
+        cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
+        slots = torch.arange(k_sel, device=dev, dtype=torch.int32)
+        index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
+                            torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
+        out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
+                                 backend=self._decode_backend, validate_index=False)
+        return out, lse, ids, values
+
+    @property
+    def _decode_backend(self) -> str:
+        # "triton" for the rebuild still lets sparse_decode fall back to torch for unsupported head_dims
+        return "torch" if self.policy.backend == "torch" else "auto"
+
+    def _rope_inv_freq(self, device) -> torch.Tensor:
+        if self._inv_freq is None or self._inv_freq.device != device:
+            self._inv_freq = self.cache.adapter.inv_freq(device)
+        return self._inv_freq
+
+    # ------------------------------------------------------------------ crop
+    def record_forward(self, k, v):
+        # the prompt's forward (assisted decoding's first one also holds draft tokens) is taken
+        # back by ingesting the kept tokens again; later forwards only add generated tokens
+        self._prompt_record = (k, v) if self.seen == 0 else None
+
+    def removable(self) -> int:
+        return self._prompt_record[0].shape[2] if self._prompt_record is not None else self.gen_len
+
+    def _removable_hint(self) -> str:
+        return " (the generated tokens; the prompt only right after its forward, with past recording on)"
+
+    def remove_latest(self, n):
+        record, self._prompt_record = self._prompt_record, None
+        if not n:
+            return
+        if record is not None:  # the whole latest forward was the prompt: ingest what it keeps again
+            k, v = record
+            self._clear()
+            if k.shape[2] > n:
+                self._ingest(k[:, :, : k.shape[2] - n], v[:, :, : k.shape[2] - n])
+            return
+        self.gen_len -= n
+        self.gen_k[:, :, self.gen_len : self.gen_len + n] = 0
+        self.gen_v[:, :, self.gen_len : self.gen_len + n] = 0
+        self.seen -= n
+
+    # ------------------------------------------------------------------ bookkeeping
+    def state_tensors(self):
+        staged = {} if self._stage is None else self._stage.state_tensors()
+        return {**{name: getattr(self, name) for name in self._STATE}, **staged}
+
+    def host_tensors(self):
+        return {"v_host": self.v_host}
+
+    def batch_select(self, indices: torch.Tensor) -> None:
+        super().batch_select(indices)
+        # the per-head budget tables live on the host (read each step without a device sync)
+        host_idx = indices.cpu()
+        if self._exact_cnt_cpu is not None:
+            self._exact_cnt_cpu = self._exact_cnt_cpu.index_select(0, host_idx)
+            self._sel_cnt_cpu = self._sel_cnt_cpu.index_select(0, host_idx)
+
+    def transfer_stats(self) -> dict:
+        """Host -> device traffic of this layer: steps, chunks, bytes per step, reuse rate."""
+        return self.counters.as_dict()
+
+    def stored_tokens(self) -> int:
+        return self.seen  # every token is represented (exactly, low-rank + host, or generated)
+
+    def cached_elements(self) -> int:
+        if self._stage is not None:
+            return self._stage.cached_elements()
+        if self.exact_k is None:
+            return 0
+        b, h, _, d = self.exact_k.shape
+        return 2 * b * h * self.seen * d
+
