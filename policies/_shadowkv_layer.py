@@ -14,7 +14,7 @@ from kvpress.kernels import SparseIndex, chunk_landmarks, merge_states, native, 
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
-from ._shadowkv_store import TransferCounters, default_rank, fetch_chunks, low_rank, to_host
+from ._shadowkv_store import TransferCounters, append_host, default_rank, fetch_chunks, low_rank, to_host
 
 if TYPE_CHECKING:
     from .shadowkv import ShadowKVPolicy
@@ -38,8 +38,11 @@ class ShadowKVLayer(CacheLayer):
     """
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
-    _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "exact_k", "exact_v", "exact_idx",
-              "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
+    _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
+              "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
+    # what a fold replaces (`_fold`), held while a recorded forward may still be cropped
+    _FOLDED = _STATE + ("v_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
+                        "_exact_cnt_cpu", "_sel_cnt_cpu")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
         super().__init__(cache, layer_idx)
@@ -49,6 +52,7 @@ class ShadowKVLayer(CacheLayer):
         self._inv_freq = None
         self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
         self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
+        self._fold_undo: list[tuple[int, dict]] = []  # folds of the recorded forward: (seen before, state)
         self._clear()
 
     def _clear(self) -> None:
@@ -60,6 +64,7 @@ class ShadowKVLayer(CacheLayer):
         self.exact_max = 0  # most exact tokens of any (row, KV head)
         self.max_selectable = 0
         self.exact_mode = False
+        self.n_chunks = 0  # chunks of the store's token axis: the padded prompt's, then folded ones
         self._exact_cnt_cpu = self._sel_cnt_cpu = None
         self.seen = 0
 
@@ -116,6 +121,7 @@ class ShadowKVLayer(CacheLayer):
         out_cnt = torch.where(row_exact, middle.sum(1), middle.sum(1).clamp(max=p.outlier_chunks))  # (B,)
         n_out = int(out_cnt.max()) if B else 0
         self.exact_mode = bool(row_exact.all())
+        self.row_exact, self.rope_start, self.n_chunks = row_exact, rope_start, C
 
         landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
         # Outliers: chunks whose landmark represents its keys worst (lowest min cosine similarity).
@@ -151,8 +157,10 @@ class ShadowKVLayer(CacheLayer):
         self._sel_cnt_cpu = selectable.sum(-1).cpu()
 
         self.max_selectable = int(selectable.sum(-1).max()) if B else 0
+        # a row that keeps its prompt exact takes its basis from the first tokens it folds, as alone
+        self.has_basis = ~row_exact if self.max_selectable else torch.zeros_like(row_exact)
         if self.max_selectable:
-            self.landmarks, self.selectable, self.rope_start = landmarks, selectable, rope_start
+            self.landmarks, self.selectable = landmarks, selectable
             # Pre-RoPE keys (exact inverse rotation), padding zeroed.
             k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
             k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
@@ -210,6 +218,93 @@ class ShadowKVLayer(CacheLayer):
         self.seen += T
         return out.reshape(B, H_q, T, D).to(q.dtype)
 
+    # ------------------------------------------------------------------ folding
+    @torch.no_grad()
+    def _fold(self, f: int) -> None:
+        """Move the oldest ``f`` generated tokens (whole chunks) into the store (`ShadowKVPolicy.fold_size`).
+
+        Each is placed on the chunk grid after the prompt (padded index ``n_chunks * chunk_size``
+        on), so positions, chunk ids and tail groups continue the prompt's. Rows whose tokens up
+        to the fold's end still fit the budget add them to their exact tokens; every row gets the
+        chunk entries (the exact rows' not selectable) so the grid stays one for the batch.
+        """
+        p, cs = self.policy, self.policy.chunk_size
+        k, v = self.gen_k[:, :, :f], self.gen_v[:, :, :f]  # (B, H, f, D)
+        B, H, _, D = k.shape
+        dev, nf, start = k.device, f // cs, self.n_chunks * cs
+        stays_exact = self.row_exact & (p.budget >= start + f - self.rope_start)  # (B,)
+        if bool(stays_exact.any()):
+            self._add_exact(k, v, stays_exact)
+        if not bool(stays_exact.all()):
+            self._add_chunks(k, v, ~stays_exact)
+        self.row_exact, self.exact_mode = stays_exact, bool(stays_exact.all())
+        self.n_chunks += nf
+        keep = self.gen_len - f  # new tensors (not a shift in place): an undo keeps the old ones
+        cap = max(64, -(-keep // 64) * 64)
+        gen_k, gen_v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
+        gen_k[:, :, :keep] = self.gen_k[:, :, f : self.gen_len]
+        gen_v[:, :, :keep] = self.gen_v[:, :, f : self.gen_len]
+        self.gen_k, self.gen_v, self.gen_len = gen_k, gen_v, keep
+
+    def _add_exact(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append ``k``/``v`` (B, H, f, D) to the exact tokens of ``rows`` (B,) bool."""
+        B, H, f, D = k.shape
+        cnt = self.exact_cnt.long()  # (B, H)
+        new_cnt = cnt + rows[:, None].long() * f
+        E = int(new_cnt.max())
+        slot = torch.where(rows[:, None, None], cnt[..., None] + torch.arange(f, device=k.device), E)  # spare: E
+        out = []
+        for old, new in ((self.exact_k, k), (self.exact_v, v)):
+            t = new.new_zeros(B, H, E + 1, D)
+            t[:, :, : old.shape[2]] = old
+            out.append(t.scatter_(2, slot[..., None].expand(-1, -1, -1, D), new)[:, :, :E].contiguous())
+        self.exact_k, self.exact_v = out
+        slots = torch.arange(E, device=k.device)
+        self.exact_idx = torch.where(slots < new_cnt[..., None], slots, -1).to(torch.int32)
+        self.exact_cnt, self.exact_max = new_cnt.to(torch.int32), E
+        self._exact_cnt_cpu = new_cnt.cpu()
+
+    def _add_chunks(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Append ``k``/``v`` (B, H, f, D) as chunks (selectable for ``rows`` (B,) bool): factors on
+        the layer's basis, landmarks, values to the host tier (and their tail group sums)."""
+        p, adapter = self.policy, self.cache.adapter
+        B, H, f, D = k.shape
+        cs, dev = p.chunk_size, k.device
+        nf, start, C0 = f // cs, self.n_chunks * cs, self.n_chunks
+        pos = start + torch.arange(f, device=dev)[None, :] - self.rope_start[:, None]  # (B, f) RoPE positions
+        k_pre = adapter.invert_rope(k, pos[:, None, :]).float().permute(0, 2, 1, 3).reshape(B, f, H * D)
+        if self.factor is None:  # no chunks yet (every prompt fit the budget): empty entries for the prompt's
+            rank = min(default_rank(H * D) if p.rank is None else p.rank, H * D)
+            self.factor = k.new_zeros(B, start, rank)
+            self.basis = k.new_zeros(B, rank, H, D)
+            self.landmarks = k.new_zeros(B, H, C0, D)
+            self.selectable = torch.zeros(B, H, C0, dtype=torch.bool, device=dev)
+            self.v_host = to_host(v.new_zeros(B, H, C0, cs, D))
+            if p.tail_chunk:
+                self.tail_v_sum = tail_value_sums(v.new_zeros(B, H, C0, cs, D), self.selectable, p.tail_chunk)
+        R = self.factor.shape[2]
+        # factors on each row's basis (orthonormal rows from the SVD): (B, f, R)
+        factor = (k_pre @ self.basis.float().reshape(B, R, H * D).transpose(1, 2)).to(self.factor.dtype)
+        need = rows & ~self.has_basis  # rows whose first chunks these are: factored on their own keys
+        if bool(need.any()):
+            idx = need.nonzero().squeeze(1)
+            f_new, b_new = low_rank(k_pre[idx], torch.zeros(idx.numel(), dtype=torch.long, device=dev), R, H,
+                                    self.factor.dtype)
+            factor[idx] = f_new
+            self.basis = self.basis.index_copy(0, idx, b_new)  # a new tensor: an undo keeps the old one
+            self.has_basis = self.has_basis | need
+        self.factor = torch.cat([self.factor, factor], dim=1)
+        selectable = rows[:, None, None].expand(B, H, nf)
+        self.landmarks = torch.cat([self.landmarks, chunk_landmarks(k, cs)], dim=2)
+        self.selectable = torch.cat([self.selectable, selectable], dim=2)
+        self.v_host = append_host(self.v_host, v.reshape(B, H, nf, cs, D))
+        if p.tail_chunk:  # fold_size is a multiple of tail_chunk: whole groups, aligned as the prompt's
+            self.tail_v_sum = torch.cat([self.tail_v_sum, tail_value_sums(v.reshape(B, H, nf, cs, D), selectable,
+                                                                          p.tail_chunk)], dim=2)
+        sel_cnt = self.selectable.sum(-1)
+        self._sel_cnt_cpu = sel_cnt.cpu()
+        self.max_selectable = int(self._sel_cnt_cpu.max())
+
     # ------------------------------------------------------------------ decode
     def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
         B, H, n, D = k.shape
@@ -227,6 +322,10 @@ class ShadowKVLayer(CacheLayer):
 
     def _decode(self, q, k_new, v_new, scaling):
         p = self.policy
+        if p.fold_size and self.gen_len >= p.local_window + p.fold_size:
+            if self.record_past:  # a verification's step: `crop` may take it back
+                self._fold_undo.append((self.seen, {name: getattr(self, name) for name in self._FOLDED}))
+            self._fold((self.gen_len - p.local_window) // p.fold_size * p.fold_size)
         self._append_generated(k_new, v_new)
         self.seen += 1
         q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
@@ -330,15 +429,22 @@ class ShadowKVLayer(CacheLayer):
         # the prompt's forward (assisted decoding's first one also holds draft tokens) is taken
         # back by ingesting the kept tokens again; later forwards only add generated tokens
         self._prompt_record = (k, v) if self.seen == 0 else None
+        self._fold_undo = []  # an earlier forward's folds are final
 
     def removable(self) -> int:
-        return self._prompt_record[0].shape[2] if self._prompt_record is not None else self.gen_len
+        if self._prompt_record is not None:
+            return self._prompt_record[0].shape[2]
+        if self._fold_undo:  # undoing the forward's folds gives back the tokens they took
+            seen, state = self._fold_undo[0]
+            return self.seen - seen + state["gen_len"]
+        return self.gen_len
 
     def _removable_hint(self) -> str:
         return " (the generated tokens; the prompt only right after its forward, with past recording on)"
 
     def remove_latest(self, n):
         record, self._prompt_record = self._prompt_record, None
+        undo, self._fold_undo = self._fold_undo, []  # the forward's folds, oldest first
         if not n:
             return
         if record is not None:  # the whole latest forward was the prompt: ingest what it keeps again
@@ -347,6 +453,12 @@ class ShadowKVLayer(CacheLayer):
             if k.shape[2] > n:
                 self._ingest(k[:, :, : k.shape[2] - n], v[:, :, : k.shape[2] - n])
             return
+        kept = self.seen - n
+        while undo and undo[-1][0] >= kept:  # a fold made by a step that is taken back
+            self.seen, state = undo.pop()
+            for name, value in state.items():
+                setattr(self, name, value)
+        n = self.seen - kept
         self.gen_len -= n
         self.gen_k[:, :, self.gen_len : self.gen_len + n] = 0
         self.gen_v[:, :, self.gen_len : self.gen_len + n] = 0

@@ -64,6 +64,17 @@ def to_host(values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", copy=True).contiguous()
 
 
+def append_host(host: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``host`` (B, H_kv, C, chunk_size, D) with ``values`` (B, H_kv, n, chunk_size, D) appended as
+    chunks: a new host-tier tensor (pinned when ``values`` live on CUDA)."""
+    B, H, C, cs, D = host.shape
+    pin = values.device.type == "cuda"
+    out = torch.empty(B, H, C + values.shape[2], cs, D, dtype=host.dtype, device="cpu", pin_memory=pin)
+    out[:, :, :C] = host
+    out[:, :, C:] = values.to("cpu")
+    return out
+
+
 def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
                  prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device
                  ) -> torch.Tensor:

@@ -132,6 +132,20 @@ class ShadowKVPolicy(Policy):
 
     A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
     ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
+
+    Tokens after the prompt (generated ones, a new turn's) are first kept exactly on the device.
+    ``fold_size=N`` (default 256; 0 keeps them all exact, as the paper, which decodes short
+    answers only): before a decode step, once more than ``local_window + N`` are held, the oldest
+    whole multiples of N join the prompt's store -- keys as factors on the layer's basis (the
+    prompt's SVD; a layer without one, whose prompt fit the budget, factors the first tokens it
+    folds), landmarks, values to the host tier, selectable like the prompt's middle chunks (no
+    outlier chunks among them). So a long generation or a long later turn keeps the budget and
+    the device bytes bounded instead of attending every token after the prompt at full
+    precision. A row whose tokens so far still fit the budget keeps its folded tokens exact (so
+    the policy still equals ``full`` there). Folds happen in decode steps only (a turn in one
+    forward and in pieces fold alike); with past recording on, a fold inside a verification is
+    undone when ``crop`` takes back the step that made it (the store before it is held until the
+    next forward).
     """
 
     budget: int = 2048
@@ -142,6 +156,7 @@ class ShadowKVPolicy(Policy):
     score_reduction: str = "softmax_max"
     rerank: int = 8
     tail_chunk: int = 0
+    fold_size: int = 256
     backend: str = "auto"
 
     name = "shadowkv"
@@ -164,6 +179,12 @@ class ShadowKVPolicy(Policy):
         if self.tail_chunk % self.chunk_size:
             raise ValueError(f"tail_chunk={self.tail_chunk} must be 0 (off) or a multiple of chunk_size="
                              f"{self.chunk_size}: its value sums cover whole chunks")
+        check_int("fold_size", self.fold_size, 0)
+        for name, unit in (("chunk_size", self.chunk_size), ("tail_chunk", self.tail_chunk)):
+            if unit and self.fold_size % unit:
+                whole = "chunks" if name == "chunk_size" else "tail groups"
+                raise ValueError(f"fold_size={self.fold_size} must be 0 (off) or a multiple of {name}={unit}: "
+                                 f"folded tokens join the store in whole {whole}")
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):
@@ -182,5 +203,6 @@ class ShadowKVPolicy(Policy):
         # Tiny test models: 2 KV heads * head_dim 16 = 32-dim keys, 48-token prompts = 6 chunks of
         # 8. One outlier + one window chunk exact, rank 8 of 32, budget 32: about two of the four
         # remaining chunks per step, so selection, rebuild and host fetches all run; the tail
-        # estimate (groups of two chunks) covers the chunks left out.
-        return cls(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8, tail_chunk=16)
+        # estimate (groups of two chunks) covers the chunks left out; from the 24th generated
+        # token on, decode steps fold 16 of them into the store.
+        return cls(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8, tail_chunk=16, fold_size=16)
