@@ -123,29 +123,35 @@ class ShadowKVPolicy(Policy):
     multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
 
     Several tokens after the prompt: assisted decoding's verification (past recording on) runs
-    as that many decode steps, so prompt lookup keeps plain decoding's tokens; a new turn (a
-    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation, as
-    for the selection policies: its tokens attend every exact token, every selectable chunk (keys
-    rebuilt, values fetched once: counted as one fetch) and each other densely, then stay as
-    generated tokens (session 26; before, a turn ran as one decode step per token, 4.5x ``full``'s
-    turn at 4k; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26").
+    as that many decode steps, so prompt lookup keeps plain decoding's tokens. A new turn (a
+    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation in
+    one pass: each of its tokens attends the exact tokens, the generated ones, the turn's own
+    earlier tokens (exactly) and the chunks its own query would select in a decode step (same
+    shortlist and re-scoring, ``budget`` less the exact and generated tokens; no tail estimate);
+    every selectable chunk's keys are rebuilt and its values fetched once (counted as one
+    fetch). Session 26 attended every chunk through its low-rank keys instead, which on SmolLM2
+    lost every needle of a first turn asked about in a 1024-token second turn (0 of 8 at 4k,
+    budget 256: thousands of approximate keys dilute the few a question needs); with the
+    per-query choice a budget of 512 answers them, 256 still does not (the question is read
+    sparsely, where a one-turn prompt's is read by the dense prefill;
+    ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27").
 
     A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
     ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
 
     Tokens after the prompt (generated ones, a new turn's) are first kept exactly on the device.
-    ``fold_size=N`` (default 256; 0 keeps them all exact, as the paper, which decodes short
-    answers only): before a decode step, once more than ``local_window + N`` are held, the oldest
-    whole multiples of N join the prompt's store -- keys as factors on the layer's basis (the
-    prompt's SVD; a layer without one, whose prompt fit the budget, factors the first tokens it
-    folds), landmarks, values to the host tier, selectable like the prompt's middle chunks (no
-    outlier chunks among them). So a long generation or a long later turn keeps the budget and
-    the device bytes bounded instead of attending every token after the prompt at full
-    precision. A row whose tokens so far still fit the budget keeps its folded tokens exact (so
-    the policy still equals ``full`` there). Folds happen in decode steps only (a turn in one
-    forward and in pieces fold alike); with past recording on, a fold inside a verification is
-    undone when ``crop`` takes back the step that made it (the store before it is held until the
-    next forward).
+    ``fold_size=N`` (default None: a quarter of the budget in whole chunks, 64 tokens at budget
+    256; 0 keeps them all exact, as the paper, which decodes short answers only): before a
+    decode step, once ``local_window + N`` are held, the oldest whole multiples of N join the
+    prompt's store -- keys as factors on the layer's basis (the prompt's SVD; a row without one,
+    whose prompt fit the budget, factors the first tokens it folds), landmarks, values to the
+    host tier, selectable like the prompt's middle chunks (no outlier chunks among them). So a
+    long generation or a long later turn keeps the budget and the device bytes bounded instead
+    of attending every token after the prompt at full precision. A row whose tokens so far still
+    fit the budget keeps its folded tokens exact (so the policy still equals ``full`` there).
+    Folds happen in decode steps only (a turn in one forward and in pieces fold alike); with
+    past recording on, a fold inside a verification is undone when ``crop`` takes back the step
+    that made it (the store before it is held until the next forward).
     """
 
     budget: int = 2048
@@ -156,7 +162,7 @@ class ShadowKVPolicy(Policy):
     score_reduction: str = "softmax_max"
     rerank: int = 8
     tail_chunk: int = 0
-    fold_size: int = 256
+    fold_size: int | None = None
     backend: str = "auto"
 
     name = "shadowkv"
@@ -179,9 +185,10 @@ class ShadowKVPolicy(Policy):
         if self.tail_chunk % self.chunk_size:
             raise ValueError(f"tail_chunk={self.tail_chunk} must be 0 (off) or a multiple of chunk_size="
                              f"{self.chunk_size}: its value sums cover whole chunks")
-        check_int("fold_size", self.fold_size, 0)
+        if self.fold_size is not None:
+            check_int("fold_size", self.fold_size, 0)
         for name, unit in (("chunk_size", self.chunk_size), ("tail_chunk", self.tail_chunk)):
-            if unit and self.fold_size % unit:
+            if unit and self.fold_size and self.fold_size % unit:
                 whole = "chunks" if name == "chunk_size" else "tail groups"
                 raise ValueError(f"fold_size={self.fold_size} must be 0 (off) or a multiple of {name}={unit}: "
                                  f"folded tokens join the store in whole {whole}")
@@ -194,6 +201,15 @@ class ShadowKVPolicy(Policy):
                              f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
         if adapter.head_dim % 2:
             raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
+
+    @property
+    def fold_tokens(self) -> int:
+        """Tokens a fold moves at a time: ``fold_size``, or with None a quarter of the budget in
+        whole chunks (and tail groups), at least one."""
+        if self.fold_size is not None:
+            return self.fold_size
+        unit = max(self.chunk_size, self.tail_chunk)  # tail_chunk is a multiple of chunk_size
+        return max(unit, self.budget // 4 // unit * unit)
 
     def make_layer(self, cache, layer_idx):
         return ShadowKVLayer(cache, layer_idx, self)

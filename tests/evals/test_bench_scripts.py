@@ -186,3 +186,21 @@ def test_bench_turn_times_a_turn_and_checks_it_against_steps(tmp_path, capsys):
     assert "max |dlogit| vs steps" in capsys.readouterr().out
     with pytest.raises(ValueError, match="turn=1 must be >= 2"):
         main(["--model", "random-tiny", "--turn", "1"])
+
+
+def test_two_turns_places_needles_in_each_turn_and_scores(tmp_path, capsys):
+    from kvpress.evals.two_turns import main
+
+    out = tmp_path / "turns.jsonl"
+    assert main(["--model", "random-tiny", "--length", "600", "--turn", "200", "--samples", "2", "--policies",
+                 "full,shadowkv", "--budget", "64", "--threads", "1", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["needle"], r["policy_label"]) for r in rows] == [
+        (part, label) for part in ("prompt", "turn") for _ in range(2) for label in ("full", "shadowkv@64")]
+    for r in rows:  # the needle in the part named, the score from the tasks' scorer
+        first = r["tokens"] - r["turn_tokens"]
+        assert (r["needle_token"] < first) == (r["needle"] == "prompt") and r["score"] in (0.0, 1.0)
+        assert r["resident_bytes"] > 0 and (r["max_attended"] is None) == (r["policy_label"] == "full")
+    assert "max attended" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="allowed placements are"):
+        main(["--model", "random-tiny", "--needle", "middle"])
