@@ -13,7 +13,7 @@ from kvpress.cache import CacheLayer, PromptStage
 from kvpress.kernels import SparseIndex, chunk_landmarks, merge_states, native, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
-from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums, turn_chunk_choice
+from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
 from ._shadowkv_store import TransferCounters, append_host, default_rank, fetch_chunks, low_rank, to_host
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ class ShadowKVLayer(CacheLayer):
         self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
         self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
         self._fold_undo: list[tuple[int, dict]] = []  # folds of the recorded forward: (seen before, state)
-        self._turn_gen: int | None = None  # generated tokens before the open turn (a turn in pieces)
         self._clear()
 
     def _clear(self) -> None:
@@ -92,7 +91,6 @@ class ShadowKVLayer(CacheLayer):
         self._ingest(k, v)
 
     def end_prompt(self) -> None:
-        self._turn_gen = None
         stage, self._stage = self._stage, None
         if stage is not None:  # the whole prompt, as one forward would have left it
             self.seen = 0
@@ -175,62 +173,45 @@ class ShadowKVLayer(CacheLayer):
 
     # ------------------------------------------------------------------ a new turn
     def _attend_turn(self, q, k_new, v_new, scaling):
-        """Several tokens after the prompt without past recording (a new turn, a continuation),
-        in one pass: each token attends the exact tokens, the generated tokens, the turn's own
-        earlier tokens (all exactly: a prompt continuation) and the chunks its own query would
-        select in a decode step (`turn_chunk_choice`: landmark shortlist re-scored on the rebuilt
-        keys, ``budget`` less the exact and generated tokens); the turn's tokens are then kept as
-        generated tokens. Every selectable chunk's keys are rebuilt and its values fetched once
-        (counted as one fetch; transient, a layer's worth, like a prefill's). Attending every
-        chunk through its low-rank keys instead lets thousands of approximate keys dilute the
-        few a question needs (session 27: a needle of the first turn lost)."""
+        """Several tokens after the prompt without past recording (a new turn, a continuation):
+        they attend densely, as any policy's prompt continuation does -- every exact token, every
+        selectable chunk (keys rebuilt from the factors with RoPE, values fetched from the host
+        tier, counted as one fetch), the generated tokens and their own earlier tokens -- and are
+        then kept as generated tokens. One pass instead of a decode step per token; the rebuilt
+        keys and fetched values are transient (a layer's worth, like a prefill's)."""
         p = self.policy
         B, H_q, T, D = q.shape
-        H, G, dev, cs = k_new.shape[1], H_q // k_new.shape[1], q.device, p.chunk_size
-        # the turn's own tokens (earlier pieces of it included) do not count: a prompt continuation
-        before = self.gen_len if self._turn_gen is None else self._turn_gen
-        self._turn_gen = before if self.cache.prompt_open else None
-        allow = ((p.budget - self._exact_cnt_cpu - before) // cs).clamp(min=0)
-        allow = torch.minimum(allow, self._sel_cnt_cpu) if self.max_selectable else torch.zeros_like(allow)
-        k_sel = int(allow.max()) if allow.numel() else 0
-        keys, values, seen_by_all = [], [], []  # keys before the turn, and which every query sees
+        H, dev = k_new.shape[1], q.device
+        keys, values, seen_by_all = [], [], []  # keys every query of the turn may see, and which are real
         if self.exact_max:
             keys.append(self.exact_k)
             values.append(self.exact_v)
             seen_by_all.append(torch.arange(self.exact_max, device=dev) < self.exact_cnt[..., None].to(dev))
-        n_ex = sum(t.shape[2] for t in keys)
-        if k_sel:
-            C = self.selectable.shape[-1]
+        if self.max_selectable:
+            C, cs = self.selectable.shape[-1], p.chunk_size
             order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
             ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
-            chunk_keys = shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
-                                          chunk_size=cs, backend=p.backend)  # (B, H, K*cs, D)
-            keys.append(chunk_keys)
+            keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                         chunk_size=cs, backend=p.backend))
             fetched = fetch_chunks(self.v_host, ids, None, None, self.counters, dev)
             values.append(fetched.view(B, H, self.max_selectable * cs, D))
-            seen_by_all.append(torch.zeros(B, H, self.max_selectable * cs, dtype=torch.bool, device=dev))
-            shortlist = max(min(k_sel * p.rerank, self.max_selectable), k_sel)
+            seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
         if self.gen_len:
             keys.append(self.gen_k[:, :, : self.gen_len])
             values.append(self.gen_v[:, :, : self.gen_len])
             seen_by_all.append(torch.ones(B, H, self.gen_len, dtype=torch.bool, device=dev))
         keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
         seen_by_all = torch.cat(seen_by_all + [torch.zeros(B, H, 0, dtype=torch.bool, device=dev)], dim=2)  # (B, H, N0)
-        n0 = seen_by_all.shape[2]
-        qg = q.reshape(B, H, G, T, D)
-        out = q.new_empty(B, H, G, T, D)
+        qg = q.reshape(B, H, H_q // H, T, D)
+        out = q.new_empty(B, H, H_q // H, T, D)
         steps = torch.arange(T, device=dev)
         block = 128
         for t0 in range(0, T, block):
             t1 = min(T, t0 + block)
             own = steps[None, :t1] <= steps[t0:t1, None]  # (b, t1) causal over the turn's tokens
-            visible = torch.cat([seen_by_all[:, :, None].expand(-1, -1, t1 - t0, -1).clone(),
-                                 own.expand(B, H, -1, -1)], dim=-1)  # (B, H, b, n0 + t1)
-            if k_sel:
-                chosen = turn_chunk_choice(qg[:, :, :, t0:t1], self.landmarks, self.selectable, ids, chunk_keys,
-                                           allow, k=k_sel, shortlist=shortlist, chunk_size=cs, scale=scaling,
-                                           reduction=p.score_reduction)  # (B, H, b, K)
-                visible[..., n_ex : n_ex + chunk_keys.shape[2]] = chosen.repeat_interleave(cs, dim=-1)
+            visible = torch.cat([seen_by_all[:, :, None].expand(-1, -1, t1 - t0, -1),
+                                 own.expand(B, H, -1, -1)], dim=-1)
+            n0 = seen_by_all.shape[2]
             out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys[:, :, : n0 + t1],
                                                          values[:, :, : n0 + t1], visible, scaling)
         self._append_generated(k_new, v_new)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpress.kernels import landmark_scores, landmark_tail_estimate, reduce_over_group
+from kvpress.kernels import landmark_scores, landmark_tail_estimate
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 
@@ -63,47 +63,6 @@ def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortli
     chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k * cs, D))
     chosen = chosen * (ids >= 0).repeat_interleave(cs, dim=-1)[..., None].to(chosen.dtype)  # empty slots: zeros
     return ids, chosen
-
-
-def turn_chunk_choice(qg: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, ids: torch.Tensor,
-                      keys: torch.Tensor, allow: torch.Tensor, *, k: int, shortlist: int, chunk_size: int,
-                      scale: float, reduction: str) -> torch.Tensor:
-    """The chunks each query of a block of turn tokens reads: `select_chunks` for every query at once.
-
-    Parameters
-    ----------
-    qg : (B, H_kv, G, T, D) queries grouped by KV head
-    landmarks : (B, H_kv, C, D); selectable : bool (B, H_kv, C)
-    ids : int (B, H_kv, K) every selectable chunk, ascending, -1 after; keys : (B, H_kv, K * chunk_size, D)
-        their rebuilt keys
-    allow : (B, H_kv) int, chunks each (row, KV head) may take (<= ``k``); shortlist : as `select_chunks`
-
-    Returns
-    -------
-    bool (B, H_kv, T, K): slot ``j`` of ``ids`` is chosen for that query (landmark scores, GQA group
-    reduced; with ``shortlist > k`` the landmark shortlist re-scored on the rebuilt keys, as `_rerank`).
-    """
-    B, H, G, T, D = qg.shape
-    C, K, cs, dev = landmarks.shape[2], ids.shape[2], chunk_size, qg.device
-    q = qg.float() * scale
-    s = q @ landmarks.float()[:, :, None].transpose(-1, -2)  # (B, H, G, T, C)
-    s = reduce_over_group(s.permute(0, 3, 1, 2, 4).reshape(B * T, H * G, C), H, reduction=reduction,
-                          mask=selectable.any(1).repeat_interleave(T, dim=0))  # (B*T, H, C), as a step's
-    s = s.view(B, T, H, C).transpose(1, 2)  # (B, H, T, C)
-    valid = (ids >= 0)[:, :, None]  # (B, H, 1, K)
-    s = torch.gather(s, 3, ids.clamp(min=0).long()[:, :, None].expand(B, H, T, K)).masked_fill(~valid, float("-inf"))
-    if shortlist > k:
-        top, slot = torch.topk(s, min(shortlist, K), dim=-1)
-        cand = torch.zeros(B, H, T, K, dtype=torch.bool, device=dev).scatter_(3, slot, torch.isfinite(top))
-        tok_ok = cand.repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, T, K*cs)
-        logits = (q @ keys.float()[:, :, None].transpose(-1, -2)).masked_fill(~tok_ok, float("-inf"))
-        if reduction.startswith("softmax"):  # over the query's candidates, as `_rerank`
-            logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
-        tok = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, T, K*cs)
-        s = tok.view(B, H, T, K, cs).amax(-1).masked_fill(~cand, float("-inf"))
-    top, slot = torch.topk(s, min(k, K), dim=-1)  # (B, H, T, k)
-    ok = torch.isfinite(top) & (torch.arange(top.shape[-1], device=dev) < allow.to(dev)[:, :, None, None])
-    return torch.zeros(B, H, T, K, dtype=torch.bool, device=dev).scatter_(3, slot, ok)
 
 
 def top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tensor:

@@ -123,23 +123,24 @@ class ShadowKVPolicy(Policy):
     multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
 
     Several tokens after the prompt: assisted decoding's verification (past recording on) runs
-    as that many decode steps, so prompt lookup keeps plain decoding's tokens. A new turn (a
-    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation in
-    one pass: each of its tokens attends the exact tokens, the generated ones, the turn's own
-    earlier tokens (exactly) and the chunks its own query would select in a decode step (same
-    shortlist and re-scoring, ``budget`` less the exact and generated tokens; no tail estimate);
-    every selectable chunk's keys are rebuilt and its values fetched once (counted as one
-    fetch). Session 26 attended every chunk through its low-rank keys instead, which on SmolLM2
-    lost every needle of a first turn asked about in a 1024-token second turn (0 of 8 at 4k,
-    budget 256: thousands of approximate keys dilute the few a question needs); with the
-    per-query choice a budget of 512 answers them, 256 still does not (the question is read
-    sparsely, where a one-turn prompt's is read by the dense prefill;
-    ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27").
+    as that many decode steps, so prompt lookup keeps plain decoding's tokens; a new turn (a
+    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation, as
+    for the selection policies: its tokens attend every exact token, every selectable chunk (keys
+    rebuilt, values fetched once: counted as one fetch) and each other densely, then stay as
+    generated tokens (session 26; before, a turn ran as one decode step per token, 4.5x ``full``'s
+    turn at 4k; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26"). Session 27
+    tried letting each turn token attend only the chunks its own decode step would select: on
+    SmolLM2 it answered the same needles (a first turn's, asked in a 1024-token second turn) at a
+    higher cost, so the dense pass stays (BENCHMARKS "Session 27").
 
     A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
     ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
 
-    Tokens after the prompt (generated ones, a new turn's) are first kept exactly on the device.
+    Tokens after the prompt (generated ones, a new turn's) are first kept exactly on the device
+    and count against the budget, so without folding a long turn leaves no chunk to select: on
+    SmolLM2 (4k, budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27") a
+    needle of the first turn asked in a 1024-token second turn is lost every time with
+    ``fold_size=0`` and found with the default.
     ``fold_size=N`` (default None: a quarter of the budget in whole chunks, 64 tokens at budget
     256; 0 keeps them all exact, as the paper, which decodes short answers only): before a
     decode step, once ``local_window + N`` are held, the oldest whole multiples of N join the
