@@ -73,7 +73,8 @@ def _sample(tokenizer, part: str, index: int, samples: int, length: int, turn: i
             break
         depth += (target - pos) / max(p1 - p0, 1) + (0.002 if part == "turn" else -0.002)
     else:
-        raise RuntimeError(f"sample {index}: no depth puts its needle in the {part} (last at token {pos} of {len(ids)})")
+        raise RuntimeError(f"sample {index}: no depth puts its needle in the {part} "
+                           f"(last at token {pos} of {len(ids)})")
     return sample, ids, pos
 
 
@@ -124,10 +125,11 @@ def run(model_name: str, policies, *, budget: int | None, length: int, turn: int
                 for v in variants:
                     row = _answer(model, tokenizer, v.policy, prefill, first, ids[:, -turn:], sample)
                     rows.append({"policy_label": v.label, "policy": v.config, "model": model_name, "needle": part,
-                                 "sample": index, "needle_token": pos, "tokens": ids.shape[1], "answers": sample.answers, "prompt_tokens": first.shape[1],
-                                 "turn_tokens": turn, **row, "threads": torch.get_num_threads(), **env})
-                    print(f"  {part:<6} #{index} (needle at {pos}/{ids.shape[1]}) {v.label:<28} score {row['score']:.2f}  {row['prediction']!r}",
-                          flush=True)
+                                 "sample": index, "needle_token": pos, "tokens": ids.shape[1],
+                                 "answers": sample.answers, "prompt_tokens": first.shape[1], "turn_tokens": turn,
+                                 **row, "threads": torch.get_num_threads(), **env})
+                    print(f"  {part:<6} #{index} (needle at {pos}/{ids.shape[1]}) {v.label:<28} "
+                          f"score {row['score']:.2f}  {row['prediction']!r}", flush=True)
     width = max([24] + [len(v.label) for v in variants])
     header = (f"{'policy':<{width}} {'needle':>6} {'score':>6} {'n':>3} {'ms/token':>9} {'resident MiB':>12} "
               f"{'max attended':>12}")

@@ -441,7 +441,8 @@ class ShadowKVLayer(CacheLayer):
         return self.gen_len
 
     def _removable_hint(self) -> str:
-        return " (the generated tokens; the prompt only right after its forward, with past recording on)"
+        return (" (the generated tokens not yet folded into the store, see fold_size; the prompt only right after "
+                "its forward, with past recording on)")
 
     def remove_latest(self, n):
         record, self._prompt_record = self._prompt_record, None

@@ -162,3 +162,17 @@ def test_crop_takes_back_a_fold_inside_a_verification(model, keep):
         n = got.gen_len
         torch.testing.assert_close(got.gen_k[:, :, :n], ref.gen_k[:, :, :n], atol=1e-5, rtol=0)
         torch.testing.assert_close(got.v_host, ref.v_host, atol=1e-5, rtol=0)
+
+
+def test_tokens_folded_for_good_are_not_taken_back(model):
+    """Outside a recorded verification a fold is final: a crop reaching into folded tokens is
+    refused with the limit, and the cache is unchanged."""
+    _, cache = feed(model, policy(), random_ids(PROMPT, seed=13), random_ids(40, seed=14))
+    layer = cache.layers[0]
+    seen, gen_len = layer.seen, layer.gen_len
+    assert layer.n_chunks > PROMPT // 8 and 0 < gen_len < 40
+    with pytest.raises(ValueError, match=f"at most {gen_len} can be taken back now .*not yet folded"):
+        cache.crop(-(gen_len + 1))
+    assert (layer.seen, layer.gen_len) == (seen, gen_len)
+    cache.crop(-gen_len)
+    assert layer.seen == seen - gen_len and layer.gen_len == 0
