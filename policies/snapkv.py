@@ -48,6 +48,12 @@ class SnapKVPolicy(Policy):
     score than a row has scored prompt tokens (a budget barely above ``window_size``) falls back
     to one step per token.
 
+    Across turns the selection is made once, at the end of the first prompt, before a later
+    question exists, and a later turn's tokens pass through the window as generated ones do (only
+    its last ``window_size`` stay): with a 3k-token first turn and a 1024-token second turn on
+    SmolLM2 (budget 256) it answers none of 8 needles of either turn, where ``full`` answers all
+    (``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27").
+
     A prompt in several forwards (``generate(prefill_chunk_size=N)``, `PolicyCache.prompt`) is
     held densely (and its last ``window_size`` queries) until it ends, then selected as one
     forward's would be: chunking bounds the prompt's activations, not this layer's prompt copy.
