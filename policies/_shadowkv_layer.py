@@ -221,7 +221,8 @@ class ShadowKVLayer(CacheLayer):
     # ------------------------------------------------------------------ folding
     @torch.no_grad()
     def _fold(self, f: int) -> None:
-        """Move the oldest ``f`` generated tokens (whole chunks) into the store (`ShadowKVPolicy.fold_size`, ``fold_tokens``).
+        """Move the oldest ``f`` generated tokens (whole chunks) into the store (see
+        `ShadowKVPolicy.fold_size`).
 
         Each is placed on the chunk grid after the prompt (padded index ``n_chunks * chunk_size``
         on), so positions, chunk ids and tail groups continue the prompt's. Rows whose tokens up
@@ -231,7 +232,7 @@ class ShadowKVLayer(CacheLayer):
         p, cs = self.policy, self.policy.chunk_size
         k, v = self.gen_k[:, :, :f], self.gen_v[:, :, :f]  # (B, H, f, D)
         B, H, _, D = k.shape
-        dev, nf, start = k.device, f // cs, self.n_chunks * cs
+        nf, start = f // cs, self.n_chunks * cs
         stays_exact = self.row_exact & (p.budget >= start + f - self.rope_start)  # (B,)
         if bool(stays_exact.any()):
             self._add_exact(k, v, stays_exact)
