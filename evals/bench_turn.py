@@ -1,10 +1,11 @@
 """The cost of a new turn: one forward of ``--turn`` tokens on a cache that already holds a prompt.
 
 A chat's next user message, a document's next question, or an assisted-decoding verification
-is a forward of several tokens after the prompt. Policies that evict or estimate as tokens
-arrive (``snapkv``, ``shadowkv``, the streaming heads of ``duo``) must attend it as that many
-decode steps would; the others attend it as a prompt continuation. Per policy (one after the
-other, repeated ``--rounds`` times, interleaved)::
+is a forward of several tokens after the prompt. A verification must attend as that many decode
+steps would; a new turn (what this times: no past recording) is attended as a prompt
+continuation by most policies, ``snapkv`` selects again over its kept tokens and the turn's
+(``snapkv:reselect_turns=false``: as steps). Per policy (one after the other, repeated
+``--rounds`` times, interleaved)::
 
     python -m kvpress.evals.bench_turn --model smollm2 --length 4096 --turn 256 \\
         --policies full,snapkv,shadowkv,window,kivi:bits=4 --budget 256 --threads 2
@@ -12,8 +13,9 @@ other, repeated ``--rounds`` times, interleaved)::
 Columns: the prompt forward's seconds (not the point, printed for scale), the turn's seconds
 (median over rounds), its ms per token, the ratio to ``full``'s turn in the same round, and with
 ``--check`` the largest difference between the turn's last logits and those of the same tokens
-fed one at a time on a second cache (0 up to rounding where the policy attends a multi-token
-forward as one-token ones; that costs a second prefill per policy).
+fed one at a time on a second cache (0 up to rounding where the policy attends a new turn as
+one-token steps: ``window``, ``streaming``, ``snapkv:reselect_turns=false``; that costs a second
+prefill per policy).
 """
 from __future__ import annotations
 

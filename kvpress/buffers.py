@@ -80,18 +80,27 @@ class PromptStage:
     def length(self) -> int:
         return self.buffer.length
 
-    def attend(self, q, k_new, v_new, scaling: float, row_start) -> torch.Tensor:
-        """Stage ``k_new``/``v_new`` and return the causal attention of ``q`` over the staged prompt."""
-        from .attention import dense_causal_attention  # kvpress.attention imports the kernels
-
+    def add(self, q, k_new, v_new, scaling: float) -> int:
+        """Stage ``k_new``/``v_new`` (and keep the latest queries); returns the piece's first index."""
         q_start = self.buffer.length
         self.buffer.append(k_new, v_new)
         self.scaling = scaling
         if self.keep_queries:
             q_all = q if self.queries is None else torch.cat([self.queries, q], dim=2)
             self.queries = q_all[:, :, max(0, q_all.shape[2] - self.keep_queries):]
+        return q_start
+
+    def attend(self, q, k_new, v_new, scaling: float, row_start) -> torch.Tensor:
+        """Stage ``k_new``/``v_new`` and return the causal attention of ``q`` over the staged prompt."""
+        from .attention import dense_causal_attention  # kvpress.attention imports the kernels
+
+        q_start = self.add(q, k_new, v_new, scaling)
         return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start,
                                       row_start=row_start)
+
+    def window_queries(self, n: int) -> torch.Tensor:
+        """The last ``n`` staged queries (fewer when fewer were staged)."""
+        return self.queries[:, :, max(0, self.queries.shape[2] - n):]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The held tensors, named for a layer's ``state_tensors`` (counted by ``cache_stats``)."""

@@ -39,29 +39,41 @@ class SnapKVPolicy(Policy):
     needle right before the question must survive while the model copies it out. Attention over the kept
     tokens runs through ``kvpress.kernels.sparse_decode``.
 
-    A forward of several tokens after the prompt (a new turn, an assisted-decoding verification)
-    equals as many decode steps: which slot each token takes does not depend on the queries, so the
-    steps' slots are planned first and the queries attend at once, each over the keys its step would
-    see (a 256-token turn after a 4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s;
-    as one decode step per token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``, BENCHMARKS
-    "Session 26"). Left-padded rows filling their free slots are planned too; more evictions by
-    score than a row has scored prompt tokens (a budget barely above ``window_size``) falls back
-    to one step per token.
+    A new turn (a forward of several tokens after the prompt, past recording off: a chat's next
+    message, a document's next question, a perplexity evaluation's next chunk) is selected as a prompt is, by its own last queries
+    (``reselect_turns``, default on; the paper compresses one prompt): its queries attend
+    exactly over the kept tokens and the turn's, then its last ``window_size`` queries score the
+    kept tokens and the turn's together (pooled over neighbouring positions, evicted ones counting
+    0) and each KV head keeps its top ``budget`` with the turn's window; later decode steps evict
+    by these scores. A first turn's token the first selection dropped stays lost: the question
+    that needed it came too late. With a 3k-token first turn and a 1024-token second turn on
+    SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 28") this
+    answers 3 of 8 needles placed in the second turn (0 of 8 without; five answers drop the
+    value's last digit, as its one-turn answers at this budget do: 22% of ``full`` on 4k
+    niah_single) and, as before, none of the first turn's. A turn shorter than the window is scored by its few queries (the older
+    window tokens stay); ``reselect_turns=False`` keeps the previous behaviour below.
 
-    Across turns the selection is made once, at the end of the first prompt, before a later
-    question exists, and a later turn's tokens pass through the window as generated ones do (only
-    its last ``window_size`` stay): with a 3k-token first turn and a 1024-token second turn on
-    SmolLM2 (budget 256) it answers none of 8 needles of either turn, where ``full`` answers all
-    (``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27").
+    A verification (assisted decoding records the past), or with ``reselect_turns=False`` any
+    forward of several tokens after the prompt, equals as many decode steps: which slot each
+    token takes does not depend on the queries, so the steps' slots are planned first and the
+    queries attend at once, each over the keys its step would see (a 256-token turn after a
+    4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s; as one decode step per
+    token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26"). Left-padded
+    rows filling their free slots are planned too; more evictions by score than a row has scored
+    prompt tokens (a budget barely above ``window_size``) falls back to one step per token. There
+    the turn's tokens pass through the window as generated ones do (only its last ``window_size``
+    stay): on the two-turn eval above it answers none of the 8 needles of either turn.
 
     A prompt in several forwards (``generate(prefill_chunk_size=N)``, `PolicyCache.prompt`) is
     held densely (and its last ``window_size`` queries) until it ends, then selected as one
     forward's would be: chunking bounds the prompt's activations, not this layer's prompt copy.
+    A new turn in pieces likewise.
     """
 
     budget: int = 256
     window_size: int = 32
     kernel_size: int = 15
+    reselect_turns: bool = True
 
     name = "snapkv"
     description = "prompt tokens picked by the observation window's attention, rest evicted (SnapKV)"
@@ -104,21 +116,56 @@ def snap_scores(q: torch.Tensor, k: torch.Tensor, scaling: float, row_start: tor
         Attention of the window's queries summed over the window, max-pooled over
         ``kernel_size`` positions and averaged over the GQA group; 0 for padding.
     """
-    B, H_q, W, D = q.shape
-    H_kv, T = k.shape[1], k.shape[2]
-    G = H_q // H_kv
-    qg = q.float().reshape(B, H_kv, G * W, D)  # (B, H_kv, G*W, D) head h -> KV head h // G
-    logits = (qg @ k.float().transpose(-1, -2)) * scaling  # (B, H_kv, G*W, T)
+    W, T = q.shape[2], k.shape[2]
     key_pos = torch.arange(T, device=k.device)
-    q_pos = torch.arange(T - W, T, device=k.device).repeat(G)  # (G*W,)
-    mask = key_pos[None, :] <= q_pos[:, None]  # (G*W, T) causal
-    mask = mask[None, None]
+    visible = key_pos[None, :] <= torch.arange(T - W, T, device=k.device)[:, None]  # (W, T) causal
+    visible = visible[None, None]
     if row_start is not None:
-        mask = mask & (key_pos[None, None, None, :] >= row_start[:, None, None, None])
-    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)  # padded queries -> 0
-    votes = probs.reshape(B, H_kv, G, W, T).sum(3)  # (B, H_kv, G, T)
+        visible = visible & (key_pos[None, None, None, :] >= row_start[:, None, None, None])
+    votes = _window_votes(q, k, visible, scaling)
     pooled = F.max_pool1d(votes.reshape(-1, 1, T), kernel_size, stride=1, padding=kernel_size // 2)
-    return pooled.reshape(B, H_kv, G, T).mean(2)  # (B, H_kv, T)
+    return pooled.reshape(votes.shape).mean(2)  # (B, H_kv, T)
+
+
+def _window_votes(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention the ``W`` window queries ``q`` ``(B, H_q, W, D)`` give each key of ``k``
+    ``(B, H_kv, L, D)``, summed over the window: ``(B, H_kv, G, L)`` fp32. ``visible``: bool,
+    broadcastable to ``(B, H_kv, W, L)``; a query that sees nothing (padding) gives 0."""
+    B, H_q, W, D = q.shape
+    H_kv, L = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    qg = q.float().reshape(B, H_kv, G, W, D)  # query head h * G + g reads KV head h
+    logits = (qg @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H_kv, G, W, L)
+    probs = torch.softmax(logits.masked_fill(~visible[:, :, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return probs.sum(3)
+
+
+def turn_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, end: int, scaling: float,
+                kernel_size: int) -> torch.Tensor:
+    """SnapKV scores of a new turn's candidates: the tokens a layer kept plus the turn's, ``(B, H_kv, L)``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H_q, W, D)`` the turn's last ``W`` queries (positions ``end - W .. end - 1``).
+    k : torch.Tensor
+        ``(B, H_kv, L, D)`` the candidates' keys, in any order.
+    positions : torch.Tensor
+        long ``(B, H_kv, L)`` each candidate's sequence position, -1 for a free slot (score 0).
+
+    The window's attention is pooled over neighbouring *positions*, as over a prompt: a token
+    whose neighbours were evicted takes no score from them.
+    """
+    W = q.shape[2]
+    q_pos = torch.arange(end - W, end, device=k.device)
+    visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= q_pos[:, None])  # (B, H, W, L)
+    votes = _window_votes(q, k, visible, scaling)  # (B, H_kv, G, L)
+    B, H, G, L = votes.shape
+    at = torch.where(positions >= 0, positions, end)[:, :, None].expand(B, H, G, L)  # free slots: a spare column
+    dense = votes.new_zeros(B, H, G, end + 1).scatter_(3, at, votes)[..., :end]
+    pooled = F.max_pool1d(dense.reshape(-1, 1, end), kernel_size, stride=1, padding=kernel_size // 2)
+    pooled = F.pad(pooled.reshape(B, H, G, end), (0, 1))
+    return pooled.gather(3, at).mean(2)
 
 
 class SnapKVLayer(RecordingLayer):
@@ -160,7 +207,9 @@ class SnapKVLayer(RecordingLayer):
             self.seen += T
             return out
         n = k_new.shape[2]
-        if n > 1:  # several tokens after the prompt (a new turn, a verification): planned at once
+        if self.policy.reselect_turns and (self.cache.prompt_open or (n > 1 and not self.record_past)):
+            return self._turn(q, k_new, v_new, scaling)  # a new turn: selected again at its end
+        if n > 1:  # several tokens after the prompt (a verification, a turn as steps): planned at once
             slots = self._plan(n)
             if slots is not None:
                 out = self._attend_planned(q, k_new, v_new, scaling, slots)
@@ -172,9 +221,11 @@ class SnapKVLayer(RecordingLayer):
 
     def end_prompt(self) -> None:
         stage, self._stage = self._stage, None
-        if stage is not None:  # the whole prompt, as one forward would have selected it
-            self._compress(stage.queries[:, :, max(0, stage.queries.shape[2] - self.policy.window_size):],
-                           stage.buffer.keys, stage.buffer.values, stage.scaling)
+        if stage is None:
+            return
+        # the whole prompt (or turn), as one forward of it would have selected it
+        select = self._compress if self.k is None else self._reselect
+        select(stage.window_queries(self.policy.window_size), stage.buffer.keys, stage.buffer.values, stage.scaling)
 
     # ------------------------------------------------------------------ crop
     def snapshot(self) -> dict:
@@ -247,6 +298,82 @@ class SnapKVLayer(RecordingLayer):
         self.score[:, :, :keep] = torch.where(chosen >= 0, scores.gather(2, chosen.clamp(min=0)), float("inf"))
         self.prompt_len = T
         self.filled = keep
+
+    # ------------------------------------------------------------------ a new turn
+    # With ``reselect_turns`` a forward of several tokens after the prompt without past recording
+    # (a new turn; assisted decoding's verifications record) is a prompt again: its queries attend
+    # exactly over the kept tokens and the turn's (as a prefill over the kept cache would), then
+    # the turn's last ``window_size`` queries score the kept tokens and the turn's together and each
+    # KV head keeps its top ``budget`` of them. Given in pieces (`PolicyCache.prompt`), the turn is
+    # held densely until its end and selected as one forward of it would be.
+
+    def _turn(self, q, k_new, v_new, scaling):
+        self.seen += k_new.shape[2]
+        if not self.cache.prompt_open:
+            out = self._attend_turn(q, k_new, v_new, 0, scaling)
+            self._reselect(q[:, :, max(0, q.shape[2] - self.policy.window_size):], k_new, v_new, scaling)
+            return out
+        if self._stage is None:
+            self._stage = PromptStage(keep_queries=self.policy.window_size)
+        q_start = self._stage.add(q, k_new, v_new, scaling)
+        return self._attend_turn(q, self._stage.buffer.keys, self._stage.buffer.values, q_start, scaling)
+
+    def _used(self) -> torch.Tensor:
+        """bool ``(B, cap)``: the slots holding a row's tokens."""
+        slot = torch.arange(self.k.shape[2], device=self.k.device)
+        return (slot >= (self.filled - self.kept)[:, None]) & (slot < self.filled)
+
+    def _attend_turn(self, q, k_turn, v_turn, q_start: int, scaling: float) -> torch.Tensor:
+        """Queries at turn indices ``q_start ..`` over every kept token and the turn's keys up to their own."""
+        B, H, cap, D = self.k.shape
+        H_q, m = q.shape[1], q.shape[2]
+        used = self._used()[:, None, None, :]  # (B, 1, 1, cap)
+        qg = q.reshape(B, H, H_q // H, m, D)
+        out = torch.empty_like(qg)
+        block = 256  # queries at a time: bounds the (queries x keys) mask of a long turn
+        for t0 in range(0, m, block):
+            t1 = min(m, t0 + block)
+            end = q_start + t1  # turn keys the block's last query sees
+            causal = torch.arange(end, device=q.device) <= torch.arange(q_start + t0, end, device=q.device)[:, None]
+            visible = torch.cat([used.expand(B, 1, t1 - t0, cap), causal.expand(B, 1, t1 - t0, end)], dim=-1)
+            keys = torch.cat([self.k, k_turn[:, :, :end]], dim=2).to(q.dtype)
+            values = torch.cat([self.v, v_turn[:, :, :end]], dim=2).to(q.dtype)
+            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys, values,
+                                                         visible.expand(B, H, -1, -1), scaling)
+        return out.reshape(B, H_q, m, D)
+
+    def _reselect(self, q_window, k_turn, v_turn, scaling) -> None:
+        """Select each KV head's ``budget`` tokens among the kept ones and the turn's (``self.seen``
+        already counts the turn); ``q_window``: the turn's last ``min(window_size, n)`` queries."""
+        p = self.policy
+        B, H, cap, D = self.k.shape
+        n, end = k_turn.shape[2], self.seen
+        dev = self.k.device
+        turn_pos = torch.arange(end - n, end, device=dev).expand(B, H, n)
+        positions = torch.cat([torch.where(self._used()[:, None], self.pos, -1), turn_pos], dim=2)  # (B, H, cap + n)
+        keys = torch.cat([self.k, k_turn.to(self.k.dtype)], dim=2)
+        values = torch.cat([self.v, v_turn.to(self.v.dtype)], dim=2)
+        scores = turn_scores(q_window, keys, positions, end, scaling, p.kernel_size)
+        scores = scores.masked_fill(positions >= end - p.window_size, float("inf"))  # the window stays
+        scores = scores.masked_fill(positions < 0, float("-inf"))
+        total = self.kept + n  # (B,) real tokens per row
+        keep = min(p.budget, int(total.max()))
+        top = torch.topk(scores, keep, dim=-1)
+        chosen_pos = torch.where(top.values > float("-inf"), positions.gather(2, top.indices), -1)
+        order = chosen_pos.sort(dim=-1).indices  # free slots (-1) first, then ascending positions
+        chosen, chosen_pos = top.indices.gather(2, order), chosen_pos.gather(2, order)
+        new_cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
+        self.k, self.v = keys.new_zeros(B, H, new_cap, D), values.new_zeros(B, H, new_cap, D)
+        index = chosen[..., None].expand(B, H, keep, D)
+        self.k[:, :, :keep] = keys.gather(2, index)  # a free slot holds some kept token: never attended
+        self.v[:, :, :keep] = values.gather(2, index)
+        self.pos = torch.full((B, H, new_cap), -1, dtype=torch.long, device=dev)
+        self.pos[:, :, :keep] = chosen_pos
+        self.score = torch.full((B, H, new_cap), float("inf"), device=dev)
+        self.score[:, :, :keep] = torch.where(chosen_pos >= 0, scores.gather(2, chosen), float("inf"))
+        self.kept = total.clamp(max=p.budget)
+        self.filled = keep
+        self.prompt_len = end  # decode evicts by these scores until window_size tokens are generated
 
     # ------------------------------------------------------------------ decode
     def _decode(self, q, k_new, v_new, scaling):
@@ -429,12 +556,11 @@ class SnapKVLayer(RecordingLayer):
         return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score, **staged}
 
     def stored_tokens(self) -> int:
-        return self.filled if self._stage is None else self._stage.length
+        return (self.filled if self.k is not None else 0) + (0 if self._stage is None else self._stage.length)
 
     def cached_elements(self) -> int:
-        if self._stage is not None:
-            return self._stage.cached_elements()
+        staged = 0 if self._stage is None else self._stage.cached_elements()
         if self.k is None:
-            return 0
+            return staged
         b, h, _, d = self.k.shape
-        return 2 * b * h * self.filled * d
+        return 2 * b * h * self.filled * d + staged

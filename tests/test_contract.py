@@ -263,7 +263,8 @@ def half_model(request):
 def test_runs_in_half_precision_on_cpu(half_model, name):
     """A model loaded in bf16 / fp16 on a CPU (the compiled kernels take fp32 only, so the torch
     paths run): every policy generates finite logits for a left-padded batch, in one forward and
-    in 16-token pieces, and is measured against the model's own 2-byte cache."""
+    in 16-token pieces, then for a 40-token second turn on that cache, and is measured against
+    the model's own 2-byte cache."""
     adapter = kvpress.get_adapter(half_model)
     policy = example(name, adapter)
     ids = random_ids(PROMPT, batch=2, seed=12)
@@ -275,6 +276,11 @@ def test_runs_in_half_precision_on_cpu(half_model, name):
         stats = kvpress.cache_stats(out.past_key_values)
         # K and V, 2 rows, 2 bytes an element
         assert stats.dense_bytes == 2 * 2 * 2 * adapter.num_layers * stats.tokens * adapter.num_kv_heads * adapter.head_dim
+    turn = torch.cat([out.sequences, random_ids(40, batch=2, seed=13)], dim=1)
+    turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    second = greedy(half_model, turn, policy, attention_mask=turn_mask, past_key_values=out.past_key_values)
+    assert all(torch.isfinite(s).all() for s in second.scores)
+    assert kvpress.cache_stats(second.past_key_values).tokens == turn.shape[1] + NEW - 1
 
 
 @pytest.mark.gpu

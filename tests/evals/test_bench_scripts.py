@@ -175,13 +175,16 @@ def test_bench_turn_times_a_turn_and_checks_it_against_steps(tmp_path, capsys):
     from kvpress.evals.bench_turn import main
 
     out = tmp_path / "turn.jsonl"
-    assert main(["--model", "random-tiny", "--length", "400", "--turn", "40", "--policies", "full,snapkv,window",
-                 "--budget", "64", "--rounds", "2", "--check", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["--model", "random-tiny", "--length", "400", "--turn", "40", "--policies",
+                 "full,snapkv:reselect_turns=false,window,snapkv", "--budget", "64", "--rounds", "2", "--check",
+                 "--threads", "1", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["policy_label"] for r in rows] == ["full", "snapkv@64", "window@64"]
-    for r in rows:  # these attend a forward after the prompt as that many decode steps would
+    assert [r["policy_label"] for r in rows] == ["full", "snapkv:reselect_turns=false@64", "window@64", "snapkv@64"]
+    for r in rows:
         assert r["turn_tokens"] == 40 and len(r["turn_s_all"]) == 2 and r["turn_s"] > 0
+    for r in rows[:3]:  # these attend a forward after the prompt as that many decode steps would
         assert r["max_abs_logit_diff_vs_steps"] < 1e-4, r
+    assert rows[3]["max_abs_logit_diff_vs_steps"] > 1e-3  # a new turn, attended over all it kept
     assert rows[0]["turn_vs_full"] == 1.0
     assert "max |dlogit| vs steps" in capsys.readouterr().out
     with pytest.raises(ValueError, match="turn=1 must be >= 2"):

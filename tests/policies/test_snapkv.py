@@ -177,10 +177,11 @@ def _same_state(a, b):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("record", [True, False], ids=["verification", "turn-as-steps"])
 @pytest.mark.parametrize("length,extra,batch,row_start,fields,planned", [
     (60, 2, 1, None, {}, True),     # a short verification: prompt tokens evicted by score
     (60, 7, 1, None, {}, True),     # past the window: generated tokens of this forward leave
-    (60, 200, 1, None, {}, True),   # a long new turn
+    (60, 200, 1, None, {}, True),   # a long forward
     (9, 5, 1, None, {}, True),      # a short prompt grows, within the budget
     (9, 40, 1, None, {}, True),     # ... then reaches it and evicts
     (3, 60, 1, None, {}, True),     # prompt shorter than the window
@@ -193,9 +194,15 @@ def _same_state(a, b):
     (60, 30, 1, None, {"budget": 6}, False),  # fewer scored prompt tokens than evictions
 ])
 def test_several_tokens_after_the_prompt_equal_as_many_decode_steps(model, length, extra, batch, row_start,
-                                                                     fields, planned):
+                                                                     fields, planned, record):
+    """A verification (past recording on), or any forward with ``reselect_turns=False``."""
+    if not record:
+        fields = {**fields, "reselect_turns": False}
     (one, steps), (q, k, v) = _twins(model, length, extra, batch, row_start, **fields)
     assert (one._plan(extra) is not None) == planned  # (a plan only grows the buffers, as the steps would)
+    if record:
+        one.activate_past_recording()
+        one.record_forward(k, v)
     out = one.attend(q, k, v, 0.25)
     ref = torch.cat([steps.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], 0.25) for t in range(extra)], 2)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
@@ -211,3 +218,122 @@ def test_crop_of_a_planned_forward_stores_again_as_the_steps_would(model):
     for t in range(7):
         steps.attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], 0.25)
     _same_state(one, steps)
+
+
+# ---------------------------------------------------------------- a new turn is selected again
+def _reference_turn(layer_before, q, k, v, scaling, window, kernel, budget):
+    """What a new turn should do, written out per row and KV head from the kept tokens' positions:
+    each turn query attends to every kept token and the turn's up to itself; the window's
+    attention, summed, max-pooled over neighbouring positions (evicted ones 0) and averaged over
+    the group, picks ``budget`` tokens with the window always kept."""
+    B, H_q, n, D = q.shape
+    H = k.shape[1]
+    G = H_q // H
+    start = layer_before["seen"]
+    end = start + n
+    outs = torch.zeros(B, H_q, n, D)
+    kept_sets = {}
+    for b in range(B):
+        for h in range(H):
+            slots = [s for s in range(layer_before["filled"] - int(layer_before["kept"][b]), layer_before["filled"])]
+            cand_pos = [int(layer_before["pos"][b, h, s]) for s in slots] + list(range(start, end))
+            cand_k = torch.cat([layer_before["k"][b, h, slots], k[b, h]])
+            cand_v = torch.cat([layer_before["v"][b, h, slots], v[b, h]])
+            pos_t = torch.tensor(cand_pos)
+            votes = torch.zeros(G, end)
+            for g in range(G):
+                qh = q[b, h * G + g]  # (n, D)
+                q_pos = torch.arange(start, end)
+                logits = (qh @ cand_k.T) * scaling
+                logits = logits.masked_fill(pos_t[None, :] > q_pos[:, None], float("-inf"))
+                probs = torch.softmax(logits, -1)
+                outs[b, h * G + g] = probs @ cand_v
+                votes[g].index_add_(0, pos_t, probs[n - min(window, n):].sum(0))
+            pooled = torch.stack([votes[:, max(0, t - kernel // 2): t + kernel // 2 + 1].amax(-1)
+                                  for t in range(end)], -1).mean(0)  # (end,)
+            score = {p: (float("inf") if p >= end - window else float(pooled[p])) for p in cand_pos}
+            kept_sets[b, h] = set(sorted(score, key=lambda p: (-score[p], p))[:budget])
+    return outs, kept_sets
+
+
+def _state(layer):
+    return {name: getattr(layer, name).clone() if torch.is_tensor(getattr(layer, name)) else getattr(layer, name)
+            for name in ("k", "v", "pos", "kept", "filled", "seen")}
+
+
+@pytest.mark.parametrize("length,decoded,extra,batch,row_start", [
+    (60, 0, 30, 1, None),     # a turn right after the prompt
+    (60, 9, 30, 1, None),     # after some decode steps (generated tokens re-scored too)
+    (60, 3, 2, 1, None),      # a turn shorter than the window: its queries score, older window tokens stay
+    (60, 5, 30, 2, [0, 50]),  # a padded row holding fewer tokens than the budget before the turn
+    (8, 0, 6, 1, None),       # everything still fits: nothing evicted
+])
+def test_a_new_turn_attends_densely_and_is_selected_again(model, length, decoded, extra, batch, row_start):
+    layer = snap_layer(model, row_start=row_start)
+    prompt(layer, length, batch=batch)
+    for t in range(decoded):
+        step(layer, seed=100 + t)
+    before = _state(layer)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, 4, extra, 16, generator=g)
+    k, v = torch.randn(batch, 2, extra, 16, generator=g), torch.randn(batch, 2, extra, 16, generator=g)
+    out = layer.attend(q, k, v, 0.25)
+    ref_out, ref_kept = _reference_turn(before, q, k, v, 0.25, window=4, kernel=3, budget=20)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    assert layer.seen == before["seen"] + extra and layer.prompt_len == layer.seen
+    totals = before["kept"] + extra
+    assert layer.kept.tolist() == totals.clamp(max=20).tolist()
+    assert layer.filled == min(20, int(totals.max())) <= 20  # only budget tokens exist
+    for b in range(batch):
+        for h in range(2):
+            slots = range(layer.filled - int(layer.kept[b]), layer.filled)
+            held = [int(layer.pos[b, h, s]) for s in slots]
+            assert held == sorted(held) and set(held) == ref_kept[b, h]
+            for s, p in zip(slots, held):  # each slot holds that token's key and value
+                src_k = k[b, h, p - before["seen"]] if p >= before["seen"] else \
+                    before["k"][b, h][before["pos"][b, h] == p][0]
+                torch.testing.assert_close(layer.k[b, h, s], src_k)
+
+
+def test_after_a_turn_decode_evicts_by_the_turns_scores_and_the_budget_holds(model):
+    layer = snap_layer(model)
+    prompt(layer, 60)
+    g = torch.Generator().manual_seed(3)
+    layer.attend(torch.randn(1, 4, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g),
+                 torch.randn(1, 2, 30, 16, generator=g), 0.25)
+    window = set(range(86, 90))
+    lowest = {h: int(layer.pos[0, h, layer.score[0, h].argmin()]) for h in range(2)}
+    step(layer, seed=1)
+    for h in range(2):
+        held = set(layer.pos[0, h].tolist())
+        assert lowest[h] not in held and 90 in held and window <= held
+    for t in range(20):
+        step(layer, seed=2 + t)
+        assert layer.filled == 20 == layer.k.shape[2]
+    for h in range(2):  # after window_size steps the generated tokens leave; the turn's window stays
+        assert window <= set(layer.pos[0, h].tolist())
+        assert set(range(107, 111)) <= set(layer.pos[0, h].tolist())
+
+
+def test_turn_pieces_held_densely_until_the_end_and_counted(model):
+    """A turn given in pieces inside ``cache.prompt()`` stages them (counted by ``cache_stats``)
+    and selects once at the end, as one forward of the turn."""
+    policy = kvpress.get_policy("snapkv", budget=24, window_size=8, kernel_size=3)
+    ids, turn = random_ids(48, seed=1), random_ids(40, seed=2)
+    caches = []
+    for pieces in (1, 3):
+        cache = kvpress.make_cache(model, policy)
+        with torch.no_grad(), kvpress.apply(model, policy):
+            model(ids, past_key_values=cache, use_cache=True)
+            with cache.prompt():
+                for piece in turn.tensor_split(pieces, dim=1):
+                    last = model(piece, past_key_values=cache, use_cache=True).logits[:, -1]
+                staged = kvpress.cache_stats(cache)
+            after = kvpress.cache_stats(cache)
+        assert staged.layers[0].stored_tokens == 24 + 40 and after.layers[0].stored_tokens == 24
+        assert staged.resident_bytes > after.resident_bytes
+        caches.append((last, cache))
+    (a, one), (b, three) = caches
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    for la, lb in zip(one.layers, three.layers):
+        assert torch.equal(la.pos, lb.pos)
