@@ -123,7 +123,7 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
                 py + ["kvpress.evals.bench_chunked_prefill", "--model", model, *chunked, "--new-tokens", "4",
                       "--policies", "full,kivi,streaming,snapkv,shadowkv", "--time",
                       "--out", str(work / "prefill" / "chunked_prefill.jsonl")],
-                # a new turn's forward after the prompt (session 26: snapkv planned, shadowkv dense)
+                # a new turn's forward (snapkv: dense over kept + turn, selected again; shadowkv dense)
                 py + ["kvpress.evals.bench_turn", "--model", model, "--length", "1024" if smoke else "8192",
                       "--turn", "40" if smoke else "256", "--budget", "96" if smoke else "1024",
                       "--policies", "full,snapkv,shadowkv,quest,kivi", "--out", str(work / "prefill" / "turn.jsonl")]]

@@ -40,18 +40,19 @@ class SnapKVPolicy(Policy):
     tokens runs through ``kvpress.kernels.sparse_decode``.
 
     A new turn (a forward of several tokens after the prompt, past recording off: a chat's next
-    message, a document's next question, a perplexity evaluation's next chunk) is selected as a prompt is, by its own last queries
-    (``reselect_turns``, default on; the paper compresses one prompt): its queries attend
-    exactly over the kept tokens and the turn's, then its last ``window_size`` queries score the
-    kept tokens and the turn's together (pooled over neighbouring positions, evicted ones counting
-    0) and each KV head keeps its top ``budget`` with the turn's window; later decode steps evict
-    by these scores. A first turn's token the first selection dropped stays lost: the question
-    that needed it came too late. With a 3k-token first turn and a 1024-token second turn on
-    SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 28") this
-    answers 3 of 8 needles placed in the second turn (0 of 8 without; five answers drop the
-    value's last digit, as its one-turn answers at this budget do: 22% of ``full`` on 4k
-    niah_single) and, as before, none of the first turn's. A turn shorter than the window is scored by its few queries (the older
-    window tokens stay); ``reselect_turns=False`` keeps the previous behaviour below.
+    message, a document's next question, a perplexity evaluation's next chunk) is selected as a
+    prompt is, by its own last queries (``reselect_turns``, default on; the paper compresses one
+    prompt): its queries attend exactly over the kept tokens and the turn's, then its last
+    ``window_size`` queries score the kept tokens and the turn's together (pooled over neighbouring
+    positions, evicted ones counting 0) and each KV head keeps its top ``budget`` with the turn's
+    window; later decode steps evict by these scores. A first turn's token the first selection
+    dropped stays lost: the question that needed it came too late. With a 3k-token first turn and a
+    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS
+    "Session 28") this answers 3 of 8 needles placed in the second turn (0 of 8 without; five
+    answers drop the value's last digit, as its one-turn answers at this budget do: 22% of ``full``
+    on 4k niah_single) and, as before, none of the first turn's. A turn shorter than the window is
+    scored by its few queries (the older window tokens stay); ``reselect_turns=False`` keeps the
+    previous behaviour below.
 
     A verification (assisted decoding records the past), or with ``reselect_turns=False`` any
     forward of several tokens after the prompt, equals as many decode steps: which slot each
