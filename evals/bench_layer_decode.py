@@ -36,14 +36,12 @@ def _tiny_model(heads: int, kv_heads: int, head_dim: int):
 def parse_spec(spec: str):
     """``name[:field=value...][@budget]`` or ``name:budget`` -> a policy."""
     import kvpress
-    from .runner import parse_policy_spec
 
     spec, at, budget = spec.partition("@")
     name, _, maybe_budget = spec.partition(":")
     if not at and maybe_budget.isdigit():  # the older ``name:budget`` form
         spec, budget = name, maybe_budget
-    name, fields = parse_policy_spec(spec)
-    policy = kvpress.get_policy(name, **fields)
+    policy = kvpress.get_policy(spec)
     return policy.with_budget(int(budget)) if budget else policy
 
 

@@ -76,7 +76,6 @@ def perplexities(model_name: str, policies: list[str], tokens: int) -> list[dict
 
     import kvpress
     from kvpress.evals.models import load_eval_model
-    from kvpress.evals.runner import parse_policy_spec
     from kvpress.evals.tasks import get_task
     from kvpress.generation import chunked_nll
 
@@ -86,7 +85,6 @@ def perplexities(model_name: str, policies: list[str], tokens: int) -> list[dict
     print(f"# {model_name}: perplexity of {ids.shape[1]} tokens in 512-token chunks; seconds")
     print(f"{'policy':<22}{'codes ppl':>12}{'s':>8}{'copy ppl':>12}{'s':>8}")
     for spec in policies:
-        name, fields = parse_policy_spec(spec)
         row = {"policy": spec, "ppl_tokens": ids.shape[1]}
         for mode, threshold in (("codes", 10**9), ("copy", 1)):
             from kvpress.policies import _quant
@@ -94,7 +92,7 @@ def perplexities(model_name: str, policies: list[str], tokens: int) -> list[dict
             saved, _quant.DEQUANT_MIN_QUERIES = _quant.DEQUANT_MIN_QUERIES, threshold
             try:
                 start = time.perf_counter()
-                nll = chunked_nll(model, ids, kvpress.get_policy(name, **fields), chunk_size=512)
+                nll = chunked_nll(model, ids, kvpress.get_policy(spec), chunk_size=512)
                 row[f"{mode}_s"] = time.perf_counter() - start
             finally:
                 _quant.DEQUANT_MIN_QUERIES = saved
@@ -108,7 +106,6 @@ def perplexities(model_name: str, policies: list[str], tokens: int) -> list[dict
 def main(argv: list[str] | None = None) -> list[dict]:
     import kvpress
     from kvpress.evals.results import write_jsonl
-    from kvpress.evals.runner import parse_policy_spec
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="kivi:bits=4,zipcache,gear")
@@ -128,8 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# context={args.context} threads={args.threads} repeats={args.repeats}; ms per forward of one layer (median)")
     print(f"{'policy':<22}" + "".join(f"{'T=' + str(t) + ' codes':>13}{'copy':>8}" for t in tokens))
     for spec in policies:
-        name, fields = parse_policy_spec(spec)
-        layer = filled_layer(model, kvpress.get_policy(name, **fields), args.context)
+        layer = filled_layer(model, kvpress.get_policy(spec), args.context)
         line = f"{spec:<22}"
         for T in tokens:
             gen = torch.Generator().manual_seed(T)

@@ -106,15 +106,12 @@ def main(argv=None) -> int:
     indices = parse_samples(args.samples)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kvpress.evals.runner import parse_policy_spec
-
     model, tokenizer = kvpress.load_model(args.model)
     task = get_task(args.task)
     data = task.generate(tokenizer, args.length, max(indices) + 1, args.seed)
     patch = contextlib.nullcontext()
     if args.policy:
-        name, fields = parse_policy_spec(args.policy)
-        patch = kvpress.apply(model, kvpress.get_policy(name, **fields))
+        patch = kvpress.apply(model, kvpress.get_policy(args.policy))
     print(f"{'sample':>6}  {'score':>5}  {'margin':>6}  {'step':>4}  {'chosen':>8}  {'runner-up':>9}  {'content':>7}  prediction")
     with patch:
         for i in indices:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import kvpress
+from kvpress.registry import parse_policy_spec
 
 from . import results as res
 from .decode import DEFAULT_CHUNK_SIZE, chunked_logits, generate_sample, shared_prefill
@@ -151,23 +152,6 @@ class EvalGrid:
         return [v if v.policy.chunked_prompt_exact else
                 dataclasses.replace(v, label=f"{v.label}~prefill{n}", spec=f"{v.spec}~prefill{n}", prefill_chunk=n)
                 for v in variants]
-
-
-def parse_policy_spec(spec: str) -> tuple[str, dict]:
-    """Split a grid entry ``name[:field=value[:field=value...]]`` into name and field overrides.
-
-    ``"duo:random_heads_seed=0"`` is ``duo`` with its streaming heads drawn at random (an
-    ablation beside plain ``duo`` in the same grid). Values are strings; :func:`kvpress.get_policy`
-    converts them to the field types.
-    """
-    name, *parts = spec.split(":")
-    fields = {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        if not eq or not key:
-            raise ValueError(f"policy spec {spec!r}: expected name:field=value[:field=value...], got {part!r}")
-        fields[key] = value
-    return name, fields
 
 
 def _policy_options(names, options: dict) -> dict[str, dict]:

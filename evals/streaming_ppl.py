@@ -35,9 +35,7 @@ def main(argv=None) -> int:
 
     policies = []
     for spec in args.policies.split(","):
-        name, _, opts = spec.partition(":")
-        overrides = dict(kv.split("=", 1) for kv in opts.split(";") if kv)
-        policies.append((spec, kvpress.get_policy(name, **overrides).with_budget(args.budget)))
+        policies.append((spec, kvpress.get_policy(spec).with_budget(args.budget)))
     model, tokenizer = kvpress.load_model(args.model)
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, args.tokens)[: args.tokens]])
     segments = list(range(0, ids.shape[1] - 1, args.segment))

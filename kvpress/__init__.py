@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from .adapters import ModelAdapter, get_adapter
 from .cache import CacheLayer, PolicyCache
 from .patching import apply, make_cache
-from .registry import Policy, get_policy, list_policies, policy_class, register_policy
+from .registry import Policy, get_policy, list_policies, parse_policy_spec, policy_class, register_policy
 from .stats import CacheStats, cache_stats
 
 
@@ -35,6 +35,7 @@ __all__ = [
     "cache_stats",
     "get_adapter",
     "get_policy",
+    "parse_policy_spec",
     "list_policies",
     "load_model",
     "make_cache",

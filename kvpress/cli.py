@@ -80,7 +80,7 @@ def _add_prefill_chunk_arg(p):
 
 
 def _add_policy_args(p):
-    p.add_argument("--policy", required=True, help="registered policy name (see `kvpress policies`)")
+    p.add_argument("--policy", required=True, help="registered policy name, or name:field=value[:...] (see `kvpress policies`)")
     p.add_argument("--budget", type=int, default=None, help="tokens attended per KV head per decode step")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="policy field override (repeatable)")
 

@@ -244,13 +244,36 @@ def policy_class(name: str) -> type[Policy]:
     return _REGISTRY[name]
 
 
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split a policy spec ``name[:field=value[:field=value...]]`` into name and field overrides.
+
+    The form every command line takes (``kivi:bits=4``, ``duo:random_heads_seed=0``); values stay
+    strings, which :func:`get_policy` converts to the field types.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"a policy spec is a string, got {type(spec).__name__}")
+    name, *parts = spec.split(":")
+    fields: dict[str, str] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"policy spec {spec!r}: expected name:field=value[:field=value...], got {part!r}")
+        if key in fields:
+            raise ValueError(f"policy spec {spec!r} sets {key!r} twice")
+        fields[key] = value.strip()
+    return name.strip(), fields
+
+
 def get_policy(name: str, **overrides: Any) -> Policy:
     """Build the policy ``name`` with its defaults, changed by ``overrides``.
 
     Parameters
     ----------
     name : str
-        A registered name (see :func:`list_policies`).
+        A registered name (see :func:`list_policies`), or a spec with fields as the command
+        lines take them: ``get_policy("kivi:bits=4:residual_length=64")`` is
+        ``get_policy("kivi", bits=4, residual_length=64)`` (:func:`parse_policy_spec`).
     **overrides
         Field values; strings are converted to the field's type (so CLI values work).
 
@@ -262,6 +285,13 @@ def get_policy(name: str, **overrides: Any) -> Policy:
     TypeError
         A value of the wrong type.
     """
+    if isinstance(name, str) and ":" in name:
+        spec = name
+        name, fields = parse_policy_spec(spec)
+        both = sorted(set(fields) & set(overrides))
+        if both:
+            raise ValueError(f"policy spec {spec!r} and keyword arguments both set {both}; set each once")
+        overrides = {**fields, **overrides}
     cls = policy_class(name)
     _check_field_names(cls, overrides)
     return cls(**_coerce_overrides(cls, overrides))

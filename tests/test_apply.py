@@ -137,3 +137,21 @@ def test_model_split_layers_keep_device_of_keys():
     with torch.no_grad(), kvpress.apply(model, kvpress.get_policy("full")):
         cache = model(random_ids(9), use_cache=True).past_key_values
     assert all(layer.device == torch.device("cpu") for layer in cache.layers)
+
+
+def test_get_policy_takes_the_command_lines_spec_form():
+    """``get_policy("kivi:bits=4:residual_length=64")`` is the keyword form; conflicts and
+    malformed parts are clear errors."""
+    assert kvpress.get_policy("kivi:bits=4:residual_length=64") == kvpress.get_policy("kivi", bits=4, residual_length=64)
+    assert kvpress.get_policy("snapkv:budget=64", window_size=16) == kvpress.get_policy("snapkv", budget=64, window_size=16)
+    assert kvpress.parse_policy_spec("duo: sparsity = 0.25") == ("duo", {"sparsity": "0.25"})
+    with pytest.raises(ValueError, match=r"both set \['bits'\]"):
+        kvpress.get_policy("kivi:bits=4", bits=2)
+    with pytest.raises(ValueError, match="expected name:field=value"):
+        kvpress.get_policy("kivi:bits")
+    with pytest.raises(ValueError, match="sets 'bits' twice"):
+        kvpress.get_policy("kivi:bits=4:bits=2")
+    with pytest.raises(ValueError, match="has no field"):
+        kvpress.get_policy("kivi:nbits=4")
+    with pytest.raises(ValueError, match="unknown policy 'kivy'"):
+        kvpress.get_policy("kivy:bits=4")

@@ -12,6 +12,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 
+import kvpress  # noqa: E402
 from kvpress.evals.lm_eval_model import KVPressLM, build_policy, split_model_args  # noqa: E402
 from kvpress.evals.models import byte_tokenizer  # noqa: E402
 
@@ -76,6 +77,7 @@ def test_model_args_split_and_budget():
     assert load_kw == {"revision": "main"}
     assert build_policy("streaming", budget=64).to_dict()["window_size"] + 4 == 64
     assert build_policy("full", budget=64).to_dict() == {"policy": "full"}
+    assert build_policy("snapkv:window_size=16", budget=64) == kvpress.get_policy("snapkv", budget=64, window_size=16)
 
 
 def test_loglikelihood_goes_through_the_policy_cache(lms):
