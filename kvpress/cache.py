@@ -362,6 +362,19 @@ class PolicyCache(Cache):
         for layer in self.layers:
             layer.activate_past_recording()
 
+    def end_past_recording(self) -> None:
+        """Stop recording and drop the latest forward's record, on every layer that records.
+
+        transformers' assisted decoding turns recording on and leaves it on when ``generate``
+        returns the cache; :func:`kvpress.apply`'s ``generate`` ends it then, so a later turn on
+        the cache is a new turn (not a verification) and no forward copies the state any more.
+        """
+        for layer in self.layers:
+            if layer.record_past:
+                layer.remove_latest(0)
+                layer.record_past = False
+        self.step_shared.clear()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the latest tokens of every layer (see :meth:`CacheLayer.crop`)."""
         n = _tokens_to_remove(tokens_to_remove, self.get_seq_length())

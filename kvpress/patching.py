@@ -11,7 +11,9 @@ Integration points are transformers' own, and nothing is patched at import time:
   attribute removed on exit) so the cache generate makes is a ``PolicyCache`` from the start:
   assisted decoding asks that cache to record its past before the first forward;
 * and its ``_prefill`` wrapped the same way: with ``generate(prefill_chunk_size=N)`` the prompt's
-  forwards run inside :meth:`PolicyCache.prompt`, so the cache ends as after one forward.
+  forwards run inside :meth:`PolicyCache.prompt`, so the cache ends as after one forward;
+* and ``generate`` itself, to end the past recording assisted decoding leaves on in the cache it
+  returns (:meth:`PolicyCache.end_past_recording`).
 
 Attention modules are mapped to their session in a weak dictionary, so the attention function
 finds the cache of the forward in flight without touching transformers' objects.
@@ -149,7 +151,8 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     handle = base.register_forward_pre_hook(_make_pre_hook(session, base), with_kwargs=True)
     modules = adapter.attention_modules()
     wrappers = {"_prepare_cache_for_generation": lambda f: _policy_cache_for_generate(session, f),
-                "_prefill": _prompt_for_prefill}
+                "_prefill": _prompt_for_prefill,
+                "generate": lambda f: _generate_ends_recording(session, f)}
     own_before = {name: vars(model)[name] for name in wrappers if name in vars(model)}
     try:
         for name, wrap in wrappers.items():
@@ -188,6 +191,22 @@ def _policy_cache_for_generate(session: _Session, prepare):
             if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
                 model_kwargs[key] = _session_cache(session)
         return out
+
+    return wrapped
+
+
+def _generate_ends_recording(session: _Session, generate):
+    """``generate``, then past recording ended on the policy caches it used (given or made), also
+    when it raised: assisted decoding turns recording on and leaves it on (transformers 5.24)."""
+
+    def wrapped(*args, **kwargs):
+        given = [kwargs.get(key) for key in ("cache", "past_key_values")]
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            used = {id(c): c for c in given + [session.current_cache] if isinstance(c, PolicyCache)}
+            for cache in used.values():
+                cache.end_past_recording()
 
     return wrapped
 
@@ -267,11 +286,46 @@ def _make_pre_hook(session: _Session, base):
                 f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "
                 "or none at all"
             )
+        if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
+            _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
         past.begin_forward(mask, batch, new_tokens)
         session.current_cache = past
         return args, kwargs
 
     return hook
+
+
+def _check_positions(cache: PolicyCache, position_ids, cache_position) -> None:
+    """Refuse a forward after the prompt whose positions do not continue the cache.
+
+    transformers' assisted generation (``prompt_lookup_num_tokens``, ``assistant_model``; seen in
+    5.24) feeds the whole sequence again, from position 0, when ``generate`` gets a cache that
+    already holds tokens: every earlier token would be stored a second time, after itself, at
+    positions that overlap. The unpatched model does that silently; kvpress refuses it.
+    """
+    seen = cache.get_seq_length()
+    if seen == 0 or cache.prompt_open:  # (inside a prompt block, rows may still be all padding)
+        return
+    first = None
+    if cache_position is not None and cache_position.numel():
+        first = int(cache_position.reshape(-1)[0])
+        expected = f"{seen}"
+        wrong = first != seen
+    elif position_ids is not None and position_ids.dim() == 2:
+        row_start = cache.row_start_on(position_ids.device)
+        want = seen - (0 if row_start is None else row_start)
+        got = position_ids[:, 0]
+        wrong = bool((got != want).any())
+        first, expected = got.tolist(), (want.tolist() if torch.is_tensor(want) else f"{want}")
+    else:
+        return
+    if wrong:
+        raise ValueError(
+            f"kvpress: this forward's positions start at {first}, but the cache already holds {seen} tokens "
+            f"(expected {expected}): its tokens would not continue the cache. transformers' assisted generation "
+            "(prompt_lookup_num_tokens / assistant_model) feeds the whole sequence again when generate is given a "
+            "cache that holds tokens; continue a conversation without assisted decoding, or start a fresh cache"
+        )
 
 
 def _row_start_from_mask(mask, batch, new_tokens):

@@ -320,3 +320,62 @@ def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
         assert torch.equal(got.probe_pos, ref.probe_pos) and torch.equal(got.probe_rand, ref.probe_rand)
         torch.testing.assert_close(got.probe_q, ref.probe_q, atol=1e-6, rtol=0)
         torch.testing.assert_close(got.probe_lse, ref.probe_lse, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "kivi"])
+def test_a_forward_that_does_not_continue_the_cache_is_refused_and_leaves_it_intact(llama, name):
+    """transformers' assisted generation on a cache that holds tokens feeds the whole sequence
+    again from position 0 (5.24); the unpatched model stores it a second time, kvpress refuses,
+    and the cache goes on as before: a plain second turn gives the tokens it gives without the
+    refused attempt. Positions that continue the cache pass (padded rows: from their first
+    real token)."""
+    policy = example(name, kvpress.get_adapter(llama))
+    doc = random_ids(PROMPT, seed=41)
+    turn_ids = random_ids(12, seed=42)
+
+    def second_turn(try_assisted):
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            first = llama.generate(doc, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+            seen = first.past_key_values.get_seq_length()
+            turn = torch.cat([first.sequences, turn_ids], 1)
+            if try_assisted:
+                with pytest.raises(ValueError, match=r"positions start at \[0\].*cache already holds"):
+                    llama.generate(turn, past_key_values=first.past_key_values, max_new_tokens=4, do_sample=False,
+                                   prompt_lookup_num_tokens=3)
+                assert first.past_key_values.get_seq_length() == seen
+                with pytest.raises(ValueError, match="cache already holds"):  # by hand, the same mistake
+                    llama(turn, position_ids=torch.arange(turn.shape[1])[None], use_cache=True,
+                          **cache_kwargs(llama, first.past_key_values))
+            return llama.generate(turn, past_key_values=first.past_key_values, max_new_tokens=4, do_sample=False,
+                                  return_dict_in_generate=True, output_scores=True)
+
+    got, ref = second_turn(True), second_turn(False)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "quest", "kivi"])
+def test_the_cache_assisted_decoding_returns_no_longer_records(llama, name):
+    """Assisted decoding turns past recording on and transformers leaves it on; ``apply``'s
+    ``generate`` ends it, so a second turn on that cache is a new turn (for these policies one
+    that differs from a verification's steps), as after plain decoding of the same tokens."""
+    policy = example(name, kvpress.get_adapter(llama))
+    doc, more = _repeating_prompt(), random_ids(20, seed=44)
+
+    def second_turn(**assist):
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            first = llama.generate(doc, max_new_tokens=8, do_sample=False, return_dict_in_generate=True, **assist)
+            cache = first.past_key_values
+            assert not any(layer.record_past for layer in cache.layers)
+            assert all(getattr(layer, "_record", None) is None for layer in cache.layers)
+            turn = torch.cat([first.sequences, more], 1)
+            return first.sequences, llama.generate(turn, past_key_values=cache, max_new_tokens=4, do_sample=False,
+                                                   return_dict_in_generate=True, output_scores=True)
+
+    (seq_a, got), (seq_p, ref) = second_turn(prompt_lookup_num_tokens=3), second_turn()
+    if not torch.equal(seq_a, seq_p):
+        pytest.skip("assisted and plain first turns differ for this policy")
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
