@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
+from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_int, register_policy
 
-_GROW = 64  # slots added at a time while a short cache grows towards the budget
 
 
 @register_policy
@@ -172,7 +172,7 @@ def turn_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, end: 
     return pooled.gather(3, at).mean(2)
 
 
-class SnapKVLayer(RecordingLayer):
+class SnapKVLayer(PlannedSteps, RecordingLayer):
     """Compact per-head storage: ``k``/``v`` ``(B, H_kv, cap, D)`` and ``pos`` ``(B, H_kv, cap)``.
 
     Slots ``[0, filled)`` are in use; row ``b``'s tokens occupy ``[filled - kept[b], filled)``
@@ -413,125 +413,6 @@ class SnapKVLayer(RecordingLayer):
         self.pos.scatter_(2, index[..., 0], torch.full((B, H, 1), position, dtype=torch.long, device=k_new.device))
         self.score.scatter_(2, index[..., 0], torch.full((B, H, 1), float("inf"), device=k_new.device))
         self.seen += 1
-
-    # ------------------------------------------------- several tokens after the prompt
-    # A forward of n tokens after the prompt must equal n decode steps (assisted generation checks
-    # its drafts with one, a new turn is one). Which slot each token takes does not depend on the
-    # queries: growing appends, then the lowest-scored prompt tokens in score order, then the
-    # generated token leaving the recent window. So the n steps' slots are planned first, each key
-    # gets the steps it is visible in (a kept key until the step that overwrites its slot, a new
-    # token from its own step until its slot is reused), and the n queries attend at once under
-    # that mask. Before (session 25), a 256-token turn cost 256 decode steps per layer.
-
-    def _plan(self, n: int) -> torch.Tensor | None:
-        """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.
-
-        Returns long ``(B, H_kv, n)``, after growing the buffers as those calls would; or None
-        (nothing changed) where a row has fewer scored prompt tokens than the steps that evict one
-        by score, and the caller stores token by token. Per row, once the rows stop growing: a
-        shorter left-padded row first fills the free slots before its tokens (last first), then,
-        as a full row, evicts its lowest-scored prompt tokens while the token leaving the recent
-        window is a prompt token, then the generated token leaving it.
-        """
-        p = self.policy
-        W, seen = p.window_size, self.seen
-        grow = min(n, p.budget - self.filled)  # steps that append while the rows grow
-        free = (self.filled - self.kept).clamp(min=0)  # (B,) free slots before each row's tokens
-        full_at = grow + free  # (B,) first step at which each row evicts
-        by_prompt = self.prompt_len + W - seen  # steps before this one see a prompt token leave the window
-        by_score = (min(n, by_prompt) - full_at).clamp(min=0)  # (B,) evictions by score per row
-        need = int(by_score.max()) if n > grow else 0
-        if need and bool((torch.isfinite(self.score).sum(-1) < by_score[:, None]).any()):
-            return None  # the observation window or generated tokens would be evicted: token by token
-        cap = self.k.shape[2]
-        while cap < self.filled + grow:
-            cap = min(p.budget, cap + _GROW)
-        if cap > self.k.shape[2]:
-            self._grow(cap)
-        B, H, _ = self.pos.shape
-        dev = self.pos.device
-        slots = torch.empty(B, H, n, dtype=torch.long, device=dev)
-        slots[:, :, :grow] = self.filled + torch.arange(grow, device=dev)
-        if n == grow:
-            return slots
-        steps = torch.arange(grow, n, device=dev)  # (m,)
-        filling = steps[None, :] < full_at[:, None]  # (B, m) a free slot: the one before the row's tokens
-        free_slot = free[:, None] - 1 - (steps[None, :] - grow)
-        scored = ~filling & (steps[None, :] < by_prompt)  # (B, m) the next lowest-scored prompt token
-        score_slot = free_slot  # (placeholder where no row evicts by score)
-        if need:  # lowest score first, ties by slot (argmin's order); evicted slots score +inf
-            order = torch.sort(self.score, dim=-1, stable=True).indices  # (B, H, cap)
-            rank = (steps[None, :] - full_at[:, None]).clamp(0, need - 1)  # (B, m)
-            score_slot = order.gather(2, rank[:, None, :].expand(B, H, -1))
-        t = grow
-        while t < n:  # otherwise the generated token at position seen + t - W leaves: its slot
-            leaving = seen + t - W
-            if leaving < seen:  # stored before this forward: where it is
-                c = min(n - t, seen - leaving)
-                wanted = torch.arange(leaving, leaving + c, device=dev)
-                leave = (self.pos[:, :, None, :] == wanted[:, None]).to(torch.int8).argmax(-1)
-            else:  # a token of this forward: the slot it took
-                c = min(n - t, W)
-                leave = slots[:, :, t - W:t - W + c]
-            a, b = t - grow, t - grow + c
-            pick = lambda x: x[:, None, a:b] if x.dim() == 2 else x[:, :, a:b]  # noqa: E731
-            slots[:, :, t:t + c] = torch.where(pick(filling), pick(free_slot),
-                                               torch.where(pick(scored), pick(score_slot), leave))
-            t += c
-        return slots
-
-    def _attend_planned(self, q, k_new, v_new, scaling, slots) -> torch.Tensor:
-        """The ``n`` queries of a planned forward, each over the keys its decode step would see."""
-        B, H, cap, D = self.k.shape
-        H_q, n = q.shape[1], q.shape[2]
-        G = H_q // H
-        dev = q.device
-        steps = torch.arange(n, device=dev)
-        # a slot's current key is visible until the first step that writes the slot
-        end_old = torch.full((B, H, cap), n, dtype=torch.long, device=dev)
-        end_old.scatter_reduce_(2, slots, steps.expand(B, H, n), "amin")
-        slot_ids = torch.arange(cap, device=dev)
-        used = (slot_ids >= (self.filled - self.kept)[:, None]) & (slot_ids < self.filled)  # (B, cap)
-        # token t's key is visible from step t until the next step that writes its slot
-        order = (slots * n + steps).sort(dim=-1).values
-        slot_sorted, step_sorted = order // n, order % n
-        reused = slot_sorted[:, :, 1:] == slot_sorted[:, :, :-1]
-        end_sorted = torch.cat([torch.where(reused, step_sorted[:, :, 1:], n),
-                                torch.full((B, H, 1), n, dtype=torch.long, device=dev)], dim=2)
-        end_new = torch.empty_like(end_sorted).scatter_(2, step_sorted, end_sorted)
-        qg = q.float().reshape(B, H, G, n, D)
-        k_old, v_old = self.k.float(), self.v.float()
-        out = torch.empty(B, H, G, n, D, device=dev)
-        block = 128
-        for t0 in range(0, n, block):
-            t1 = min(n, t0 + block)
-            t_q = steps[t0:t1]
-            # new tokens some query of the block still sees: from the first one alive at t0
-            lo = int(torch.where(end_new > t0, steps, n).amin())
-            t_k = steps[lo:t1]
-            see_old = used[:, None, None, :] & (t_q[:, None] < end_old[:, :, None, :])  # (B, H, b, cap)
-            see_new = (t_k[None, None, None, :] <= t_q[:, None]) & (t_q[:, None] < end_new[:, :, None, lo:t1])
-            keys = torch.cat([k_old, k_new[:, :, lo:t1].float()], dim=2)  # (B, H, cap + m, D)
-            values = torch.cat([v_old, v_new[:, :, lo:t1].float()], dim=2)
-            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys, values,
-                                                         torch.cat([see_old, see_new], dim=-1), scaling)
-        return out.reshape(B, H_q, n, D).to(q.dtype)
-
-    def _apply_plan(self, k_new, v_new, slots) -> None:
-        """Store the planned tokens: each slot ends with the last token written to it."""
-        B, H, cap, D = self.k.shape
-        n = slots.shape[2]
-        last = torch.full((B, H, cap), -1, dtype=torch.long, device=slots.device)
-        last.scatter_reduce_(2, slots, torch.arange(n, device=slots.device).expand(B, H, n), "amax")
-        written = last >= 0
-        src = last.clamp(min=0)
-        self.k = torch.where(written[..., None], k_new.gather(2, src[..., None].expand(B, H, cap, D)), self.k)
-        self.v = torch.where(written[..., None], v_new.gather(2, src[..., None].expand(B, H, cap, D)), self.v)
-        self.pos = torch.where(written, src + self.seen, self.pos)
-        self.score = self.score.masked_fill(written, float("inf"))
-        self.filled += min(n, self.policy.budget - self.filled)
-        self.kept = (self.kept + n).clamp(max=self.filled)
-        self.seen += n
 
     def _index(self) -> SparseIndex:
         """Dense index over the used slots, shared by every layer of the step (same layout)."""
