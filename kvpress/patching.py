@@ -306,23 +306,18 @@ def _check_positions(cache: PolicyCache, position_ids, cache_position) -> None:
     seen = cache.get_seq_length()
     if seen == 0 or cache.prompt_open:  # (inside a prompt block, rows may still be all padding)
         return
-    first = None
     if cache_position is not None and cache_position.numel():
-        first = int(cache_position.reshape(-1)[0])
-        expected = f"{seen}"
-        wrong = first != seen
+        got, want = cache_position.reshape(-1)[:1].cpu(), torch.tensor([seen])
     elif position_ids is not None and position_ids.dim() == 2:
-        row_start = cache.row_start_on(position_ids.device)
-        want = seen - (0 if row_start is None else row_start)
-        got = position_ids[:, 0]
-        wrong = bool((got != want).any())
-        first, expected = got.tolist(), (want.tolist() if torch.is_tensor(want) else f"{want}")
+        got = position_ids[:, 0].cpu()  # (one host sync, for forwards of several tokens only)
+        row_start = cache.row_start_on(got.device)
+        want = torch.full_like(got, seen) - (0 if row_start is None else row_start)
     else:
         return
-    if wrong:
+    if not torch.equal(got, want):
         raise ValueError(
-            f"kvpress: this forward's positions start at {first}, but the cache already holds {seen} tokens "
-            f"(expected {expected}): its tokens would not continue the cache. transformers' assisted generation "
+            f"kvpress: this forward's positions start at {got.tolist()}, but the cache already holds {seen} tokens "
+            f"(expected {want.tolist()}): its tokens would not continue the cache. transformers' assisted generation "
             "(prompt_lookup_num_tokens / assistant_model) feeds the whole sequence again when generate is given a "
             "cache that holds tokens; continue a conversation without assisted decoding, or start a fresh cache"
         )

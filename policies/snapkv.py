@@ -269,7 +269,7 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
     def _compress(self, q_window, k, v, scaling) -> None:
         """Keep each KV head's best prompt tokens; ``q_window``: the last ``min(window_size, T)`` queries."""
         p = self.policy
-        B, H, T, D = k.shape
+        B, H, T, _ = k.shape
         row_start = self.row_start
         starts = torch.zeros(B, dtype=torch.long, device=k.device) if row_start is None else row_start
         self.kept = T - starts  # (B,) real tokens per row
@@ -288,19 +288,28 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
             chosen = chosen.sort(dim=-1).values  # free slots (-1) first, then ascending positions
             self.kept = self.kept.clamp(max=p.budget)
         chosen = torch.where(chosen >= starts[:, None, None], chosen, torch.full_like(chosen, -1))
-        cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
-        self.k, self.v = k.new_zeros(B, H, cap, D), v.new_zeros(B, H, cap, D)
-        self.pos = torch.full((B, H, cap), -1, dtype=torch.long, device=k.device)
-        index = chosen.clamp(min=0)[..., None].expand(B, H, keep, D)
-        self.k[:, :, :keep] = k.gather(2, index)  # free slots hold a copy of token 0: never attended
-        self.v[:, :, :keep] = v.gather(2, index)
-        self.pos[:, :, :keep] = chosen
-        # Retention score per slot: prompt tokens keep their SnapKV score (the observation window
-        # +inf), generated tokens +inf; a full row evicts its lowest-scored prompt token until
-        # window_size tokens have been generated, then the generated token leaving the window.
-        self.score = torch.full((B, H, cap), float("inf"), device=k.device)
-        self.score[:, :, :keep] = torch.where(chosen >= 0, scores.gather(2, chosen.clamp(min=0)), float("inf"))
+        self._hold(k, v, scores, chosen.clamp(min=0), chosen)  # (free slots: a copy of token 0)
         self.prompt_len = T
+
+    def _hold(self, keys, values, scores, index, pos) -> None:
+        """Make the chosen candidates the layer's buffers: ``index`` (B, H, keep) into ``keys`` /
+        ``values`` / ``scores`` (B, H, L, ...), ``pos`` their positions, -1 for a row's free slots
+        (they hold some candidate, never attended). Capacity: the budget, or whole ``_GROW`` steps
+        below it. Retention score per slot: the selection's (the observation window +inf),
+        generated tokens +inf; a full row evicts its lowest-scored token until ``window_size``
+        tokens have been generated, then the generated token leaving the window."""
+        p = self.policy
+        B, H, keep = index.shape
+        D = keys.shape[3]
+        cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
+        self.k, self.v = keys.new_zeros(B, H, cap, D), values.new_zeros(B, H, cap, D)
+        rows = index[..., None].expand(B, H, keep, D)
+        self.k[:, :, :keep] = keys.gather(2, rows)
+        self.v[:, :, :keep] = values.gather(2, rows)
+        self.pos = torch.full((B, H, cap), -1, dtype=torch.long, device=keys.device)
+        self.pos[:, :, :keep] = pos
+        self.score = torch.full((B, H, cap), float("inf"), device=keys.device)
+        self.score[:, :, :keep] = torch.where(pos >= 0, scores.gather(2, index), float("inf"))
         self.filled = keep
 
     # ------------------------------------------------------------------ a new turn
@@ -350,7 +359,7 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
         """Select each KV head's ``budget`` tokens among the kept ones and the turn's (``self.seen``
         already counts the turn); ``q_window``: the turn's last ``min(window_size, n)`` queries."""
         p = self.policy
-        B, H, cap, D = self.k.shape
+        B, H = self.k.shape[:2]
         n, end = k_turn.shape[2], self.seen
         dev = self.k.device
         turn_pos = torch.arange(end - n, end, device=dev).expand(B, H, n)
@@ -365,18 +374,8 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
         top = torch.topk(scores, keep, dim=-1)
         chosen_pos = torch.where(top.values > float("-inf"), positions.gather(2, top.indices), -1)
         order = chosen_pos.sort(dim=-1).indices  # free slots (-1) first, then ascending positions
-        chosen, chosen_pos = top.indices.gather(2, order), chosen_pos.gather(2, order)
-        new_cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
-        self.k, self.v = keys.new_zeros(B, H, new_cap, D), values.new_zeros(B, H, new_cap, D)
-        index = chosen[..., None].expand(B, H, keep, D)
-        self.k[:, :, :keep] = keys.gather(2, index)  # a free slot holds some kept token: never attended
-        self.v[:, :, :keep] = values.gather(2, index)
-        self.pos = torch.full((B, H, new_cap), -1, dtype=torch.long, device=dev)
-        self.pos[:, :, :keep] = chosen_pos
-        self.score = torch.full((B, H, new_cap), float("inf"), device=dev)
-        self.score[:, :, :keep] = torch.where(chosen_pos >= 0, scores.gather(2, chosen), float("inf"))
+        self._hold(keys, values, scores, top.indices.gather(2, order), chosen_pos.gather(2, order))
         self.kept = total.clamp(max=p.budget)
-        self.filled = keep
         self.prompt_len = end  # decode evicts by these scores until window_size tokens are generated
 
     # ------------------------------------------------------------------ decode
