@@ -15,13 +15,11 @@ from .quant import _check_decode, check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-BLOCK_N = 128  # tokens per decode tile (at least; a multiple of the key token group)
+# decode launch configuration, from session 29's H100 sweep (BENCHMARKS "Session 29"):
+BLOCK_N = {2: 128, 4: 64, 8: 64}  # tokens per decode tile by bit width (at least the key token group)
+NUM_WARPS, NUM_STAGES = 4, 2
+PROGRAMS_PER_SM = 8  # split-K aims at this many decode programs per multiprocessor
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
-NUM_WARPS, NUM_STAGES = 4, 2  # decode kernel launch configuration (H100 sweep, BENCHMARKS "Session 8")
-PROGRAMS_PER_SM = 2  # split-K aims at this many decode programs per multiprocessor
-KERNEL = "folded"  # "folded" (scales folded into the query / probabilities) or "parts" (session 8's kernel)
-FOLD_KEYS = FOLD_VALUES = True  # folded kernel: fold where the group allows (>= 16 tokens / channels)
-PREFETCH = True  # folded kernel: load the next tile while computing this one
 
 
 def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: int) -> int:
@@ -63,7 +61,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
     if B * H_q == 0:
         return out.to(q.dtype), lse
-    block_n = max(BLOCK_N, group_size)  # a tile holds whole key token groups
+    block_n = max(BLOCK_N[bits], group_size)  # a tile holds whole key token groups
     splits = num_splits or _splits(B, H_kv, T, q.device, block_n)
     tiles = max(1, -(-T // block_n))
     per_split = -(-tiles // splits)
@@ -71,7 +69,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     out_part = torch.empty(B, H_q, splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
     starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
-    common = (
+    kern._quant_decode_split_kernel[(B, H_kv, splits)](
         qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part,
         qc.stride(0), qc.stride(1),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
@@ -81,19 +79,13 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         scale * 1.4426950408889634, T, per_split * block_n,
+        GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=block_n, HEAD_DIM=D,
+        BITS=bits, GROUP_SIZE=group_size, VALUE_GROUP_SIZE=value_group_size, HAS_STARTS=seq_starts is not None,
+        # fp32 queries keep fp32 tiles and exact dots (as the reference); fp16 / bf16 dequantize and dot in fp16
+        DT=tl.float32 if qc.dtype == torch.float32 else tl.float16,
+        DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    shape = dict(GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=block_n, HEAD_DIM=D,
-                 BITS=bits, GROUP_SIZE=group_size, VALUE_GROUP_SIZE=value_group_size,
-                 HAS_STARTS=seq_starts is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if KERNEL == "parts":
-        kern._quant_decode_split_kernel[(B, H_kv, splits)](
-            *common, **shape, DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32")
-    else:  # fp32 queries keep fp32 dots (exact, as the reference); fp16 / bf16 dot in fp16 (codes exact)
-        dt = tl.float32 if qc.dtype == torch.float32 else tl.float16
-        kern._quant_decode_folded_kernel[(B, H_kv, splits)](
-            *common, **shape, FOLD_KEYS=FOLD_KEYS and group_size >= 16,
-            FOLD_VALUES=FOLD_VALUES and value_group_size >= 16, PREFETCH=PREFETCH, DT=dt,
-            DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32")
     dec._merge_splits_kernel[(B, H_q)](
         out_part, lse_part, out, lse,
         out_part.stride(0), out_part.stride(1), out_part.stride(2),

@@ -21,7 +21,7 @@ _PTR = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", to
         torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.bool: "i1"}
 KERNELS = {
     triton_decode_kernel: ("_sparse_decode_split_kernel", "_merge_splits_kernel"),
-    triton_quant_kernel: ("_quant_decode_split_kernel", "_quant_decode_folded_kernel", "_quantize_pack_kernel"),
+    triton_quant_kernel: ("_quant_decode_split_kernel", "_quantize_pack_kernel"),
     triton_shadowkv_kernel: ("_shadowkv_rebuild_kernel",),
 }
 
@@ -98,13 +98,11 @@ def test_sparse_decode_compiles_for_sm90(launches, dtype, D, G, block_size, star
 @pytest.mark.parametrize("bits,dtype,G,groups", [(4, torch.float16, 4, (32, 32)), (2, torch.bfloat16, 4, (32, 16)),
                                                   (4, torch.bfloat16, 16, (64, 16)), (8, torch.float16, 3, (128, 128)),
                                                   (4, torch.float32, 4, (32, 32)), (2, torch.float16, 8, (8, 8))])
-@pytest.mark.parametrize("kernel", ["folded", "parts"])
-def test_quant_kernels_compile_for_sm90(launches, monkeypatch, bits, dtype, G, groups, kernel):
-    """Both decode kernels, every unpacking width, folded and dequantized tiles (groups of 8 are
-    below the folded dot's smallest tile), fp32 queries (fp32 dots)."""
+def test_quant_kernels_compile_for_sm90(launches, bits, dtype, G, groups):
+    """Every unpacking width, key tiles of one or several token groups, value groups of 8-128
+    channels, fp16 tiles and fp32 queries (fp32 tiles)."""
     from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
 
-    monkeypatch.setattr(triton_quant, "KERNEL", kernel)
     (group, vgroup), B, H_kv, T, D = groups, 1, 2, 256, 128
     x = torch.randn(B, H_kv, T, D, dtype=dtype)
     triton_quant.triton_quantize_pack(x, bits, group, per_channel=True)
@@ -113,8 +111,8 @@ def test_quant_kernels_compile_for_sm90(launches, monkeypatch, bits, dtype, G, g
     vq = quantize_per_token(x.float(), bits, vgroup)
     q = torch.randn(B, H_kv * G, D, dtype=dtype)
     triton_quant.triton_quant_decode(q, *kq, *vq, bits=bits, group_size=group, value_group_size=vgroup, num_splits=2)
-    decode = "_quant_decode_folded_kernel" if kernel == "folded" else "_quant_decode_split_kernel"
-    _check_compiles(launches, ["_quantize_pack_kernel", "_quantize_pack_kernel", decode, "_merge_splits_kernel"])
+    _check_compiles(launches, ["_quantize_pack_kernel", "_quantize_pack_kernel", "_quant_decode_split_kernel",
+                               "_merge_splits_kernel"])
 
 
 @pytest.mark.parametrize("dtype,D,chunk", [(torch.bfloat16, 128, 8), (torch.float16, 64, 16)])
