@@ -37,7 +37,7 @@ def _quant_decode_split_kernel(
     scale_log2, seq_len, tokens_per_split,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, VALUE_GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr,
-    DT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_LOADS: tl.constexpr = True, FP32_SCALES: tl.constexpr = True,
 ):
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
     dequantizing each K/V tile in registers (keys per channel in groups of GROUP_SIZE tokens,
@@ -46,16 +46,18 @@ def _quant_decode_split_kernel(
     A tile's packed rows (``HEAD_DIM / PER`` bytes per token) are unpacked to channel order in
     registers (``_unpack_codes``), dequantized in DT (fp16 on a GPU: codes are exact there, the
     scales fp16 already) and dotted with fp32 accumulation; fp32 queries keep fp32 throughout.
-    Key scales / zeros are read once per token group, value scales / zeros once per token; all of
-    a tile's loads are issued before its keys are scored. ``BLOCK_N`` is a multiple of
-    ``GROUP_SIZE``; tiles start at multiples of ``BLOCK_N``.
+    Key scales / zeros are read once per token group, value scales / zeros once per token.
+    ``BLOCK_N`` is a multiple of ``GROUP_SIZE``; tiles start at multiples of ``BLOCK_N``.
 
-    Session 29's H100 runs (BENCHMARKS "Session 29") chose this form: issuing the value loads
-    after the softmax was up to 20% slower, broadcasting the scales in fp16 rather than fp32 up to
-    17% slower at 2 bits; folding the scales out of the tiles (``q . k = (q * s) . code + q . z``
-    per key token group, ``(p * s) @ code + p @ z`` per value channel group, as batched dots) and
-    a register prefetch of the next tile were slower at every tile size and warp count tried;
-    session 8's kernel (tiles as bit-offset parts in fp32 / tf32) spilled registers."""
+    Two switches keep the forms session 29's H100 A/B compared (BENCHMARKS "Session 29"); the
+    defaults won: ``EARLY_LOADS`` issues all of a tile's loads before its keys are scored (value
+    loads after the softmax were up to 20% slower); ``FP32_SCALES`` holds the query and the
+    broadcast scales in fp32 until the tile is formed in DT (DT throughout was up to 17% slower
+    at 2 bits). Tried there and dropped: folding the scales out of the tiles
+    (``q . k = (q * s) . code + q . z`` per key token group, ``(p * s) @ code + p @ z`` per value
+    channel group, as batched dots) and a register prefetch of the next tile, each slower at
+    every tile size and warp count tried; session 8's kernel (tiles as bit-offset parts in fp32 /
+    tf32) spilled registers."""
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -79,8 +81,9 @@ def _quant_decode_split_kernel(
     offs_cg = tl.arange(0, CG)
     g_mask = offs_g < GROUP
     q_rows = hk * GROUP + offs_g
+    SD: tl.constexpr = tl.float32 if FP32_SCALES else DT  # where the query and scales are held
     q = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
-                other=0.0).to(tl.float32)  # (BLOCK_G, D)
+                other=0.0).to(SD)  # (BLOCK_G, D)
 
     kc_base = KC + b * stride_kcb + hk * stride_kch
     ks_base = KS + b * stride_ksb + hk * stride_ksh
@@ -98,17 +101,18 @@ def _quant_decode_split_kernel(
         valid = (t < t_end) & (t >= seq_start)
         in_range = t < t_end
         tt = tl.where(in_range, t, 0).to(tl.int64)
-        # every load of the tile first: the values' bytes arrive while the keys are scored
         kb = tl.load(kc_base + tt[:, None] * stride_kct + offs_byte[None, :], mask=in_range[:, None], other=0)
-        vb = tl.load(vc_base + tt[:, None] * stride_vct + offs_byte[None, :], mask=in_range[:, None], other=0)
+        if EARLY_LOADS:  # the values' bytes and scales arrive while the keys are scored
+            vb = tl.load(vc_base + tt[:, None] * stride_vct + offs_byte[None, :], mask=in_range[:, None], other=0)
         grp = t0 // GROUP_SIZE + offs_tg  # the tile's key token groups
         s_off = grp[:, None].to(tl.int64) * stride_ksg + offs_d[None, :]
         g_ok = (grp * GROUP_SIZE < t_end)[:, None]
-        ks = tl.load(ks_base + s_off, mask=g_ok, other=0.0).to(tl.float32)  # (TG, D)
-        kz = tl.load(kz_base + s_off, mask=g_ok, other=0.0).to(tl.float32)
-        v_off = tt[:, None] * stride_vst + offs_cg[None, :]
-        vs = tl.load(vs_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)  # (BLOCK_N, CG)
-        vz = tl.load(vz_base + v_off, mask=in_range[:, None], other=0.0).to(tl.float32)
+        ks = tl.load(ks_base + s_off, mask=g_ok, other=0.0).to(SD)  # (TG, D)
+        kz = tl.load(kz_base + s_off, mask=g_ok, other=0.0).to(SD)
+        if EARLY_LOADS:
+            v_off = tt[:, None] * stride_vst + offs_cg[None, :]
+            vs = tl.load(vs_base + v_off, mask=in_range[:, None], other=0.0).to(SD)  # (BLOCK_N, CG)
+            vz = tl.load(vz_base + v_off, mask=in_range[:, None], other=0.0).to(SD)
         if TG > 1:  # repeat each group's row over its GROUP_SIZE tokens
             ks = tl.reshape(tl.broadcast_to(ks[:, None, :], (TG, GROUP_SIZE, HEAD_DIM)), (BLOCK_N, HEAD_DIM))
             kz = tl.reshape(tl.broadcast_to(kz[:, None, :], (TG, GROUP_SIZE, HEAD_DIM)), (BLOCK_N, HEAD_DIM))
@@ -120,6 +124,11 @@ def _quant_decode_split_kernel(
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if not EARLY_LOADS:
+            vb = tl.load(vc_base + tt[:, None] * stride_vct + offs_byte[None, :], mask=in_range[:, None], other=0)
+            v_off = tt[:, None] * stride_vst + offs_cg[None, :]
+            vs = tl.load(vs_base + v_off, mask=in_range[:, None], other=0.0).to(SD)
+            vz = tl.load(vz_base + v_off, mask=in_range[:, None], other=0.0).to(SD)
         if CG > 1:  # repeat each token's group scale over its channels
             vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BLOCK_N, CG, VALUE_GROUP_SIZE)), (BLOCK_N, HEAD_DIM))
             vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (BLOCK_N, CG, VALUE_GROUP_SIZE)), (BLOCK_N, HEAD_DIM))

@@ -5,7 +5,9 @@
 Llama-3-8B attention (32 query / 8 KV heads, D=128), key groups of 32 tokens, value groups of
 32 channels, fp16 queries. ``sweep``: each BLOCK_N x warps x programs per SM at 32k tokens, batch
 1 and 8, 4- and 2-bit. ``table`` (after the sweep, or alone with ``--table-only``): the
-kernel's defaults at 8k / 32k / 128k. Device time per call from CUDA-graph replays
+kernel's defaults at 8k / 32k / 128k. ``--forms``: the kernel's ``EARLY_LOADS`` /
+``FP32_SCALES`` forms against each other, twice each (the spread between the two is the noise),
+at 32k / 128k, batch 1 and 8. Device time per call from CUDA-graph replays
 (``graph_timeit``) against bf16 SDPA, each configuration checked against the dequantizing
 reference first (relative error, NaN-free). Batch 1 rotates over ``--sets`` copies of its
 inputs (4-bit at 32k is 42 MB, under an H100's 50 MB L2: one copy would be timed from cache).
@@ -104,8 +106,11 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this many seconds")
     ap.add_argument("--sets", type=int, default=4, help="input copies rotated at batch 1 (L2)")
     ap.add_argument("--table-only", action="store_true", help="only the defaults at 8k / 32k / 128k")
+    ap.add_argument("--forms", action="store_true", help="only the A/B of the kernel's forms")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    if args.forms:
+        return forms(args, dev)
     t_start = time.time()
     sweep, table = [], []
     defaults = (dict(tq.BLOCK_N), tq.NUM_WARPS, tq.PROGRAMS_PER_SM)
@@ -155,6 +160,36 @@ def main(argv=None):
               f"{r['mb']/r['us']*1e3:.0f} | {r['mb']:.1f} | {r['err']:.1e} |")
     print(f"defaults: BLOCK_N {tq.BLOCK_N}, warps {tq.NUM_WARPS}, programs per SM {tq.PROGRAMS_PER_SM}; "
           f"{time.time() - t_start:.0f} s", flush=True)
+
+
+FORMS = {"late_v": (False, False), "loads_first": (True, False), "default": (True, True)}  # EARLY_LOADS, FP32_SCALES
+
+
+def forms(args, dev):
+    """Session 29's A/B: each form of the kernel, 4-bit at BLOCK_N 64 and 128, 2-bit at 128."""
+    rows, block_n = [], dict(tq.BLOCK_N)
+    for T, B in itertools.product((32768, 131072), (1, 8)):
+        sets = args.sets if B == 1 else 1
+        dense = _time_dense(B, T, sets, dev)
+        for bits in (4, 2):
+            ins = _inputs(B, T, sets, bits, dev)
+            for rep in range(2):
+                cells = []
+                for name, (tq.EARLY_LOADS, tq.FP32_SCALES) in FORMS.items():
+                    for bn in ((64, 128) if bits == 4 else (128,)):
+                        tq.BLOCK_N[bits] = bn
+                        t, err = _measure(ins, bits, dev)
+                        rows.append(dict(form=name, block_n=bn, bits=bits, B=B, T=T, rep=rep, us=t * 1e3, err=err,
+                                         dense_us=dense * 1e3))
+                        cells.append(f"{name}/{bn} {t*1e3:.1f}us {dense/t:.2f}x")
+                print(f"T={T} B={B} bits={bits} dense={dense*1e3:.1f}us rep{rep}: " + " | ".join(cells), flush=True)
+            del ins
+            torch.cuda.empty_cache()
+    tq.EARLY_LOADS = tq.FP32_SCALES = True
+    tq.BLOCK_N.update(block_n)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "tune_quant_forms.json").write_text(json.dumps(rows))
 
 
 if __name__ == "__main__":

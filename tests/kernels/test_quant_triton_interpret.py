@@ -61,6 +61,7 @@ def _run_cases():
         results["pack"].append({"shapes": all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ref, got)),
                                 "scale_equal": torch.equal(ref[1], got[1]) and torch.equal(ref[2], got[2]),
                                 "max_code_diff": diff.max().item(), "frac_diff": diff.float().mean().item()})
+    results["forms"] = _forms_case()
     results["layer"] = _kivi_layer_case()
     results["layer_sinks"] = _kivi_layer_case(sink_tokens=4, row_start=(0, 70))
     results["layer_g16"] = _kivi_layer_case(heads=16, kv_heads=1)
@@ -68,6 +69,33 @@ def _run_cases():
     results["zipcache_padded"] = _zipcache_layer_case(row_start=(0, 70))
     results["zipcache_8bit"] = _zipcache_layer_case(bits_high=8, bits_low=4)
     return results
+
+
+def _forms_case():
+    """The kernel's other forms (late value loads; scales held in the tile dtype) against the
+    reference: they stay selectable for the GPU sweep (``tune_quant.py --forms``)."""
+    import torch
+
+    from kvpress.kernels import quant as kq
+    from kvpress.kernels import triton_quant as tq
+
+    errs = []
+    for early, fp32 in ((False, False), (True, False), (False, True)):
+        tq.EARLY_LOADS, tq.FP32_SCALES = early, fp32
+        for B, H, G, T, D, bits, (group, vgroup), starts in ((2, 2, 4, 192, 128, 4, (64, 16), [5, 0]),
+                                                             (1, 1, 3, 96, 64, 2, (32, 32), None)):
+            gen = torch.Generator().manual_seed(T + bits)
+            k, v = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
+            q = torch.randn(B, H * G, D, generator=gen)
+            kc, vc = kq.quantize_per_channel(k, bits, group), kq.quantize_per_token(v, bits, vgroup)
+            st = None if starts is None else torch.tensor(starts)
+            ref, ref_lse = kq.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+                                                     value_group_size=vgroup)
+            out, lse = tq.triton_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+                                              num_splits=2, value_group_size=vgroup)
+            errs.append(max((out - ref).abs().max().item(), (lse - ref_lse).abs().max().item()))
+    tq.EARLY_LOADS = tq.FP32_SCALES = True
+    return errs
 
 
 def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2):
@@ -171,6 +199,10 @@ def test_quantize_pack_matches_torch(results, i):
     assert r["shapes"] and r["scale_equal"], r
     # torch rounds exact ties to even, the kernel rounds them up: at most a one-code difference, rarely
     assert r["max_code_diff"] <= 1 and r["frac_diff"] < 1e-3, r
+
+
+def test_fused_decode_forms_match_reference(results):
+    assert len(results["forms"]) == 6 and max(results["forms"]) <= 2e-5, results["forms"]
 
 
 def test_kivi_layer_fused_path_matches_torch_path(results):
