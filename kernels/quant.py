@@ -42,6 +42,9 @@ import torch
 ALLOWED_BITS = (2, 4, 8)
 ALLOWED_GROUP_SIZES = (8, 16, 32, 64, 128)
 CHUNK_BYTES = 4 << 20  # fp32 bytes of codes unpacked at a time by the torch path (all rows and heads together)
+# on a GPU each chunk costs a dozen small launches of host time and memory is plentiful: one
+# chunk covers 64k tokens of 8 KV heads at D=128 (gear's and zipcache's torch reads there)
+CUDA_CHUNK_BYTES = 256 << 20
 
 
 def check_quant_config(bits: int, group_size: int, head_dim: int | None = None) -> None:
@@ -192,11 +195,12 @@ def dequantize_per_token(codes, scale, zero, bits: int, group_size: int) -> torc
 # ----------------------------------------------------------------------------- torch fast path
 def _chunk(group_size: int, codes: torch.Tensor, bits: int) -> int:
     """Tokens per chunk: about ``CHUNK_BYTES`` of unpacked fp32 over the batch and heads of
-    ``codes`` (B, H, T, D * bits / 8), a multiple of ``group_size``. Fewer, larger chunks mean
-    fewer small torch calls, which dominate a decode step on CPU."""
+    ``codes`` (B, H, T, D * bits / 8), a multiple of ``group_size`` (``CUDA_CHUNK_BYTES`` on a
+    GPU). Fewer, larger chunks mean fewer small torch calls, which dominate a decode step."""
     B, H, _, nbytes = codes.shape
     row = B * H * nbytes * (8 // bits) * 4
-    return max(group_size, CHUNK_BYTES // row // group_size * group_size)
+    budget = CUDA_CHUNK_BYTES if codes.is_cuda else CHUNK_BYTES
+    return max(group_size, budget // row // group_size * group_size)
 
 
 READ_BACKENDS = ("auto", "torch", "native")

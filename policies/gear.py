@@ -13,7 +13,8 @@ from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
-OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time
+OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time (torch path)
+CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of host time
 
 
 @register_policy
@@ -110,6 +111,10 @@ class GearPolicy(Policy):
     @classmethod
     def example(cls, adapter):
         return cls(bits=4, group_size=8, residual_length=16, flush_size=8, rank=2, outliers_per_group=1, sink_tokens=2)
+
+
+def _outlier_chunk(x: torch.Tensor) -> int:
+    return CUDA_OUTLIER_CHUNK if x.is_cuda else OUTLIER_CHUNK
 
 
 def low_rank(e: torch.Tensor, rank: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,7 +347,7 @@ class GearLayer(QuantWindowLayer):
             s = s + (qr_t * self.kl[:, :, None, :n].float()).sum(-1)
         if p.outliers_per_group:
             M = q.shape[2]
-            step = max(1, OUTLIER_CHUNK // g)  # token groups per pass: bounds the (B, H, M, O) temporaries
+            step = max(1, _outlier_chunk(q) // g)  # token groups per pass: bounds the (B, H, M, O) temporaries
             for g0 in range(0, n // g, step):
                 g1 = min(n // g, g0 + step)
                 tok, chan = outlier_positions(self.ko[:, :, g0:g1].long(), g, True, g0)  # (B, H, O)
@@ -369,8 +374,9 @@ class GearLayer(QuantWindowLayer):
             out = out + torch.einsum("bhmcr,bhcdr->bhmd", per_chunk, self.vr[:, :, :nc].float())
         if p.outliers_per_group:
             M, D = prob.shape[2], out.shape[-1]
-            for t0 in range(0, n, OUTLIER_CHUNK):
-                t1 = min(n, t0 + OUTLIER_CHUNK)
+            chunk = _outlier_chunk(prob)
+            for t0 in range(0, n, chunk):
+                t1 = min(n, t0 + chunk)
                 off = self.vo[:, :, t0:t1].long().unflatten(3, (D // g, p.outliers_per_group))
                 tok, chan = outlier_positions(off, g, False, t0)  # (B, H, O), O = t * D/G * m
                 corr = self.vx[:, :, t0:t1].float().flatten(2)

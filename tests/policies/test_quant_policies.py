@@ -345,3 +345,27 @@ def test_dequantized_store_is_what_attention_reads(llama, name, overrides, padde
             assert pad == (13 if padded and b == 1 else 0)
             torch.testing.assert_close(k_out[b, h, pad:], kh[b, h, real], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(v_out[b, h, pad:], vh[b, h, real], atol=1e-5, rtol=1e-5)
+
+
+def test_gear_torch_reads_do_not_depend_on_pass_sizes(llama, monkeypatch):
+    """gear's torch reads (the CUDA path) walk the packed tokens in chunks and apply outliers in
+    passes; on a GPU both are one or a few large passes (``CUDA_CHUNK_BYTES``,
+    ``CUDA_OUTLIER_CHUNK``): the scores and outputs must not depend on the sizes."""
+    from kvpress.kernels import quant as kq
+    from kvpress.policies import gear
+
+    policy = kvpress.policy_class("gear").example(kvpress.get_adapter(llama)).replace(backend="torch")
+    ids, kw = _two_rows(True)
+    layer = greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0]
+    assert layer.n_quant >= 64
+    gen = torch.Generator().manual_seed(0)
+    B, H = layer.kc.shape[:2]
+    q = torch.randn(B, H, 3, layer.kc.shape[-1] * 8 // policy.bits, generator=gen)
+    prob = torch.rand(B, H, 3, layer.n_quant, generator=gen)
+    got = []
+    for chunk_bytes, outliers in ((1, 32), (kq.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK)):
+        monkeypatch.setattr(kq, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(gear, "OUTLIER_CHUNK", outliers)
+        got.append((layer._quant_scores(q, 1.0), layer._quant_output(prob)))
+    torch.testing.assert_close(got[0][0], got[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0][1], got[1][1], atol=1e-5, rtol=1e-5)
