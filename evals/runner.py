@@ -174,7 +174,7 @@ def expand_policies(names, budgets=(), bits=(), options=None) -> list[PolicyVari
         Unknown policy or field, or a value out of range (from the policy's own validation).
     """
     per_policy = _policy_options(names, options or {})
-    variants, seen = [], set()
+    variants, seen, told = [], {}, set()
     for name in names:
         registered, spec_fields = parse_policy_spec(name)
         base = kvpress.get_policy(registered, **{**per_policy[registered], **spec_fields})
@@ -194,8 +194,12 @@ def expand_policies(names, budgets=(), bits=(), options=None) -> list[PolicyVari
                 variant = policy if b is None else policy.replace(bits=b)
                 key = json.dumps(variant.to_dict(), sort_keys=True)
                 if key in seen:
+                    if seen[key] != name and name not in told:  # another name for the same config: say so
+                        told.add(name)
+                        print(f"kvpress: {name!r} is the same configuration as {seen[key]!r} (its defaults); "
+                              f"it runs once, as {seen[key]!r}", file=sys.stderr)
                     continue
-                seen.add(key)
+                seen[key] = name
                 label = name + (f"@{budget}" if budget is not None else "") + (f"/b{b}" if b is not None else "")
                 variants.append(PolicyVariant(label, variant, budget, b, spec=name))
     return variants

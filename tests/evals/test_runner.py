@@ -104,6 +104,15 @@ def test_policy_specs_put_variants_of_one_policy_in_one_grid():
             expand_policies([bad])
 
 
+def test_a_spec_equal_to_another_names_config_runs_once_and_says_so(capsys):
+    """`kivi` is 2-bit by default: `kivi:bits=2` beside it is one configuration, run once; the
+    user is told which label it runs under instead of finding a row missing."""
+    variants = expand_policies(["kivi", "kivi:bits=2", "kivi:bits=4"], budgets=(64, 128))
+    assert [v.label for v in variants] == ["kivi", "kivi:bits=4"]
+    err = capsys.readouterr().err
+    assert err.count("is the same configuration") == 1 and "'kivi:bits=2'" in err and "as 'kivi'" in err
+
+
 # --------------------------------------------------------------------------- the grid on a tiny model
 
 
