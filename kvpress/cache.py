@@ -305,7 +305,7 @@ class PolicyCache(Cache):
         self._min_row_start = self._max_row_start = 0
         self._session = None
         self.prompt_open = False  # forwards continue a prompt given in several pieces (`prompt`)
-        from .layers import SlidingWindowLayer  # kvpress.layers builds on this module
+        from .window_layers import SlidingWindowLayer  # kvpress.window_layers builds on this module
 
         # layers the model itself slides keep its window exactly; the policy runs the others
         layers = [policy.make_layer(self, i) if adapter.sliding_window(i) is None

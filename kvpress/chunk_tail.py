@@ -1,7 +1,7 @@
 """Running per-chunk key / value sums standing for tokens a step does not attend exactly.
 
 `ChunkTail` serves the selection policies' ``tail_chunk`` (the tokens a step leaves out) and
-`kvpress.layers.SinkWindowLayer`'s (the tokens its window evicted).
+`kvpress.window_layers.SinkWindowLayer`'s (the tokens its window evicted).
 """
 
 from __future__ import annotations

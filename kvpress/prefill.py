@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .compat import output_cache
-from .layers import SlidingWindowLayer
+from .window_layers import SlidingWindowLayer
 from .patching import apply, make_cache
 from .registry import Policy, get_policy
 

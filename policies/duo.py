@@ -335,7 +335,7 @@ class DuoLayer(CacheLayer):
     Query head q reads KV head q // G (GQA), so each group follows its KV head.
 
     Croppable: the retrieval buffers are truncated, the streaming heads' slots recorded before
-    each forward once past recording is on (:class:`~kvpress.layers.SinkWindowLayer`).
+    each forward once past recording is on (:class:`~kvpress.window_layers.SinkWindowLayer`).
     """
 
     croppable = True

@@ -110,7 +110,7 @@ def test_streaming_prefill_cost_is_bounded_by_the_window(llama):
 def test_decode_decides_visibility_and_sink_writes_on_the_host(llama, monkeypatch):
     """Decode steps pick the dense index and skip the sink writes from host-side counters (no
     device sync per layer and step); the choices must match what the slots say."""
-    import kvpress.layers as layers
+    import kvpress.window_layers as layers
 
     calls = []
     real_slot_index = layers.slot_index

@@ -20,7 +20,7 @@ Sliding-window layers. Some configurations limit some layers to a window of the 
 tokens (Qwen2 / Qwen3 with ``use_sliding_window`` from ``max_window_layers`` on, any family whose
 ``config.layer_types`` names ``"sliding_attention"``). Those layers already hold a bounded cache,
 so kvpress leaves them as the model runs them: the cache gives each one a
-:class:`~kvpress.layers.SlidingWindowLayer` (the last ``W`` tokens, exact) and the policy acts on
+:class:`~kvpress.window_layers.SlidingWindowLayer` (the last ``W`` tokens, exact) and the policy acts on
 the full-attention layers only (``ModelAdapter.policy_layers``). A model whose layers all slide
 (Mistral v0.1's ``sliding_window=4096``) leaves a policy nothing to act on and is refused.
 """

@@ -517,7 +517,7 @@ def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
     """Decode steps: retrieval heads attend their whole buffer and streaming heads their visible
     slots through ``kvpress.kernels.sparse_decode``; the prompt does not."""
     import kvpress.kernels
-    import kvpress.layers
+    import kvpress.window_layers
 
     calls = []
     real = kvpress.kernels.sparse_decode  # retrieval heads: kvpress.attention.whole_cache_decode calls it
@@ -527,7 +527,7 @@ def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
         return real(q, k, v, index, **kw)
 
     monkeypatch.setattr(kvpress.kernels, "sparse_decode", counting)
-    monkeypatch.setattr(kvpress.layers, "sparse_decode", counting)
+    monkeypatch.setattr(kvpress.window_layers, "sparse_decode", counting)
     policy = DuoPolicy(gates=GATES, sparsity=0.5, sink_tokens=2, window_size=6)
     ids = random_ids(30, seed=25)
     out = run(model4, policy, ids)  # 4 new tokens: the first from the prompt, 3 decode steps
@@ -538,7 +538,7 @@ def test_decode_runs_through_the_decode_kernel(model4, monkeypatch):
     assert all(q[0] == 1 and q[1] > 0 for q, _, _ in calls)
     calls.clear()
     monkeypatch.setattr(kvpress.kernels, "sparse_decode", real)
-    monkeypatch.setattr(kvpress.layers, "sparse_decode", real)
+    monkeypatch.setattr(kvpress.window_layers, "sparse_decode", real)
     assert torch.equal(run(model4, policy, ids).sequences, out.sequences)
 
 

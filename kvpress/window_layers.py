@@ -1,0 +1,465 @@
+"""Sinks + recent-window cache layers (StreamingLLM-style) and the model's own sliding window.
+
+Split from ``kvpress.layers`` (which re-exports both classes): :class:`SinkWindowLayer` keeps
+the first ``sinks`` tokens and a ring of the last ``window``; :class:`SlidingWindowLayer` is the
+exact sliding window of a model's own sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention
+from .cache import RecordingLayer
+from .chunk_tail import ChunkTail
+from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
+
+
+def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) -> SparseIndex:
+    """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
+    same for every KV head of a row. ``all_visible=True`` (the caller knows every slot is
+    visible, without asking the device) gives the dense index."""
+    batch, slots = visible.shape
+    if all_visible:
+        return SparseIndex.dense(torch.full((batch,), slots, device=visible.device), kv_heads, capacity=slots)
+    ids = torch.arange(slots, device=visible.device, dtype=torch.int32).expand(batch, slots)
+    packed = torch.where(visible, ids, slots).sort(dim=-1).values  # visible slot ids first
+    packed = torch.where(packed < slots, packed, -1)
+    count = visible.sum(dim=-1, dtype=torch.int32)
+    return SparseIndex(1, packed[:, None, :].expand(batch, kv_heads, slots).contiguous(),
+                       count[:, None].expand(batch, kv_heads).contiguous(),
+                       torch.full((batch,), slots, dtype=torch.int32, device=visible.device))
+
+
+class SinkWindowLayer(RecordingLayer):
+    """Keeps the first ``sinks`` real tokens of each row and the most recent ``window`` tokens.
+
+    Every query attends exactly as if tokens had arrived one at a time into ``sinks + window``
+    slots, during prefill too, so resident memory and per-token attention cost are bounded at
+    any length.
+
+    Storage: k/v [B, H_kv, sinks + window, D], allocated once, and ``pos`` [B, sinks + window]
+    (long), the sequence index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each
+    row's sinks; slots ``[sinks, sinks + window)`` are a ring: the token at sequence index i lives
+    in slot ``sinks + i % window``, so a decode step writes one slot in place instead of copying
+    the window. A sink token that is still inside the window also has a ring copy; the ring copy
+    is never attended (no double counting).
+
+    With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
+    before the window) rather than at their true distance; see :func:`streaming_attention`.
+
+    With ``dense_prefill=True`` a forward of several tokens attends densely instead: each of
+    its queries sees every kept slot and every earlier token of the same forward (a one-shot
+    prefill is then plain causal attention); only sinks + window are stored afterwards, and
+    one-token decode steps are streaming as above.
+
+    With ``prefill_chunk=K`` (and ``dense_prefill=True``) a forward of several tokens is cut into
+    chunks of K tokens counted from each row's first real token (a left-padded row is cut where
+    its prompt alone would be; rows whose padding differs modulo K run as separate groups of rows),
+    and each chunk attends as a dense-prefill
+    forward of its own: its queries see the slots kept after the earlier chunks (sinks + the last
+    ``window`` tokens before the chunk) and the chunk's own earlier tokens. This is DuoAttention's
+    chunked pre-filling: at most ``sinks + window + K`` keys per query, O(T * (sinks + window + K))
+    work, and the layer never holds more than one chunk beyond its slots. Only the slots survive
+    between forwards, so a caller's own forwards cut the chunks too. ``K=1`` is the per-token
+    streaming pattern with one more window slot; ``K=None`` one chunk per forward. In a prompt
+    given in several forwards (:meth:`~kvpress.cache.PolicyCache.prompt`) the chunks are the
+    prompt's, not the forwards': a chunk a forward ends in is held (at most one chunk, or the
+    whole prompt with ``K=None``) and continued by the next, so the layer ends as after one forward.
+
+    Croppable (a :class:`~kvpress.cache.RecordingLayer`): with past recording on, a forward first
+    copies the slots (and the tail sums), so ``crop`` can take back any of its tokens.
+
+    With ``tail_chunk=N`` (needs ``dense_prefill``, not ``rerotate``) the tokens the ring evicts
+    are not forgotten entirely: each is added, as it leaves, to fp32 key / value sums of its
+    ``N``-token chunk (a :class:`ChunkTail`; sinks are never summed), and every later query also
+    sees each chunk as one key ``mean k`` of value ``mean v`` standing for its token count
+    (`kvpress.kernels.chunk_attention`; RetroInfer's estimation zone, arXiv 2505.02922). A chunked
+    prefill's chunk sees the chunks evicted before it; a decode step those evicted before it.
+    Resident bytes grow by ``2 * 4 * D / N`` per evicted token and head (fp32 sums: 1/N of an
+    fp32 cache, 2/N of a 16-bit one), counted in ``cache_stats``. ``N=1`` keeps every evicted
+    token's key and value (as sums of one), so attention equals dense attention.
+    """
+
+    def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False,
+                 dense_prefill: bool = False, prefill_chunk: int | None = None, tail_chunk: int = 0):
+        super().__init__(cache, layer_idx)
+        if prefill_chunk is not None and (not dense_prefill or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk!r} needs dense_prefill=True and must be >= 1")
+        if tail_chunk and (rerotate or not dense_prefill or tail_chunk < 0):
+            raise ValueError(f"tail_chunk={tail_chunk!r} needs dense_prefill=True, rerotate=False and must be >= 0")
+        self.tail = ChunkTail(tail_chunk, skip=sinks) if tail_chunk else None
+        self.sinks = sinks
+        self.window = window
+        self.rerotate = rerotate
+        self.dense_prefill = dense_prefill
+        self.prefill_chunk = prefill_chunk
+        self.k = self.v = self.pos = None
+        # An open prompt's chunks its last forward ended in: phase -> the chunk's first sequence index,
+        # per group of rows whose chunks start at indices = phase (mod prefill_chunk); the tokens
+        # from the earliest such start, every row (`_held_from`, `_held_k`, `_held_v`)
+        self._held: dict[int, int] = {}
+        self._held_from = 0
+        self._held_k = self._held_v = None
+        self._rows_row_start = None  # while one group of rows runs alone (`_only_rows`): its row_start
+
+    @property
+    def row_start(self):
+        return self._rows_row_start if self._rows_row_start is not None else super().row_start
+
+    def _allocate(self, k_new, v_new) -> None:
+        batch, heads, _, dim = k_new.shape
+        slots = self.sinks + self.window
+        self.k = k_new.new_zeros(batch, heads, slots, dim)
+        self.v = v_new.new_zeros(batch, heads, slots, dim)
+        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
+        self._slot = torch.arange(slots, device=k_new.device)
+
+    def _row_start(self, batch, device):
+        row_start = self.row_start
+        return torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start
+
+    def _visible_pos(self, row_start):
+        """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
+        real = self.pos - row_start[:, None]
+        duplicate = (self._slot[None, :] >= self.sinks) & (real < self.sinks)
+        return torch.where(duplicate | (real < 0), torch.full_like(self.pos, -1), self.pos)
+
+    def attend(self, q, k_new, v_new, scaling):
+        batch, _, n_new, _ = k_new.shape
+        if self.k is None:
+            self._allocate(k_new, v_new)
+        row_start = self._row_start(batch, k_new.device)
+        if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
+            out = self._decode(q, k_new, v_new, scaling, row_start)
+        elif self.dense_prefill and self.verifies_as_steps(n_new):
+            # (a dense-prefill chunk would let its queries see its earlier tokens beyond the window)
+            return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
+        elif self.dense_prefill:
+            return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
+        else:
+            out = streaming_attention(
+                q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
+                q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
+                sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
+            )
+            self._write(k_new, v_new, row_start)
+        self.seen += n_new
+        return out
+
+    def _chunk_groups(self, row_start) -> list[tuple[int, torch.Tensor | None]]:
+        """``(phase, rows)``: rows whose chunks start at sequence indices ``phase`` (mod the chunk);
+        ``rows`` None for one group of every row. Read on the host once per row-start tensor (a
+        later prompt piece may extend a row's padding, `PolicyCache._extend_padding`)."""
+        size = self.prefill_chunk
+        if size is None or row_start is None:
+            return [(0, None)]
+        key = ("sink_window_chunk_groups", size, row_start.device)
+        cached = self.cache.shared.get(key)
+        if cached is not None and cached[0] is row_start:  # (the reference keeps its id unique)
+            return cached[1]
+        phases = (row_start % size).tolist()
+        distinct = sorted(set(phases))
+        if len(distinct) == 1:
+            groups = [(distinct[0], None)]
+        else:
+            groups = [(ph, torch.tensor([r for r, x in enumerate(phases) if x == ph], device=row_start.device))
+                      for ph in distinct]
+        self.cache.shared[key] = (row_start, groups)
+        return groups
+
+    @contextmanager
+    def _only_rows(self, rows: torch.Tensor | None, row_start: torch.Tensor):
+        """Run a group of rows as if the batch held only them: slots, tail sums and row starts are
+        taken out for the block and written back after it (``rows`` None: every row, no copy)."""
+        if rows is None:
+            yield row_start
+            return
+        full = (self.k, self.v, self.pos)
+        self.k, self.v, self.pos = (t.index_select(0, rows) for t in full)
+        tail = None if self.tail is None else self.tail.state_tensors()
+        if tail is not None and tail["tail_k_sum"] is not None:
+            for name, t in tail.items():
+                setattr(self.tail, name, t.index_select(0, rows))
+        self._rows_row_start = row_start.index_select(0, rows)
+        try:
+            yield self._rows_row_start
+        finally:
+            for t, sub in zip(full, (self.k, self.v, self.pos)):
+                t.index_copy_(0, rows, sub)
+            self.k, self.v, self.pos = full
+            self._rows_row_start = None
+            if tail is not None:
+                self.tail.merge_rows(rows, tail, self.k.shape[0])
+
+    def _chunked_prefill(self, q, k_new, v_new, scaling, row_start):
+        """Several tokens with ``dense_prefill``: each chunk (see the class doc) sees the kept
+        slots and its own earlier tokens; groups of rows whose chunks start elsewhere run one after
+        the other. In an open prompt (`PolicyCache.prompt`) a chunk the forward ends in is held, not
+        stored, so the next forward continues the same chunk."""
+        groups = self._chunk_groups(self.row_start)
+        phases = {phase for phase, _ in groups}
+        self._held = {ph: st for ph, st in self._held.items() if ph in phases}  # rows whose padding grew moved
+        seen, n_new = self.seen, k_new.shape[2]
+        if len(groups) == 1:
+            out = self._chunk_loop(q, k_new, v_new, scaling, row_start, groups[0][0], None)
+        else:
+            out = q.new_empty(q.shape)
+            for phase, rows in groups:
+                self.seen = seen
+                with self._only_rows(rows, row_start) as sub_start:
+                    part = self._chunk_loop(q.index_select(0, rows), k_new.index_select(0, rows),
+                                            v_new.index_select(0, rows), scaling, sub_start, phase, rows)
+                out.index_copy_(0, rows, part)
+        # keep every row's tokens from the earliest chunk still open (none: nothing held)
+        if self._held:
+            first = min(self._held.values())
+            k_h, v_h = (k_new, v_new) if self._held_k is None else (torch.cat([self._held_k, k_new], dim=2),
+                                                                    torch.cat([self._held_v, v_new], dim=2))
+            from_ = seen if self._held_k is None else self._held_from
+            self._held_k, self._held_v, self._held_from = k_h[:, :, first - from_:], v_h[:, :, first - from_:], first
+        else:
+            self._held_k = self._held_v = None
+        return out
+
+    def _held_rows(self, start: int, rows: torch.Tensor | None):
+        """Held keys / values from sequence index ``start`` of these rows (all: None)."""
+        k, v = self._held_k[:, :, start - self._held_from:], self._held_v[:, :, start - self._held_from:]
+        return (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
+
+    def _chunk_loop(self, q, k_new, v_new, scaling, row_start, phase: int, rows):
+        """The chunks of one group of rows (chunks start at indices ``phase`` mod the chunk size)."""
+        n_new = k_new.shape[2]
+        size = self.prefill_chunk
+        outs, a = [], 0
+        while a < n_new:
+            b = n_new if size is None else min(n_new, a + size - ((self.seen - phase) % size))
+            q_c, k_c, v_c = q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b]
+            start = self._held.pop(phase, None)
+            k_h = v_h = None
+            if start is None:
+                start = self.seen
+            elif start < self.seen:  # the chunk's tokens from the prompt's earlier forwards
+                k_h, v_h = self._held_rows(start, rows)
+            k_all = k_c if k_h is None else torch.cat([k_h, k_c], dim=2)  # the chunk so far
+            v_all = v_c if v_h is None else torch.cat([v_h, v_c], dim=2)
+            if start == 0:
+                outs.append(dense_causal_attention(q_c, k_all, v_all, scaling, q_start=self.seen,
+                                                   row_start=self.row_start))
+            else:
+                k_s, v_s, pos_s = self.k, self.v, self._visible_pos(row_start)
+                if k_h is not None:
+                    held = torch.arange(start, self.seen, device=k_c.device).expand(k_c.shape[0], -1)
+                    held = torch.where(held >= row_start[:, None], held, -1)
+                    k_s, v_s = torch.cat([k_s, k_h], dim=2), torch.cat([v_s, v_h], dim=2)
+                    pos_s = torch.cat([pos_s, held], dim=1)
+                # a window covering the slots and the whole chunk: every kept slot and every
+                # earlier token of the chunk is visible (causally)
+                outs.append(streaming_attention(
+                    q_c, k_s, v_s, pos_s, k_c, v_c, scaling,
+                    q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.seen + (b - a),
+                    tail=self.tail.means() if self.tail is not None and self.tail.chunks else None,
+                ))
+            self.seen += b - a
+            if self.cache.prompt_open and not (size is not None and (self.seen - phase) % size == 0):
+                self._held[phase] = start
+            else:
+                self._write_at(start, k_all, v_all, row_start)
+            a = b
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _write_at(self, start: int, k, v, row_start) -> None:
+        """``_write`` of tokens at sequence indices ``start ..`` (``seen`` already past them)."""
+        seen, self.seen = self.seen, start
+        self._write(k, v, row_start)
+        self.seen = seen
+
+    def end_prompt(self) -> None:
+        if not self._held:
+            return
+        row_start = self._row_start(self.k.shape[0], self.k.device)
+        for phase, rows in self._chunk_groups(self.row_start):
+            start = self._held.pop(phase, None)
+            if start is None:
+                continue
+            k, v = self._held_rows(start, rows)  # the prompt's last chunk of these rows
+            with self._only_rows(rows, row_start) as sub_start:
+                self._write_at(start, k, v, sub_start)
+        self._held = {}
+        self._held_k = self._held_v = None
+
+    def ingest_prefill(self, k, v):
+        """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
+        if not self.dense_prefill:
+            raise NotImplementedError("a streaming-prefill SinkWindowLayer cannot take a dense prefill")
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
+
+    def _write(self, k_new, v_new, row_start) -> None:
+        """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,
+        each row's sink tokens into its sink slots."""
+        batch, heads, n_new, dim = k_new.shape
+        if self.tail is not None:
+            self._evict_to_tail(k_new, v_new)
+        keep = min(n_new, self.window)
+        idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
+        slots = self.sinks + idx % self.window
+        self.k[:, :, slots] = k_new[:, :, n_new - keep :]
+        self.v[:, :, slots] = v_new[:, :, n_new - keep :]
+        self.pos[:, slots] = idx
+        if self.sinks:
+            # a row's sink is among the new tokens only while seen < its row_start + sinks; decided
+            # on the host (no device sync per layer and step)
+            if self.seen < self.cache.max_row_start + self.sinks:
+                local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
+                fresh = (local >= 0) & (local < n_new)
+                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
+                take = fresh[:, None, :, None]
+                self.k[:, :, : self.sinks] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, : self.sinks])
+                self.v[:, :, : self.sinks] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, : self.sinks])
+                self.pos[:, : self.sinks] = torch.where(fresh, local + self.seen, self.pos[:, : self.sinks])
+
+    def _evict_to_tail(self, k_new, v_new) -> None:
+        """Add the tokens this write pushes out of the window (sequence indices
+        ``[seen - window, seen + n - window)``, from the ring or from the new tokens) to the tail sums."""
+        n, w = k_new.shape[2], self.window
+        lo, hi = max(0, self.seen - w), self.seen + n - w
+        if hi <= lo:
+            return
+        ks, vs = [], []
+        if lo < self.seen:  # ring slots about to be overwritten (they hold indices lo .. )
+            old_hi = min(self.seen, hi)
+            if old_hi - lo == 1:
+                slot = self.sinks + lo % w
+                ks.append(self.k[:, :, slot:slot + 1])
+                vs.append(self.v[:, :, slot:slot + 1])
+            else:
+                slots = self.sinks + torch.arange(lo, old_hi, device=k_new.device) % w
+                ks.append(self.k[:, :, slots])
+                vs.append(self.v[:, :, slots])
+        if hi > self.seen:  # new tokens that never enter the ring
+            ks.append(k_new[:, :, : hi - self.seen])
+            vs.append(v_new[:, :, : hi - self.seen])
+        k_ev = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
+        v_ev = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
+        self.tail.append(k_ev, v_ev, lo, self.row_start)
+
+    def _decode(self, q, k_new, v_new, scaling, row_start):
+        """One new token: write it into its ring slot, then attend over the slots in place."""
+        self._write(k_new, v_new, row_start)
+        q_pos = self.seen
+        pos = self._visible_pos(row_start)
+        visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)  # (B, slots)
+        batch, h_q, _, dim = q.shape
+        h_kv = self.k.shape[1]
+        if not self.rerotate:
+            # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
+            # without padding every slot is visible once the sinks and the window are full
+            full = self.row_start is None and q_pos >= self.sinks + self.window - 1
+            out, lse = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv, all_visible=full),
+                                     scale=scaling, validate_index=False)
+            if self.tail is not None and self.tail.chunks:
+                t_out, t_lse = chunk_attention(q[:, :, 0], *self.tail.means(), scale=scaling)
+                out, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
+            return out[:, :, None]
+        # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
+        q_real = (q_pos - row_start).to(torch.float32)  # (B,)
+        shift = (q_real.clamp(max=self.sinks + self.window - 1) - q_real).view(batch, 1, 1)
+        q_sink = self.cache.adapter.rotate(q, shift)
+        qg = q.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)  # (B, H_kv, G, D)
+        qs = q_sink.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)
+        keys = self.k.to(torch.float32)
+        scores = torch.cat(
+            [qs @ keys[:, :, : self.sinks].transpose(-1, -2), qg @ keys[:, :, self.sinks :].transpose(-1, -2)], dim=-1
+        ) * scaling  # (B, H_kv, G, slots)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        out = torch.softmax(scores, dim=-1) @ self.v.to(torch.float32)  # (B, H_kv, G, D)
+        return out.reshape(batch, h_q, 1, dim).to(q.dtype)
+
+    def state_tensors(self):
+        held = {} if self._held_k is None else {"_held_k": self._held_k, "_held_v": self._held_v}
+        return {"k": self.k, "v": self.v, "pos": self.pos,
+                **({} if self.tail is None else self.tail.state_tensors()), **held}
+
+    def snapshot(self) -> dict:
+        saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}
+        if self.tail is not None:
+            saved["tail"] = self.tail.snapshot()
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        self.k, self.v, self.pos = saved["k"], saved["v"], saved["pos"]
+        if self.tail is not None:
+            self.tail.restore(saved["tail"])
+
+    def store_again(self, k, v):
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
+
+    def batch_select(self, indices):
+        for name in ("k", "v", "pos"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, indices.to(t.device)))
+        if self.tail is not None:
+            self.tail.batch_select(indices)
+
+    def stored_tokens(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def cached_elements(self) -> int:
+        if self.k is None:
+            return 0
+        b, h, t, d = self.k.shape
+        return 2 * b * h * t * d
+
+
+class SlidingWindowLayer(SinkWindowLayer):
+    """A layer the *model* limits to a sliding window (``config.layer_types``: ``"sliding_attention"``):
+    kept exactly as the model runs it, whatever the policy.
+
+    A query at sequence index ``p`` sees the tokens ``p - window + 1 .. p`` (transformers'
+    ``sliding_window_overlay``), during prefill too, and the layer stores the last ``window``
+    tokens (`SinkWindowLayer` without sinks). Such a layer's cache is already bounded, so
+    :class:`~kvpress.cache.PolicyCache` gives it this class and the policy the full-attention
+    layers (``ModelAdapter.policy_layers``).
+    """
+
+    def __init__(self, cache, layer_idx: int, window: int):
+        super().__init__(cache, layer_idx, sinks=0, window=window)
+
+    def attend(self, q, k_new, v_new, scaling):
+        if self.seen or k_new.shape[2] == 1:  # decode, or a later chunk that also reads the ring
+            return super().attend(q, k_new, v_new, scaling)
+        if self.k is None:
+            self._allocate(k_new, v_new)
+        # the first forward: SDPA over each query chunk's reachable keys (the model's own kernels)
+        out = sliding_causal_attention(q, k_new, v_new, scaling, window=self.window, row_start=self.row_start)
+        self._write(k_new, v_new, self._row_start(k_new.shape[0], k_new.device))
+        self.seen += k_new.shape[2]
+        return out
+
+    def ingest_prefill(self, k, v):
+        """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""
+        if self.k is None:
+            self._allocate(k, v)
+        self._write(k, v, self._row_start(k.shape[0], k.device))
+        self.seen += k.shape[2]
+
+    def copy_from(self, other: "SlidingWindowLayer") -> None:
+        """This layer's state from ``other`` (the same layer of another cache; tensors cloned)."""
+        if other.window != self.window:
+            raise ValueError(f"cannot copy a {other.window}-token sliding window into a {self.window}-token one")
+        for name in ("k", "v", "pos"):
+            t = getattr(other, name)
+            setattr(self, name, None if t is None else t.clone())
+        self._slot = getattr(other, "_slot", None)
+        if self.k is not None:
+            self.lazy_initialization(self.k, self.v)
+        self.seen = other.seen
