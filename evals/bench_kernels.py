@@ -89,6 +89,27 @@ def timeit(fns, device: torch.device, warmup: int, iters: int, clock: str = "wal
     return [statistics.median(ts) for ts in times]
 
 
+L2_BYTES = 50e6  # an H100's L2; inputs smaller than a few times this are read from cache in replays
+
+
+def copies_beyond_l2(nbytes: float, most: int = 4) -> int:
+    """How many copies of a ``nbytes`` working set to rotate over so that consecutive calls do not
+    find their inputs in a GPU's L2 (at least ~3x its size in all, at most ``most`` copies)."""
+    return max(1, min(most, int(-(-3 * L2_BYTES // max(1.0, nbytes)))))
+
+
+def rotating(fns):
+    """One callable that runs the next of ``fns`` (the same call on different copies of its
+    inputs) at each call; captured into a graph, the copies alternate in the replays."""
+    state = {"i": 0}
+
+    def call():
+        fn = fns[state["i"] % len(fns)]
+        state["i"] += 1
+        return fn()
+    return call
+
+
 def graph_timeit(fns, device: torch.device, reps: int = 20, replays: int = 9) -> list[float]:
     """CUDA only: device time per call in ms of each function, the median over ``replays`` replays
     of one CUDA graph that holds ``reps`` back-to-back calls. Host-side launch cost is left out

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import kvpress.kernels.triton_quant as tq
-from kvpress.evals.bench_kernels import graph_timeit
+from kvpress.evals.bench_kernels import graph_timeit, rotating
 from kvpress.kernels.quant import quantize_per_channel, quantize_per_token, reference_quant_decode
 
 HQ, HKV, D, GROUP = 32, 8, 128, 32
@@ -51,21 +51,10 @@ def _dense_inputs(B, T, sets, dev):
              torch.randn(B, HKV, T, D, device=dev, dtype=torch.bfloat16)) for _ in range(sets)]
 
 
-def _rotating(fns):
-    """One callable that runs the next of ``fns`` at each call (captured into the graph in turn)."""
-    state = {"i": 0}
-
-    def call():
-        fn = fns[state["i"] % len(fns)]
-        state["i"] += 1
-        return fn()
-    return call
-
-
 def _time_dense(B, T, sets, dev):
     ins = _dense_inputs(B, T, sets, dev)
     fns = [lambda a=a: F.scaled_dot_product_attention(*a, enable_gqa=True) for a in ins]
-    (t,) = graph_timeit([_rotating(fns)], dev, reps=4 * len(fns))
+    (t,) = graph_timeit([rotating(fns)], dev, reps=4 * len(fns))
     del ins
     return t
 
@@ -79,7 +68,7 @@ def _measure(sets, bits, dev):
         e = ((out.float() - ref).norm() / ref.norm()).item()
         err = max(err, e if e == e else float("inf"))
     fns = [lambda s=s: tq.triton_quant_decode(s[0], *s[1], *s[2], bits=bits, group_size=GROUP) for s in sets]
-    (t,) = graph_timeit([_rotating(fns)], dev, reps=4 * len(fns))
+    (t,) = graph_timeit([rotating(fns)], dev, reps=4 * len(fns))
     return t, err
 
 
