@@ -1,0 +1,250 @@
+"""`PolicyCache`: the transformers ``Cache`` whose per-layer objects are a policy's layers.
+
+The layer contract and the layer base classes are in ``kvpress.cache`` (which re-exports
+``PolicyCache`` and ``left_padding`` from here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from transformers.cache_utils import Cache
+
+from .cache import _tokens_to_remove
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """First real token per row [B] (long) of a 2D left-padded mask; None when nothing is padded.
+
+    Raises ValueError for masks with holes or right padding.
+    """
+    mask = attention_mask.to(torch.bool)
+    row_start = mask.shape[1] - mask.sum(dim=1)
+    expected = torch.arange(mask.shape[1], device=mask.device)[None, :] >= row_start[:, None]
+    if not torch.equal(mask, expected):
+        raise ValueError("kvpress supports left padding only: each mask row must be 0...0 1...1")
+    return row_start.to(torch.long) if bool((row_start > 0).any()) else None
+
+
+class PolicyCache(Cache):
+    """A transformers ``Cache`` holding one policy layer per decoder layer.
+
+    Build it with :func:`kvpress.make_cache` (or let :func:`kvpress.apply` build one per
+    ``generate``/forward call). It tracks left padding for the batch from the 2D attention mask
+    of the first forward; only left padding is supported.
+    """
+
+    def __init__(self, policy, adapter):
+        self.policy = policy
+        self.adapter = adapter
+        self.shared: dict[str, Any] = {}  # cross-layer per-generation state (e.g. TidalDecode)
+        self.step_shared: dict[str, Any] = {}  # cross-layer state of the current step; cleared by `crop`
+        self._row_start: torch.Tensor | None = None
+        self._row_start_by_device: dict[torch.device, torch.Tensor] = {}
+        self._min_row_start = self._max_row_start = 0
+        self._session = None
+        self.prompt_open = False  # forwards continue a prompt given in several pieces (`prompt`)
+        from .window_layers import SlidingWindowLayer  # kvpress.window_layers builds on this module
+
+        # layers the model itself slides keep its window exactly; the policy runs the others
+        layers = [policy.make_layer(self, i) if adapter.sliding_window(i) is None
+                  else SlidingWindowLayer(self, i, adapter.sliding_window(i)) for i in range(adapter.num_layers)]
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------ transformers' cache API
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self._session is None or not self._session.active:
+            raise RuntimeError(
+                "this kvpress cache is used outside `kvpress.apply(model, policy)`: its layers only attend "
+                "through kvpress' attention function, so run the model inside the `with` block"
+            )
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.get_seq_length(layer_idx) + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+        if self._row_start is not None:
+            self._set_row_start(self._row_start.index_select(0, beam_idx.to(self._row_start.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    @property
+    def is_croppable(self) -> bool:
+        return all(layer.is_croppable for layer in self.layers)
+
+    def activate_past_recording(self) -> None:
+        """transformers calls this before assisted decoding: every layer must be able to take back
+        its latest forward (``crop``). Policies that cannot raise here, before any work is done."""
+        if not self.is_croppable:
+            from .registry import list_policies, policy_class
+
+            can = [name for name in list_policies() if policy_class(name).croppable]
+            raise ValueError(
+                f"policy {self.policy.name!r} cannot take back the tokens of a forward (transformers' `crop`), "
+                f"which assisted decoding (`assistant_model=...`, `prompt_lookup_num_tokens=...`) does after "
+                f"each draft verification; policies that can: {', '.join(can)}"
+            )
+        for layer in self.layers:
+            layer.activate_past_recording()
+
+    def end_past_recording(self) -> None:
+        """Stop recording and drop the latest forward's record, on every layer that records.
+
+        transformers' assisted decoding turns recording on and leaves it on when ``generate``
+        returns the cache; :func:`kvpress.apply`'s ``generate`` ends it then, so a later turn on
+        the cache is a new turn (not a verification) and no forward copies the state any more.
+        """
+        for layer in self.layers:
+            if layer.record_past:
+                layer.remove_latest(0)
+                layer.record_past = False
+        self.step_shared.clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the latest tokens of every layer (see :meth:`kvpress.cache.CacheLayer.crop`)."""
+        n = _tokens_to_remove(tokens_to_remove, self.get_seq_length())
+        short = next((layer for layer in self.layers if layer.removable() < n), None)
+        if short is not None:  # checked on every layer first: a refused crop changes nothing
+            short.crop(-n)  # raises, naming the layer and what it can take back
+        new_len = self.get_seq_length() - n
+        if n and self._row_start is not None and new_len <= self._max_row_start:
+            raise ValueError(f"cannot crop to {new_len} tokens: a row's prompt starts at index {self._max_row_start} "
+                             "(left padding); keep at least one real token per row")
+        for layer in self.layers:
+            layer.crop(-n)
+        self.step_shared.clear()
+
+    # ------------------------------------------------------------ a prompt in several forwards
+    @contextlib.contextmanager
+    def prompt(self) -> Iterator["PolicyCache"]:
+        """Feed one prompt in several forwards (chunked prefill) inside this block::
+
+            with cache.prompt():
+                for chunk in input_ids.split(1024, dim=1):
+                    model(chunk, past_key_values=cache, use_cache=True)
+
+        The cache then holds what one forward of the whole prompt would have left: policies
+        that compress the prompt as a whole (``snapkv``'s selection by the last queries,
+        ``shadowkv``'s factorisation) wait for the block's end, holding the prompt's K/V until
+        then; the others store each piece as it comes (the quantizers' later pieces read the
+        earlier ones quantized: ``Policy.chunked_prompt_exact``). ``generate(..., prefill_chunk_size=N)``
+        under :func:`kvpress.apply` opens this block itself. On a cache that already holds tokens
+        (a new turn) the pieces continue it as one forward of them would: the layers that
+        compress only the first prompt as a whole take them as they take any later forward, and
+        ``duo``'s streaming heads continue the chunk a piece ends in. Not while the cache records
+        its past; the prompt is closed on normal exit only.
+        """
+        self.begin_prompt()
+        yield self
+        self.end_prompt()
+
+    def prompt_refusal(self) -> str | None:
+        """Why a prompt in several forwards cannot be opened now, or None when it can."""
+        if self.prompt_open:
+            return "a prompt is already open on this cache"
+        if any(layer.record_past for layer in self.layers):
+            return "a prompt in several forwards cannot be opened while the cache records its past (assisted decoding)"
+        return None
+
+    def begin_prompt(self) -> None:
+        """Open a prompt given in several forwards (see :meth:`prompt`)."""
+        refusal = self.prompt_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.prompt_open = True
+
+    def end_prompt(self) -> None:
+        """Close the open prompt: layers that wait for the whole prompt compress it now."""
+        if not self.prompt_open:
+            raise ValueError("no prompt is open on this cache (begin_prompt)")
+        self.prompt_open = False
+        for layer in self.layers:
+            layer.end_prompt()
+        self.step_shared.clear()
+
+    def reset(self) -> None:
+        raise RuntimeError("kvpress caches are built fresh for each generation; make a new one instead of reset()")
+
+    # ------------------------------------------------------------ padding bookkeeping
+    def begin_forward(self, attention_mask: torch.Tensor | None, batch: int, new_tokens: int) -> None:
+        """Record the batch's left padding (first forward) and check later masks agree."""
+        seen = self.get_seq_length()
+        if attention_mask is None:
+            if self._row_start is None:
+                self._set_row_start(None)
+            return
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"kvpress needs a 2D attention mask [batch, tokens] (left padding); got shape {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.shape != (batch, seen + new_tokens):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {seen + new_tokens}) "
+                f"= (batch, cached tokens + new tokens)"
+            )
+        mask = attention_mask.to(torch.bool)
+        if seen == 0:
+            self._set_row_start(left_padding(mask))
+        elif not bool(mask[:, seen:].all()):
+            if not self.prompt_open:
+                raise ValueError("new tokens after the prompt must not be padding (left padding only)")
+            self._extend_padding(left_padding(mask), seen)
+
+    def _extend_padding(self, row_start: torch.Tensor, seen: int) -> None:
+        """A later piece of an open prompt continues the padding of rows that were all padding so
+        far (a row padded by more than the pieces before it): their first real token moves on.
+        The layers saw those rows' ``seen`` tokens as padding either way, and nothing at or after
+        a row's first real token has arrived yet, so no stored state depends on the old value."""
+        old = self._row_start if self._row_start is not None else torch.zeros_like(row_start)
+        moved = row_start != old.to(row_start.device)
+        if not bool((old.to(row_start.device)[moved] == seen).all()):
+            raise ValueError("this piece's attention mask disagrees with the earlier pieces' left padding")
+        self._set_row_start(row_start)
+
+    def _set_row_start(self, row_start: torch.Tensor | None) -> None:
+        self._row_start = None if row_start is None else row_start.to(torch.long)
+        self._row_start_by_device = {}
+        self._min_row_start = 0 if row_start is None else int(self._row_start.min())
+        self._max_row_start = 0 if row_start is None else int(self._row_start.max())
+
+    def set_left_padding(self, row_start: torch.Tensor | None) -> None:
+        """Declare each row's first real token [B] (long) — for callers that build caches by hand."""
+        self._set_row_start(row_start)
+
+    @property
+    def min_row_start(self) -> int:
+        """Smallest first-real-token index over the rows (0 without padding); no device sync."""
+        return self._min_row_start
+
+    @property
+    def max_row_start(self) -> int:
+        """Largest first-real-token index over the rows (0 without padding); no device sync."""
+        return self._max_row_start
+
+    def row_start_on(self, device) -> torch.Tensor | None:
+        """First real token of each row [B] (long) on ``device``; None when nothing is padded."""
+        if self._row_start is None:
+            return None
+        key = torch.device(device)
+        if key not in self._row_start_by_device:
+            self._row_start_by_device[key] = self._row_start.to(key)
+        return self._row_start_by_device[key]
+
+    def __repr__(self) -> str:
+        return f"PolicyCache(policy={self.policy.name!r}, layers={len(self.layers)}, seen={self.get_seq_length()})"
