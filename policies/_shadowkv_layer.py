@@ -13,7 +13,7 @@ from kvpress.cache import CacheLayer, PromptStage
 from kvpress.kernels import SparseIndex, chunk_landmarks, merge_states, native, sparse_decode
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
-from ._shadowkv_select import select_chunks, tail_estimate, tail_value_sums
+from ._shadowkv_select import select_chunks, select_tokens, tail_estimate, tail_estimate_tokens, tail_value_sums
 from ._shadowkv_store import TransferCounters, append_host, default_rank, fetch_chunks, low_rank, to_host
 
 if TYPE_CHECKING:
@@ -340,8 +340,9 @@ class ShadowKVLayer(CacheLayer):
         else:
             out, lse, ids, values = self._torch_step(q0, k_sel, allow, scaling)
         if p.tail_chunk and self.max_selectable:
-            o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
-                                 chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
+            estimate = tail_estimate_tokens if p.select == "tokens" else tail_estimate
+            o, l = estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
+                            chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
             out, lse = merge_states(out, lse, o.to(out.dtype), l)
         attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
         self.max_attended = max(self.max_attended, attended + self.gen_len)
@@ -368,7 +369,8 @@ class ShadowKVLayer(CacheLayer):
 
     def _native_step_ok(self, q0: torch.Tensor) -> bool:
         """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
-        return (self.policy.backend == "auto" and q0.device.type == "cpu" and q0.dtype == torch.float32
+        return (self.policy.backend == "auto" and self.policy.select == "chunks" and q0.device.type == "cpu"
+                and q0.dtype == torch.float32
                 and self.gen_k.dtype == torch.float32 and q0.shape[1] // self.gen_k.shape[1] <= 8 and native.available()
                 and (self.landmarks is None
                      or native.shadowkv_unsupported(q0, self.landmarks, self.factor, self.basis) is None))
@@ -397,23 +399,33 @@ class ShadowKVLayer(CacheLayer):
         return out, lse, ids, values
 
     def _attend_selected(self, q0, k_sel, allow, scaling):
-        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head: rebuild their keys, fetch their values, attend."""
+        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head -- or as many single tokens with
+        ``select="tokens"`` -- : rebuild their keys, fetch their values, attend."""
         p = self.policy
         B, H, _, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
         n_cand = min(k_sel * p.rerank, self.max_selectable)
-        ids, keys = select_chunks(q0, self.landmarks, self.selectable, self.factor, self.basis,
-                                  self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
-                                  shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
-                                  reduction=p.score_reduction, backend=p.backend)
-        values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, dev)
+        select = select_tokens if p.select == "tokens" else select_chunks
+        ids, keys = select(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                           self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
+                           shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                           reduction=p.score_reduction, backend=p.backend)
+        host = self.v_host
+        if p.select == "tokens":  # the host tier read a token at a time: one-token "chunks"
+            C = host.shape[2]
+            host, unit, slots_n = host.view(B, H, C * cs, 1, D), 1, k_sel * cs
+        else:
+            unit, slots_n = cs, k_sel
+        values = fetch_chunks(host, ids, self.sel_idx, self.sel_values, self.counters, dev)
         self.sel_idx, self.sel_values = ids, values
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
-        slots = torch.arange(k_sel, device=dev, dtype=torch.int32)
-        index = SparseIndex(cs, torch.where(slots < cnt[..., None], slots, -1), cnt,
+        slots = torch.arange(slots_n, device=dev, dtype=torch.int32)
+        index = SparseIndex(unit, torch.where(slots < cnt[..., None], slots, -1), cnt,
                             torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
         out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
                                  backend=self._decode_backend, validate_index=False)
+        if p.select == "tokens":
+            values = values.view(B, H, k_sel * cs, D)
         return out, lse, ids, values
 
     @property

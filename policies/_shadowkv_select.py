@@ -31,6 +31,25 @@ def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
     return ids, shadowkv_rebuild(factor, basis, ids, inv_freq, rope_start, chunk_size=chunk_size, backend=backend)
 
 
+def _shortlist(q, scores, factor, basis, inv_freq, rope_start, *, shortlist, chunk_size, scale, reduction, backend):
+    """The landmark shortlist's chunk ids ``cand`` (B, H, M) ascending, -1 last, their rebuilt
+    keys (B, H, M * cs, D) and each token's exact score (B, H, M * cs), GQA group reduced
+    (-inf on empty slots)."""
+    B, H, C = scores.shape
+    D, cs = q.shape[-1], chunk_size
+    allow_all = torch.full(scores.shape[:2], shortlist, dtype=torch.long, device=scores.device)
+    cand = top_chunks(scores, shortlist, allow_all)  # (B, H, M) ascending, -1 last
+    keys = shadowkv_rebuild(factor, basis, cand, inv_freq, rope_start, chunk_size=cs, backend=backend)  # (B, H, M*cs, D)
+    G = q.shape[1] // H
+    logits = (q.float().view(B, H, G, D) * scale) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
+    tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
+    logits = logits.masked_fill(~tok_ok, float("-inf"))
+    if reduction.startswith("softmax"):  # normalise per query head before the group reduction
+        logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
+    tok = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
+    return cand, keys, tok
+
+
 def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortlist, chunk_size, scale, reduction,
             backend):
     """Landmarks shortlist ``shortlist`` chunks; their rebuilt keys' exact scores pick the top ``allow``.
@@ -41,15 +60,8 @@ def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortli
     """
     B, H, C = scores.shape
     D, cs, dev = q.shape[-1], chunk_size, q.device
-    cand = top_chunks(scores, shortlist, torch.full_like(allow, shortlist))  # (B, H, M) ascending, -1 last
-    keys = shadowkv_rebuild(factor, basis, cand, inv_freq, rope_start, chunk_size=cs, backend=backend)  # (B, H, M*cs, D)
-    G = q.shape[1] // H
-    logits = (q.float().view(B, H, G, D) * scale) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
-    tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
-    logits = logits.masked_fill(~tok_ok, float("-inf"))
-    if reduction.startswith("softmax"):  # normalise per query head before the group reduction
-        logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
-    tok = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
+    cand, keys, tok = _shortlist(q, scores, factor, basis, inv_freq, rope_start, shortlist=shortlist,
+                                 chunk_size=cs, scale=scale, reduction=reduction, backend=backend)
     exact = tok.view(B, H, shortlist, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
     exact = exact.masked_fill(cand < 0, float("-inf"))
     top, slot = torch.topk(exact, k, dim=-1)  # (B, H, k)
@@ -63,6 +75,32 @@ def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortli
     chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k * cs, D))
     chosen = chosen * (ids >= 0).repeat_interleave(cs, dim=-1)[..., None].to(chosen.dtype)  # empty slots: zeros
     return ids, chosen
+
+
+def select_tokens(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
+                  basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
+                  k: int, shortlist: int, chunk_size: int, scale: float, reduction: str,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``select="tokens"``: the top ``allow[b, h] * chunk_size`` single tokens per KV head among the
+    landmark shortlist's, by their rebuilt keys' exact scores (the same tokens and budget as
+    chunks, without whole-chunk granularity). Token ids int32 (B, H_kv, k * cs) ascending (chunk
+    ``c``'s tokens are ``c * cs ...``), -1 after; their rebuilt keys (B, H_kv, k * cs, D), zeros
+    in empty slots."""
+    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction, mask=selectable.any(1))
+    scores = scores.masked_fill(~selectable, float("-inf"))
+    B, H, C = scores.shape
+    D, cs, dev = q.shape[-1], chunk_size, q.device
+    cand, keys, tok = _shortlist(q, scores, factor, basis, inv_freq, rope_start, shortlist=max(shortlist, k),
+                                 chunk_size=cs, scale=scale, reduction=reduction, backend=backend)
+    K = k * cs
+    top, slot = torch.topk(tok, K, dim=-1)  # (B, H, K) slots in the shortlist's tokens
+    ok = torch.isfinite(top) & (torch.arange(K, device=dev) < allow[..., None] * cs)
+    ids = torch.gather(cand.long(), 2, slot // cs) * cs + slot % cs  # token ids in the store
+    order = torch.where(ok, ids, C * cs).sort(dim=-1)
+    ids = torch.where(order.values < C * cs, order.values, -1).to(torch.int32)
+    slot = torch.gather(slot, 2, order.indices)
+    chosen = torch.gather(keys, 2, slot[..., None].expand(B, H, K, D))
+    return ids, chosen * (ids >= 0)[..., None].to(chosen.dtype)
 
 
 def top_chunks(scores: torch.Tensor, k: int, allow: torch.Tensor) -> torch.Tensor:
@@ -113,6 +151,31 @@ def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.T
         keep = keep & selectable
         grp = torch.where(ok, (ids.long() + off) // m, N)  # (B, H, k); spare group N
         sel = values.float().sum(3) * ok[..., None]  # (B, H, k, D)
+        v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
+            2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
+    return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)
+
+
+def tail_estimate_tokens(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
+                         ids: torch.Tensor | None, values: torch.Tensor | None, *, chunk_size: int, tail_chunk: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tail_estimate` when single tokens are attended (``select="tokens"``): ``ids`` (B, H, K)
+    token ids (-1 empty) and ``values`` (B, H, K, D) leave the estimate -- their values subtracted
+    from their group's sum, and each chunk counted for the tokens it has left (its landmark, the
+    mean of all its keys, still stands for them)."""
+    B, H, C, D = landmarks.shape
+    cs = chunk_size
+    m = tail_chunk // cs
+    N = v_sum.shape[2]
+    off = N * m - C
+    keep = selectable.float()
+    if ids is not None:
+        ok = ids >= 0
+        chunk = torch.where(ok, ids.long() // cs, C)  # empty slots to a spare chunk C
+        taken = keep.new_zeros(B, H, C + 1).scatter_add_(2, chunk, ok.float())[..., :C]
+        keep = keep * (1 - taken / cs)
+        grp = torch.where(ok, (chunk + off) // m, N)
+        sel = values.float() * ok[..., None]
         v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
             2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
     return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)

@@ -13,6 +13,7 @@ from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_
                               transfer_summary)  # (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
+SELECT_UNITS = ("chunks", "tokens")
 
 
 @register_policy
@@ -110,6 +111,14 @@ class ShadowKVPolicy(Policy):
     320-token budget each leave samples 8, 16 and 21 lost, which exact *token* selection
     (``exact_topk@256``) keeps -- the chunk granularity at this budget is.
 
+    ``select="tokens"`` (default ``"chunks"``, the paper's): the re-ranked shortlist's tokens are
+    chosen one by one -- the top ``allow * chunk_size`` single tokens by their rebuilt keys' exact
+    scores, the same number of attended tokens and fetched values as the chunks would give --
+    instead of whole chunks, since at this budget the chunk granularity is what loses (above).
+    Values are read from the host tier a token at a time (reuse counted per token); with
+    ``tail_chunk`` a chunk partly attended stays in the estimate for the tokens it has left (its
+    landmark still stands for their keys). Torch path only (the compiled CPU step selects chunks).
+
     CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
     calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
     shortlist's keys rebuilt with RoPE, exact re-scoring, the chosen chunks' keys) and
@@ -164,6 +173,7 @@ class ShadowKVPolicy(Policy):
     rerank: int = 8
     tail_chunk: int = 0
     fold_size: int | None = None
+    select: str = "chunks"
     backend: str = "auto"
 
     name = "shadowkv"
@@ -193,6 +203,7 @@ class ShadowKVPolicy(Policy):
                 whole = "chunks" if name == "chunk_size" else "tail groups"
                 raise ValueError(f"fold_size={self.fold_size} must be 0 (off) or a multiple of {name}={unit}: "
                                  f"folded tokens join the store in whole {whole}")
+        check_choice("select", self.select, SELECT_UNITS)
         check_choice("backend", self.backend, _BACKENDS)
 
     def check_model(self, adapter):

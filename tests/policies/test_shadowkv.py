@@ -37,7 +37,8 @@ def generate(model, pol, ids, new=6):
                                        (dict(backend="cuda"), "backend='cuda' is not supported"),
                                        (dict(rerank=0), "rerank=0 is out of range"),
                                        (dict(tail_chunk=12), "multiple of chunk_size=8"),
-                                       (dict(tail_chunk=-8), "tail_chunk=-8 is out of range")])
+                                       (dict(tail_chunk=-8), "tail_chunk=-8 is out of range"),
+                                       (dict(select="pages"), "select=.pages. is not supported")])
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
@@ -367,3 +368,81 @@ def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
     torch.testing.assert_close(torch.stack(outs["auto"].scores), torch.stack(outs["torch"].scores), atol=1e-4, rtol=0)
     for a, b in zip(outs["torch"].past_key_values.layers, outs["auto"].past_key_values.layers):
         assert a.transfer_stats() == b.transfer_stats()
+
+
+def test_token_selection_takes_the_shortlists_top_tokens_and_attends_them(model):
+    """``select="tokens"``: with every chunk shortlisted and exact (full-rank) keys, the step
+    attends the top ``allow * chunk_size`` tokens by exact score (GQA group max) -- the same
+    budget as chunks, without whole-chunk granularity -- over their rebuilt keys and host values."""
+    from kvpress.kernels import shadowkv_rebuild
+
+    ids = random_ids(PROMPT, seed=11)
+    _, dense = dense_prefill(model, ids)
+    layer = cache_from_dense(model, policy(rank=32, score_reduction="max", rerank=32, select="tokens"),
+                             dense).layers[1]
+    B, H, C, D = layer.landmarks.shape
+    q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(3))
+    allow = torch.tensor([[3, 2]])  # chunks' worth of tokens per KV head
+    layer.sel_idx = layer.sel_values = None
+    out, lse, tok, values = layer._attend_selected(q0, 3, allow, 0.25)
+    chunks = torch.where(layer.selectable, torch.arange(C, dtype=torch.int32), -1).contiguous()
+    keys = shadowkv_rebuild(layer.factor, layer.basis, chunks, layer._rope_inv_freq("cpu"), layer.rope_start,
+                            chunk_size=8)  # (B, H, C*8, D), token c*8+j at slot c*8+j
+    logits = (q0.view(B, H, 2, D) * 0.25) @ keys.transpose(-1, -2)  # (B, H, G, C*8)
+    score = logits.amax(2).masked_fill(~layer.selectable.repeat_interleave(8, -1), float("-inf"))
+    host = layer.v_host.view(B, H, C * 8, D)
+    for h in range(H):
+        n = int(allow[0, h]) * 8
+        expect = score[0, h].topk(n).indices.sort().values
+        got = tok[0, h]
+        assert torch.equal(got[:n].long(), expect) and (got[n:] == -1).all()
+        torch.testing.assert_close(values[0, h, :n], host[0, h, expect])
+        p = torch.softmax(logits[0, h][:, expect], -1)  # (G, n) over the chosen tokens' rebuilt keys
+        torch.testing.assert_close(out[0, 2 * h:2 * h + 2], p @ host[0, h, expect], atol=1e-5, rtol=1e-5)
+
+
+def test_token_tail_subtracts_the_attended_tokens():
+    """`tail_estimate_tokens`: attending whole chunks' tokens gives `tail_estimate` of those
+    chunks; with a query of zeros the estimate is the mean value of every selectable token left
+    out (a chunk partly attended counts for the tokens it has left)."""
+    from kvpress.policies._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, C, cs, D = 1, 2, 12, 8, 4
+    v = torch.randn(B, H, C, cs, D, generator=gen)
+    landmarks = torch.randn(B, H, C, D, generator=gen)
+    selectable = torch.ones(B, H, C, dtype=torch.bool)
+    selectable[:, :, :2] = False  # an outlier-like exact part
+    v_sum = tail_value_sums(v, selectable, 32)
+    chunk_ids = torch.tensor([[[3, 7, -1], [5, -1, -1]]], dtype=torch.int32)
+    q = torch.randn(B, 4, D, generator=gen)
+    ref = tail_estimate(q, landmarks, selectable, v_sum, chunk_ids, v[0][torch.arange(H)[:, None], chunk_ids[0].clamp(min=0)][None]
+                        * (chunk_ids >= 0)[..., None, None], chunk_size=cs, tail_chunk=32, scale=0.5)
+    tok = torch.where(chunk_ids[..., None] >= 0, chunk_ids[..., None] * cs + torch.arange(cs), -1).flatten(2)
+    tok_v = v.view(B, H, C * cs, D)[0][torch.arange(H)[:, None], tok[0].clamp(min=0).long()][None] * (tok >= 0)[..., None]
+    got = tail_estimate_tokens(q, landmarks, selectable, v_sum, tok.int(), tok_v, chunk_size=cs, tail_chunk=32,
+                               scale=0.5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    part = torch.tensor([[[25, 26, 40, -1], [90, -1, -1, -1]]], dtype=torch.int32)  # chunks 3, 5 and 11 in part
+    part_v = v.view(B, H, C * cs, D)[0][torch.arange(H)[:, None], part[0].clamp(min=0).long()][None] * (part >= 0)[..., None]
+    out, _ = tail_estimate_tokens(torch.zeros(B, 4, D), landmarks, selectable, v_sum, part, part_v, chunk_size=cs,
+                                  tail_chunk=32, scale=0.5)
+    for h in range(H):
+        left = selectable[0, h].repeat_interleave(cs).clone()
+        left[part[0, h][part[0, h] >= 0].long()] = False
+        expect = v.view(B, H, C * cs, D)[0, h][left].mean(0)
+        torch.testing.assert_close(out[0, 2 * h], expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tail_chunk", [0, 16])
+def test_token_selection_keeps_the_budget_and_equals_full_when_it_covers(model, tail_chunk):
+    """Generating past several folds (60 tokens, folds of 24 from the 40th on) under token selection."""
+    pol = policy(select="tokens", rerank=4, tail_chunk=tail_chunk, budget=96)
+    cache = generate(model, pol, random_ids(PROMPT), new=60).past_key_values
+    for layer in cache.layers:
+        assert layer.max_attended <= pol.budget and layer.n_chunks > PROMPT // 8  # folded
+        assert layer.sel_idx is not None and layer.counters.fetched_bytes % (16 * 4) == 0  # whole fp32 tokens
+    ids = random_ids(40, seed=5)
+    wide = generate(model, policy(select="tokens", budget=4096), ids)
+    ref = generate(model, kvpress.get_policy("full"), ids)
+    assert torch.equal(wide.sequences, ref.sequences)
