@@ -119,9 +119,9 @@ class ShadowKVPolicy(Policy):
     ``tail_chunk`` a chunk partly attended stays in the estimate for the tokens it has left (its
     landmark still stands for their keys). Torch path only (the compiled CPU step selects chunks).
     Measured with ``rerank=32:tail_chunk=64`` at budget 256 (session 29, BENCHMARKS "Session 29
-    (CPU)"): 27 of ``full``'s 29 8k niah_single needles (chunks: 25), and on 21 4k niah_multivalue
-    samples 80.8% of ``full`` (chunks 78.8% on the same): better at 8k, not 95%, so chunks stay
-    the default.
+    (CPU)"): 27 of ``full``'s 29 8k niah_single needles (chunks: 25), and on 64 4k
+    niah_multivalue samples 93.0% of ``full`` (chunks 87.3% on the same): better at both, not
+    95%, and slower on CPU (no compiled step), so chunks stay the default.
 
     CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
     calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
