@@ -1,0 +1,96 @@
+"""``shadowkv``'s decode step over the selected part (`ShadowKVLayer` mixes it in): generated and
+exact tokens plus the selected chunks (or tokens), on the torch path or as two compiled calls."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
+
+from ._shadowkv_select import select_chunks, select_tokens
+from ._shadowkv_store import fetch_chunks
+
+
+class SelectedSteps:
+    """Methods of `ShadowKVLayer` (its state: ``gen_k``/``gen_v``, the exact part, landmarks,
+    factors, the host tier, ``sel_idx``/``sel_values``, ``counters``)."""
+
+    def _torch_step(self, q0, k_sel, allow, scaling):
+        """Generated tokens, exact tokens and selected chunks, each through `sparse_decode`, merged."""
+        B, _, D = q0.shape
+        H, dev = self.gen_k.shape[1], q0.device
+        full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
+        gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
+        out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._decode_backend,
+                                 validate_index=False)
+        if self.exact_max:
+            index = SparseIndex(1, self.exact_idx, self.exact_cnt, full(self.exact_max))
+            o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
+                                 validate_index=False)
+            out, lse = merge_states(out, lse, o, l)
+        ids = values = None
+        if k_sel:
+            o, l, ids, values = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
+            out, lse = merge_states(out, lse, o, l)
+        return out, lse, ids, values
+
+    def _native_step_ok(self, q0: torch.Tensor) -> bool:
+        """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
+        return (self.policy.backend == "auto" and self.policy.select == "chunks" and q0.device.type == "cpu"
+                and q0.dtype == torch.float32
+                and self.gen_k.dtype == torch.float32 and q0.shape[1] // self.gen_k.shape[1] <= 8 and native.available()
+                and (self.landmarks is None
+                     or native.shadowkv_unsupported(q0, self.landmarks, self.factor, self.basis) is None))
+
+    def _native_step(self, q0, k_sel, allow, scaling):
+        """`native.shadowkv_select` (selection and the chosen chunks' keys), the values fetched, then
+        `native.attend_rows` over generated tokens, exact tokens and chosen chunks under one softmax."""
+        p = self.policy
+        B, _, D = q0.shape
+        H, cs = self.gen_k.shape[1], p.chunk_size
+        sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
+        if self.exact_max:
+            sets.append((self.exact_k, self.exact_v, self.exact_cnt, self.exact_max))
+        ids = values = None
+        if k_sel:
+            n_cand = min(k_sel * p.rerank, self.max_selectable)
+            ids, keys = native.shadowkv_select(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                                               self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
+                                               shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                                               reduction=p.score_reduction)
+            values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
+            self.sel_idx, self.sel_values = ids, values
+            rows = (ids >= 0).sum(-1).to(torch.int32) * cs
+            sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
+        out, lse = native.attend_rows(q0, sets, scale=scaling)
+        return out, lse, ids, values
+
+    def _attend_selected(self, q0, k_sel, allow, scaling):
+        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head -- or as many single tokens with
+        ``select="tokens"`` -- : rebuild their keys, fetch their values, attend."""
+        p = self.policy
+        B, H, _, D = self.landmarks.shape
+        cs, dev = p.chunk_size, q0.device
+        n_cand = min(k_sel * p.rerank, self.max_selectable)
+        select = select_tokens if p.select == "tokens" else select_chunks
+        ids, keys = select(q0, self.landmarks, self.selectable, self.factor, self.basis,
+                           self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
+                           shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
+                           reduction=p.score_reduction, backend=p.backend)
+        host = self.v_host
+        if p.select == "tokens":  # the host tier read a token at a time: one-token "chunks"
+            C = host.shape[2]
+            host, unit, slots_n = host.view(B, H, C * cs, 1, D), 1, k_sel * cs
+        else:
+            unit, slots_n = cs, k_sel
+        values = fetch_chunks(host, ids, self.sel_idx, self.sel_values, self.counters, dev)
+        self.sel_idx, self.sel_values = ids, values
+        cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
+        slots = torch.arange(slots_n, device=dev, dtype=torch.int32)
+        index = SparseIndex(unit, torch.where(slots < cnt[..., None], slots, -1), cnt,
+                            torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
+        out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
+                                 backend=self._decode_backend, validate_index=False)
+        if p.select == "tokens":
+            values = values.view(B, H, k_sel * cs, D)
+        return out, lse, ids, values
