@@ -19,6 +19,7 @@ TRITON_QUANT_HEAD_DIMS = (64, 128)
 BLOCK_N = {2: 128, 4: 64, 8: 64}  # tokens per decode tile by bit width (at least the key token group; 8-bit not swept)
 NUM_WARPS, NUM_STAGES = 4, 2
 EARLY_LOADS = FP32_SCALES = True  # the kernel's form (its docstring); the sweep's --forms compares the others
+PTX_CODES = True  # fp16 tiles unpack codes by PTX bit tricks, not conversions (CUDA only; the interpreter: never)
 PROGRAMS_PER_SM = 8  # split-K aims at this many decode programs per multiprocessor
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
 
@@ -85,7 +86,8 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         # fp32 queries keep fp32 tiles and exact dots (as the reference); fp16 / bf16 dequantize and dot in fp16
         DT=tl.float32 if qc.dtype == torch.float32 else tl.float16,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
-        EARLY_LOADS=EARLY_LOADS, FP32_SCALES=FP32_SCALES, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        EARLY_LOADS=EARLY_LOADS, FP32_SCALES=FP32_SCALES,
+        PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     dec._merge_splits_kernel[(B, H_q)](
         out_part, lse_part, out, lse,

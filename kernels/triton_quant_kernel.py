@@ -7,14 +7,72 @@ import triton
 import triton.language as tl
 
 
+# PTX bodies of ``_codes_f16``: 4 packed bytes in $IN (byte i = element i of the pack) become fp16
+# codes without int -> float conversions (the conversion unit runs at 1/8 of the ALU rate): a
+# code c in the low 10 bits of 0x6400 is the fp16 1024 + c, and subtracting 1024 is exact.
+# ``prmt`` spreads bytes 0, 1 (2, 3) into the two halves of a register; each plane is then one
+# shift and one ``lop3`` ((x & mask) | 0x6400) per two codes.
+_PTX_HEAD = """{
+.reg .b32 a, b, t, m;
+mov.b32 m, 0x64006400;
+prmt.b32 a, $IN, 0, 0x4140;
+prmt.b32 b, $IN, 0, 0x4342;
+"""
+_PTX_PLANE = """shr.u32 t, a, SHIFT;
+lop3.b32 $LO, t, MASK, 0x64006400, 0xEA;
+sub.f16x2 $LO, $LO, m;
+shr.u32 t, b, SHIFT;
+lop3.b32 $HI, t, MASK, 0x64006400, 0xEA;
+sub.f16x2 $HI, $HI, m;
+"""
+
+
+def _codes_ptx(bits: int) -> str:
+    """Inline PTX for ``8 // bits`` planes: plane j (bits j*bits.. of every byte) in outputs 2j, 2j + 1."""
+    planes = 8 // bits
+    mask = "0x%04x%04x" % ((1 << bits) - 1, (1 << bits) - 1)
+    body = "".join(_PTX_PLANE.replace("SHIFT", str(j * bits)).replace("MASK", mask)
+                   .replace("$LO", f"${2 * j}").replace("$HI", f"${2 * j + 1}") for j in range(planes))
+    return _PTX_HEAD.replace("$IN", f"${2 * planes}") + body + "}"
+
+
+_PTX2, _PTX4, _PTX8 = (tl.constexpr(_codes_ptx(bits)) for bits in (2, 4, 8))
+
+
 @triton.jit
-def _unpack_codes(packed, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DT: tl.constexpr):
+def _codes_f16(packed, BITS: tl.constexpr):
+    """The ``8 // BITS`` code planes of a uint8 tensor as fp16 tensors of its shape (plane j: bits
+    ``j * BITS`` up of each byte), by the PTX above. CUDA only (the interpreter cannot run PTX)."""
+    if BITS == 8:
+        return tl.inline_asm_elementwise(_PTX8, "=r,=r,r", [packed], dtype=tl.float16, is_pure=True, pack=4)
+    elif BITS == 4:
+        return tl.inline_asm_elementwise(_PTX4, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                         is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(_PTX2, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _unpack_codes(packed, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DT: tl.constexpr,
+                  PTX_CODES: tl.constexpr):
     """(BLOCK_N, HEAD_DIM // PER) packed bytes -> (BLOCK_N, HEAD_DIM) codes in channel order, as DT.
 
     Channel ``byte * PER + j`` sits at bit offset ``j * BITS``: the PER code planes are joined on
-    a new last axis (in-register) and the axes flattened, which puts plane j after plane j - 1."""
+    a new last axis (in-register) and the axes flattened, which puts plane j after plane j - 1.
+    ``PTX_CODES`` (fp16 DT on CUDA) forms the planes by ``_codes_f16``; otherwise by integer
+    shifts and a conversion."""
     MASK: tl.constexpr = (1 << BITS) - 1
-    if BITS == 8:
+    if PTX_CODES:
+        if BITS == 8:
+            codes = _codes_f16(packed, BITS)
+        elif BITS == 4:
+            c0, c1 = _codes_f16(packed, BITS)
+            codes = tl.reshape(tl.join(c0, c1), (BLOCK_N, HEAD_DIM))
+        else:
+            c0, c1, c2, c3 = _codes_f16(packed, BITS)
+            codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_N, HEAD_DIM))
+    elif BITS == 8:
         codes = packed
     elif BITS == 4:
         codes = tl.reshape(tl.join(packed & MASK, packed >> 4), (BLOCK_N, HEAD_DIM))
@@ -38,6 +96,7 @@ def _quant_decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, VALUE_GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr,
     DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_LOADS: tl.constexpr = True, FP32_SCALES: tl.constexpr = True,
+    PTX_CODES: tl.constexpr = False,
 ):
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
     dequantizing each K/V tile in registers (keys per channel in groups of GROUP_SIZE tokens,
@@ -116,7 +175,7 @@ def _quant_decode_split_kernel(
         if TG > 1:  # repeat each group's row over its GROUP_SIZE tokens
             ks = tl.reshape(tl.broadcast_to(ks[:, None, :], (TG, GROUP_SIZE, HEAD_DIM)), (BLOCK_N, HEAD_DIM))
             kz = tl.reshape(tl.broadcast_to(kz[:, None, :], (TG, GROUP_SIZE, HEAD_DIM)), (BLOCK_N, HEAD_DIM))
-        k = (_unpack_codes(kb, BITS, BLOCK_N, HEAD_DIM, DT) * ks.to(DT) + kz.to(DT)).to(DT)  # (BLOCK_N, D)
+        k = (_unpack_codes(kb, BITS, BLOCK_N, HEAD_DIM, DT, PTX_CODES) * ks.to(DT) + kz.to(DT)).to(DT)  # (BLOCK_N, D)
         qk = tl.dot(q.to(DT), tl.trans(k), input_precision=DOT_PRECISION)
         qk = tl.where(valid[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -132,7 +191,7 @@ def _quant_decode_split_kernel(
         if CG > 1:  # repeat each token's group scale over its channels
             vs = tl.reshape(tl.broadcast_to(vs[:, :, None], (BLOCK_N, CG, VALUE_GROUP_SIZE)), (BLOCK_N, HEAD_DIM))
             vz = tl.reshape(tl.broadcast_to(vz[:, :, None], (BLOCK_N, CG, VALUE_GROUP_SIZE)), (BLOCK_N, HEAD_DIM))
-        v = (_unpack_codes(vb, BITS, BLOCK_N, HEAD_DIM, DT) * vs.to(DT) + vz.to(DT)).to(DT)
+        v = (_unpack_codes(vb, BITS, BLOCK_N, HEAD_DIM, DT, PTX_CODES) * vs.to(DT) + vz.to(DT)).to(DT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DT), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

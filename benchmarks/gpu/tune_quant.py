@@ -6,7 +6,7 @@ Llama-3-8B attention (32 query / 8 KV heads, D=128), key groups of 32 tokens, va
 32 channels, fp16 queries. ``sweep``: each BLOCK_N x warps x programs per SM at 32k tokens, batch
 1 and 8, 4- and 2-bit. ``table`` (after the sweep, or alone with ``--table-only``): the
 kernel's defaults at 8k / 32k / 128k. ``--forms``: the kernel's ``EARLY_LOADS`` /
-``FP32_SCALES`` forms against each other, twice each (the spread between the two is the noise),
+``FP32_SCALES`` / ``PTX_CODES`` forms against each other, twice each (the spread between the two is the noise),
 at 32k / 128k, batch 1 and 8. Device time per call from CUDA-graph replays
 (``graph_timeit``) against bf16 SDPA, each configuration checked against the dequantizing
 reference first (relative error, NaN-free). Batch 1 rotates over ``--sets`` copies of its
@@ -96,6 +96,8 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=4, help="input copies rotated at batch 1 (L2)")
     ap.add_argument("--table-only", action="store_true", help="only the defaults at 8k / 32k / 128k")
     ap.add_argument("--forms", action="store_true", help="only the A/B of the kernel's forms")
+    ap.add_argument("--contexts", default="32768,131072", help="--forms: context lengths")
+    ap.add_argument("--form-names", default="conversions,default", help=f"forms to compare, of {sorted(FORMS)}")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.forms:
@@ -151,20 +153,25 @@ def main(argv=None):
           f"{time.time() - t_start:.0f} s", flush=True)
 
 
-FORMS = {"late_v": (False, False), "loads_first": (True, False), "default": (True, True)}  # EARLY_LOADS, FP32_SCALES
+# EARLY_LOADS, FP32_SCALES, PTX_CODES; session 29 compared the first two against its default
+# (= "conversions"), session 30 "conversions" against "default"
+FORMS = {"late_v": (False, False, True), "loads_first": (True, False, True), "conversions": (True, True, False),
+         "default": (True, True, True)}
 
 
 def forms(args, dev):
-    """Session 29's A/B: each form of the kernel, 4-bit at BLOCK_N 64 and 128, 2-bit at 128."""
+    """A/B of the kernel's forms (``--form-names``), 4-bit at BLOCK_N 64 and 128, 2-bit at 128."""
     rows, block_n = [], dict(tq.BLOCK_N)
-    for T, B in itertools.product((32768, 131072), (1, 8)):
+    names = args.form_names.split(",")
+    for T, B in itertools.product(map(int, args.contexts.split(",")), (1, 8)):
         sets = args.sets if B == 1 else 1
         dense = _time_dense(B, T, sets, dev)
         for bits in (4, 2):
             ins = _inputs(B, T, sets, bits, dev)
             for rep in range(2):
                 cells = []
-                for name, (tq.EARLY_LOADS, tq.FP32_SCALES) in FORMS.items():
+                for name in names:
+                    tq.EARLY_LOADS, tq.FP32_SCALES, tq.PTX_CODES = FORMS[name]
                     for bn in ((64, 128) if bits == 4 else (128,)):
                         tq.BLOCK_N[bits] = bn
                         t, err = _measure(ins, bits, dev)
@@ -174,7 +181,7 @@ def forms(args, dev):
                 print(f"T={T} B={B} bits={bits} dense={dense*1e3:.1f}us rep{rep}: " + " | ".join(cells), flush=True)
             del ins
             torch.cuda.empty_cache()
-    tq.EARLY_LOADS = tq.FP32_SCALES = True
+    tq.EARLY_LOADS = tq.FP32_SCALES = tq.PTX_CODES = True
     tq.BLOCK_N.update(block_n)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
