@@ -16,7 +16,7 @@ from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, requ
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
 # decode launch configuration, from session 29's H100 sweep (BENCHMARKS "Session 29"):
-BLOCK_N = {2: 128, 4: 64, 8: 64}  # tokens per decode tile by bit width (at least the key token group; 8-bit not swept)
+BLOCK_N = {2: 128, 4: 128, 8: 64}  # tokens per decode tile by bit width (at least the key token group; 8-bit not swept)
 NUM_WARPS, NUM_STAGES = 4, 2
 EARLY_LOADS = FP32_SCALES = True  # the kernel's form (its docstring); the sweep's --forms compares the others
 PTX_CODES = True  # fp16 tiles unpack codes by PTX bit tricks, not conversions (CUDA only; the interpreter: never)

@@ -3,7 +3,7 @@
     python benchmarks/gpu/tune_quant.py [--out DIR] [--budget-s 240]
 
 Llama-3-8B attention (32 query / 8 KV heads, D=128), key groups of 32 tokens, value groups of
-32 channels, fp16 queries. ``sweep``: each BLOCK_N x warps x programs per SM at 32k tokens, batch
+32 channels, fp16 queries. ``sweep``: each BLOCK_N x warps x programs per SM x stages (``--block-n`` ...) at 32k tokens, batch
 1 and 8, 4- and 2-bit. ``table`` (after the sweep, or alone with ``--table-only``): the
 kernel's defaults at 8k / 32k / 128k. ``--forms``: the kernel's ``EARLY_LOADS`` /
 ``FP32_SCALES`` / ``PTX_CODES`` forms against each other, twice each (the spread between the two is the noise),
@@ -96,6 +96,10 @@ def main(argv=None):
     ap.add_argument("--sets", type=int, default=4, help="input copies rotated at batch 1 (L2)")
     ap.add_argument("--table-only", action="store_true", help="only the defaults at 8k / 32k / 128k")
     ap.add_argument("--forms", action="store_true", help="only the A/B of the kernel's forms")
+    ap.add_argument("--block-n", default="32,64,128", help="sweep: tokens per tile")
+    ap.add_argument("--warps", default="4,8", help="sweep: warps per program")
+    ap.add_argument("--pps", default="2,8", help="sweep: split-K programs per multiprocessor")
+    ap.add_argument("--num-stages", default="2", help="sweep: Triton software-pipelining stages")
     ap.add_argument("--contexts", default="32768,131072", help="--forms: context lengths")
     ap.add_argument("--form-names", default="conversions,default", help=f"forms to compare, of {sorted(FORMS)}")
     args = ap.parse_args(argv)
@@ -104,21 +108,22 @@ def main(argv=None):
         return forms(args, dev)
     t_start = time.time()
     sweep, table = [], []
-    defaults = (dict(tq.BLOCK_N), tq.NUM_WARPS, tq.PROGRAMS_PER_SM)
+    defaults = (dict(tq.BLOCK_N), tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES)
+    grid = [tuple(map(int, a.split(","))) for a in (args.block_n, args.warps, args.pps, args.num_stages)]
     if not args.table_only:
         dense = {B: _time_dense(B, 32768, args.sets if B == 1 else 1, dev) for B in (1, 8)}
         for bits in (4, 2):
             inputs = {B: _inputs(B, 32768, args.sets if B == 1 else 1, bits, dev) for B in (1, 8)}
-            for bn, nw, pps in itertools.product((32, 64, 128), (4, 8), (2, 8)):
+            for bn, nw, pps, ns in itertools.product(*grid):
                 if time.time() - t_start > args.budget_s * 0.5 * (1 + (bits == 2)):
                     print("sweep stopped: budget", flush=True)
                     break
-                tq.BLOCK_N[bits], tq.NUM_WARPS, tq.PROGRAMS_PER_SM = bn, nw, pps
+                tq.BLOCK_N[bits], tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES = bn, nw, pps, ns
                 for B in (1, 8):
-                    _row(sweep, dense[B], inputs[B], bits, B, 32768, dev, block_n=bn, warps=nw, pps=pps)
+                    _row(sweep, dense[B], inputs[B], bits, B, 32768, dev, block_n=bn, warps=nw, pps=pps, stages=ns)
             del inputs
     tq.BLOCK_N.update(defaults[0])
-    tq.NUM_WARPS, tq.PROGRAMS_PER_SM = defaults[1:]
+    tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES = defaults[1:]
     for T, B in itertools.product((8192, 32768, 131072), (1, 8)):
         if time.time() - t_start > args.budget_s:
             print("table stopped: budget", flush=True)
@@ -127,7 +132,7 @@ def main(argv=None):
         dense = _time_dense(B, T, sets, dev)
         for bits in (4, 2):
             _row(table, dense, _inputs(B, T, sets, bits, dev), bits, B, T, dev, block_n=tq.BLOCK_N[bits],
-                 warps=tq.NUM_WARPS, pps=tq.PROGRAMS_PER_SM)
+                 warps=tq.NUM_WARPS, pps=tq.PROGRAMS_PER_SM, stages=tq.NUM_STAGES)
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -138,12 +143,12 @@ def main(argv=None):
             tot = {}
             for r in sweep:
                 if r["bits"] == bits and r["err"] < 5e-3:
-                    k = (r["block_n"], r["warps"], r["pps"])
+                    k = (r["block_n"], r["warps"], r["pps"], r["stages"])
                     tot[k] = tot.get(k, 0.0) + r["us"]
             for k in sorted(tot, key=tot.get)[:3]:
-                print(f"  {bits}-bit BLOCK_N={k[0]} warps={k[1]} pps={k[2]}: "
+                print(f"  {bits}-bit BLOCK_N={k[0]} warps={k[1]} pps={k[2]} stages={k[3]}: "
                       + ", ".join(f"B={r['B']} {r['us']:.1f} us ({r['x_dense']:.2f}x)" for r in sweep
-                                  if r["bits"] == bits and (r["block_n"], r["warps"], r["pps"]) == k))
+                                  if r["bits"] == bits and (r["block_n"], r["warps"], r["pps"], r["stages"]) == k))
     print("\n|  B | context | bits | quant us | dense us | speedup | GB/s | packed MB | rel err |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in table:
