@@ -15,9 +15,10 @@ from .quant import _check_decode, check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-# decode launch configuration, from session 29's H100 sweep (BENCHMARKS "Session 29"):
+# decode launch configuration, from session 30's H200 sweep with PTX_CODES (BENCHMARKS "Session 30"; session 29's
+# H100 sweep, without them, had chosen 64-token 4-bit tiles and 2 stages):
 BLOCK_N = {2: 128, 4: 128, 8: 64}  # tokens per decode tile by bit width (at least the key token group; 8-bit not swept)
-NUM_WARPS, NUM_STAGES = 4, 2
+NUM_WARPS, NUM_STAGES = 4, 3
 EARLY_LOADS = FP32_SCALES = True  # the kernel's form (its docstring); the sweep's --forms compares the others
 PTX_CODES = True  # fp16 tiles unpack codes by PTX bit tricks, not conversions (CUDA only; the interpreter: never)
 PROGRAMS_PER_SM = 8  # split-K aims at this many decode programs per multiprocessor
