@@ -202,7 +202,7 @@ class SinkWindowLayer(RecordingLayer):
         groups = self._chunk_groups(self.row_start)
         phases = {phase for phase, _ in groups}
         self._held = {ph: st for ph, st in self._held.items() if ph in phases}  # rows whose padding grew moved
-        seen, n_new = self.seen, k_new.shape[2]
+        seen = self.seen
         if len(groups) == 1:
             out = self._chunk_loop(q, k_new, v_new, scaling, row_start, groups[0][0], None)
         else:

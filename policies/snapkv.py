@@ -136,7 +136,7 @@ def _window_votes(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scali
     ``(B, H_kv, L, D)``, summed over the window: ``(B, H_kv, G, L)`` fp32. ``visible``: bool,
     broadcastable to ``(B, H_kv, W, L)``; a query that sees nothing (padding) gives 0."""
     B, H_q, W, D = q.shape
-    H_kv, L = k.shape[1], k.shape[2]
+    H_kv = k.shape[1]
     G = H_q // H_kv
     qg = q.float().reshape(B, H_kv, G, W, D)  # query head h * G + g reads KV head h
     logits = (qg @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H_kv, G, W, L)
