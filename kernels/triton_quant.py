@@ -15,19 +15,33 @@ from .quant import _check_decode, check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-# decode launch configuration, from session 30's H200 sweep with PTX_CODES (BENCHMARKS "Session 30"; session 29's
-# H100 sweep, without them, had chosen 64-token 4-bit tiles and 2 stages):
-BLOCK_N = {2: 128, 4: 128, 8: 64}  # tokens per decode tile by bit width (at least the key token group; 8-bit not swept)
-NUM_WARPS, NUM_STAGES = 4, 3
+# decode launch configuration, from session 30's H200 sweeps with PTX_CODES (BENCHMARKS "Session 30"): one warp per
+# 32 tokens of a tile was the best warp count at every tile size; 64-token tiles were fastest for one row of 8 KV
+# heads, 32-token tiles for 8 rows (more, smaller programs); 16 split-K programs per multiprocessor
+FEW_PAIRS = 16  # launches of at most this many (row, KV head) pairs take the larger tiles (between 8 and 64: untimed)
+TILE_FEW, TILE_MANY = 64, 32  # tokens per decode tile (at least the key token group)
+NUM_STAGES = 3
+PROGRAMS_PER_SM = 16  # split-K aims at this many decode programs per multiprocessor
+OVERRIDE = None  # (tokens per tile, warps, programs per SM) for every decode launch: the GPU sweep's knob
 EARLY_LOADS = FP32_SCALES = True  # the kernel's form (its docstring); the sweep's --forms compares the others
 PTX_CODES = True  # fp16 tiles unpack codes by PTX bit tricks, not conversions (CUDA only; the interpreter: never)
-PROGRAMS_PER_SM = 8  # split-K aims at this many decode programs per multiprocessor
 BLOCK_T = 32  # tokens per quantize tile (per-token format)
 
 
-def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: int) -> int:
+def launch_config(pairs: int, group_size: int, bits: int) -> tuple[int, int, int]:
+    """(tokens per tile, warps, split-K programs per SM) of a decode launch over ``pairs``
+    (row, KV head) pairs whose key token groups hold ``group_size`` tokens (a tile holds whole
+    groups). 8-bit codes get a warp per 16 tokens (untimed: at one per 32 they spill registers)."""
+    if OVERRIDE is not None:
+        block_n, warps, pps = OVERRIDE
+        return max(block_n, group_size), warps, pps
+    block_n = max(TILE_FEW if pairs <= FEW_PAIRS else TILE_MANY, group_size)
+    return block_n, min(8, max(1, block_n // (16 if bits == 8 else 32))), PROGRAMS_PER_SM
+
+
+def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: int, pps: int) -> int:
     tiles = max(1, -(-tokens // block_n))
-    target = PROGRAMS_PER_SM * _sm_count(device) if device.type == "cuda" \
+    target = pps * _sm_count(device) if device.type == "cuda" \
         else 2 * batch * heads
     return max(1, min(tiles, MAX_SPLITS, -(-target // max(1, batch * heads))))
 
@@ -64,8 +78,8 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
     if B * H_q == 0:
         return out.to(q.dtype), lse
-    block_n = max(BLOCK_N[bits], group_size)  # a tile holds whole key token groups
-    splits = num_splits or _splits(B, H_kv, T, q.device, block_n)
+    block_n, warps, pps = launch_config(B * H_kv, group_size, bits)
+    splits = num_splits or _splits(B, H_kv, T, q.device, block_n, pps)
     tiles = max(1, -(-T // block_n))
     per_split = -(-tiles // splits)
     splits = -(-tiles // per_split)
@@ -88,7 +102,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         DT=tl.float32 if qc.dtype == torch.float32 else tl.float16,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
         EARLY_LOADS=EARLY_LOADS, FP32_SCALES=FP32_SCALES,
-        PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), num_warps=warps, num_stages=NUM_STAGES,
     )
     dec._merge_splits_kernel[(B, H_q)](
         out_part, lse_part, out, lse,

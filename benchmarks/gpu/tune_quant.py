@@ -99,6 +99,7 @@ def main(argv=None):
     ap.add_argument("--block-n", default="32,64,128", help="sweep: tokens per tile")
     ap.add_argument("--warps", default="4,8", help="sweep: warps per program")
     ap.add_argument("--pps", default="2,8", help="sweep: split-K programs per multiprocessor")
+    ap.add_argument("--sweep-batches", default="1,8", help="sweep: batch sizes")
     ap.add_argument("--num-stages", default="2", help="sweep: Triton software-pipelining stages")
     ap.add_argument("--contexts", default="32768,131072", help="--forms: context lengths")
     ap.add_argument("--form-names", default="conversions,default", help=f"forms to compare, of {sorted(FORMS)}")
@@ -108,22 +109,22 @@ def main(argv=None):
         return forms(args, dev)
     t_start = time.time()
     sweep, table = [], []
-    defaults = (dict(tq.BLOCK_N), tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES)
+    stages = tq.NUM_STAGES
+    batches = tuple(map(int, args.sweep_batches.split(",")))
     grid = [tuple(map(int, a.split(","))) for a in (args.block_n, args.warps, args.pps, args.num_stages)]
     if not args.table_only:
-        dense = {B: _time_dense(B, 32768, args.sets if B == 1 else 1, dev) for B in (1, 8)}
+        dense = {B: _time_dense(B, 32768, args.sets if B == 1 else 1, dev) for B in batches}
         for bits in (4, 2):
-            inputs = {B: _inputs(B, 32768, args.sets if B == 1 else 1, bits, dev) for B in (1, 8)}
+            inputs = {B: _inputs(B, 32768, args.sets if B == 1 else 1, bits, dev) for B in batches}
             for bn, nw, pps, ns in itertools.product(*grid):
                 if time.time() - t_start > args.budget_s * 0.5 * (1 + (bits == 2)):
                     print("sweep stopped: budget", flush=True)
                     break
-                tq.BLOCK_N[bits], tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES = bn, nw, pps, ns
-                for B in (1, 8):
+                tq.OVERRIDE, tq.NUM_STAGES = (bn, nw, pps), ns
+                for B in batches:
                     _row(sweep, dense[B], inputs[B], bits, B, 32768, dev, block_n=bn, warps=nw, pps=pps, stages=ns)
             del inputs
-    tq.BLOCK_N.update(defaults[0])
-    tq.NUM_WARPS, tq.PROGRAMS_PER_SM, tq.NUM_STAGES = defaults[1:]
+    tq.OVERRIDE, tq.NUM_STAGES = None, stages
     for T, B in itertools.product((8192, 32768, 131072), (1, 8)):
         if time.time() - t_start > args.budget_s:
             print("table stopped: budget", flush=True)
@@ -131,8 +132,9 @@ def main(argv=None):
         sets = args.sets if B * T * 2 * HKV * D * 2 < 4e9 / args.sets and B == 1 else 1
         dense = _time_dense(B, T, sets, dev)
         for bits in (4, 2):
-            _row(table, dense, _inputs(B, T, sets, bits, dev), bits, B, T, dev, block_n=tq.BLOCK_N[bits],
-                 warps=tq.NUM_WARPS, pps=tq.PROGRAMS_PER_SM, stages=tq.NUM_STAGES)
+            bn, nw, pps = tq.launch_config(B * HKV, GROUP, bits)
+            _row(table, dense, _inputs(B, T, sets, bits, dev), bits, B, T, dev, block_n=bn, warps=nw, pps=pps,
+                 stages=tq.NUM_STAGES)
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -154,7 +156,8 @@ def main(argv=None):
     for r in table:
         print(f"| {r['B']} | {r['T']} | {r['bits']} | {r['us']:.1f} | {r['dense_us']:.1f} | {r['x_dense']:.2f} | "
               f"{r['mb']/r['us']*1e3:.0f} | {r['mb']:.1f} | {r['err']:.1e} |")
-    print(f"defaults: BLOCK_N {tq.BLOCK_N}, warps {tq.NUM_WARPS}, programs per SM {tq.PROGRAMS_PER_SM}; "
+    print(f"defaults: tiles of {tq.TILE_FEW} / {tq.TILE_MANY} tokens up to / over {tq.FEW_PAIRS} (row, KV head) pairs, "
+          f"a warp per 32 tokens, {tq.PROGRAMS_PER_SM} programs per SM, {tq.NUM_STAGES} stages; "
           f"{time.time() - t_start:.0f} s", flush=True)
 
 
@@ -166,7 +169,7 @@ FORMS = {"late_v": (False, False, True), "loads_first": (True, False, True), "co
 
 def forms(args, dev):
     """A/B of the kernel's forms (``--form-names``), 4-bit at BLOCK_N 64 and 128, 2-bit at 128."""
-    rows, block_n = [], dict(tq.BLOCK_N)
+    rows = []
     names = args.form_names.split(",")
     for T, B in itertools.product(map(int, args.contexts.split(",")), (1, 8)):
         sets = args.sets if B == 1 else 1
@@ -178,7 +181,7 @@ def forms(args, dev):
                 for name in names:
                     tq.EARLY_LOADS, tq.FP32_SCALES, tq.PTX_CODES = FORMS[name]
                     for bn in ((64, 128) if bits == 4 else (128,)):
-                        tq.BLOCK_N[bits] = bn
+                        tq.OVERRIDE = (bn, 4, 8)  # the configuration of the session 29 and 30 A/Bs
                         t, err = _measure(ins, bits, dev)
                         rows.append(dict(form=name, block_n=bn, bits=bits, B=B, T=T, rep=rep, us=t * 1e3, err=err,
                                          dense_us=dense * 1e3))
@@ -187,7 +190,7 @@ def forms(args, dev):
             del ins
             torch.cuda.empty_cache()
     tq.EARLY_LOADS = tq.FP32_SCALES = tq.PTX_CODES = True
-    tq.BLOCK_N.update(block_n)
+    tq.OVERRIDE = None
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "tune_quant_forms.json").write_text(json.dumps(rows))
