@@ -17,8 +17,8 @@ from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, requ
 TRITON_QUANT_HEAD_DIMS = (64, 128)
 # decode launch configuration, from session 30's H200 sweeps with PTX_CODES (BENCHMARKS "Session 30"): one warp per
 # 32 tokens of a tile was the best warp count at every tile size; 64-token tiles were fastest for one row of 8 KV
-# heads, 32-token tiles for 8 rows (more, smaller programs); 16 split-K programs per multiprocessor
-FEW_PAIRS = 16  # launches of at most this many (row, KV head) pairs take the larger tiles (between 8 and 64: untimed)
+# heads, 32-token tiles for 2, 4 and 8 rows (more, smaller programs); 16 split-K programs per multiprocessor
+FEW_PAIRS = 8  # launches of at most this many (row, KV head) pairs take the larger tiles
 TILE_FEW, TILE_MANY = 64, 32  # tokens per decode tile (at least the key token group)
 NUM_STAGES = 3
 PROGRAMS_PER_SM = 16  # split-K aims at this many decode programs per multiprocessor
