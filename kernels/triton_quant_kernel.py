@@ -120,8 +120,9 @@ def _quant_decode_split_kernel(
 
     ``PTX_CODES`` (session 30): the codes become fp16 by bit operations (``_codes_f16``) instead
     of one int -> fp16 conversion each, which the conversion unit issues at an eighth of the ALU
-    rate; with it 128-token tiles and 3 pipeline stages won the sweep, and the kernel ran
-    1.20x / 1.28x faster than session 29's form at 32k, batch 1 / 8, on an H200. The tile loads
+    rate; with it, 3 pipeline stages and the launch rule of ``triton_quant.launch_config`` (a warp
+    per 32 tile tokens), the kernel ran 1.31x / 1.54x faster than session 29's at 32k, batch 1 / 8,
+    on an H200 (BENCHMARKS "Session 30"). The tile loads
     are pipelined through shared memory (``cp.async``) by Triton when the strides are multiples
     of 16 (what a launch specializes on); 2-bit takes as long as 4-bit, so the loop is bound by
     its per-element work and latency, not by the bytes it reads."""
