@@ -54,7 +54,7 @@ _SIGNATURES = {
     "kvp_gear_extra": ([_INT, _P, _I64, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P], _INT),
     "kvp_quant_attend": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _P, _P], _INT),
     "kvp_shadowkv_select": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _I64, _P,
-                             _I64, _I64, _F32, _INT, _P, _P], _INT),
+                             _I64, _I64, _F32, _INT, _INT, _P, _P], _INT),
     "kvp_attend_rows": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _F32, _P, _P], _INT),
 }
 

@@ -175,8 +175,9 @@ def shadowkv_unsupported(q: torch.Tensor, landmarks: torch.Tensor, factor: torch
 def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
                     basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
                     k: int, shortlist: int, chunk_size: int, scale: float,
-                    reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """ShadowKV's chunk selection of one decode step (the math of ``ShadowKVLayer._attend_selected``).
+                    reduction: str, tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """ShadowKV's chunk selection of one decode step (the math of ``ShadowKVLayer._attend_selected``;
+    with ``tokens``, of ``_shadowkv_select.select_tokens``).
 
     Parameters
     ----------
@@ -188,11 +189,13 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
     allow : (B, H_kv) int, chunks each (row, KV head) may take (<= ``k``)
     k : slots of the result; shortlist : landmark shortlist size (> ``k``: re-scored on rebuilt keys)
     reduction : one of ``kvpress.kernels.REDUCTIONS``
+    tokens : choose the shortlist's (always re-scored) best ``allow * chunk_size`` single tokens
 
     Returns
     -------
-    ids int32 (B, H_kv, k): chosen chunks ascending, -1 after; keys fp32 (B, H_kv, k * chunk_size, D):
-    their rebuilt post-RoPE keys, zeros in empty slots.
+    ids int32 (B, H_kv, k): chosen chunks ascending, -1 after (with ``tokens``: (B, H_kv, k * chunk_size)
+    token ids ``chunk * chunk_size + offset``); keys fp32 (B, H_kv, k * chunk_size, D): their rebuilt
+    post-RoPE keys, zeros in empty slots.
     """
     lib = _lib()
     B, H_q, D = q.shape
@@ -210,7 +213,7 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
                          f"{tuple(landmarks.shape)}, selectable {tuple(selectable.shape)}, factor {tuple(factor.shape)}, "
                          f"basis {tuple(basis.shape)}, k={k}, shortlist={shortlist}, chunk_size={chunk_size}")
     sel = selectable.contiguous() if selectable.dtype == torch.bool else (selectable != 0).contiguous()  # 1 byte each
-    ids = torch.empty(B, H, k, dtype=torch.int32)
+    ids = torch.empty(B, H, k * chunk_size if tokens else k, dtype=torch.int32)
     keys = torch.empty(B, H, k * chunk_size, D, dtype=torch.float32)
     q, landmarks, factor, basis = (t.contiguous() for t in (q, landmarks, factor, basis))
     inv_freq = inv_freq.to(torch.float32).contiguous()
@@ -219,7 +222,8 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
     rc = lib.kvp_shadowkv_select(
         q.data_ptr(), B, H_q, H, D, landmarks.data_ptr(), C, sel.data_ptr(),
         factor.data_ptr(), T_pad, R, basis.data_ptr(), inv_freq.data_ptr(), rope_start.data_ptr(), chunk_size,
-        allow.data_ptr(), k, shortlist, float(scale), REDUCTION_CODES[reduction], ids.data_ptr(), keys.data_ptr())
+        allow.data_ptr(), k, shortlist, float(scale), REDUCTION_CODES[reduction], int(tokens), ids.data_ptr(),
+        keys.data_ptr())
     if rc != 0:
         raise RuntimeError(f"kvp_shadowkv_select refused its inputs (code {rc})")
     return ids, keys

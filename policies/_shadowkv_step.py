@@ -36,7 +36,7 @@ class SelectedSteps:
 
     def _native_step_ok(self, q0: torch.Tensor) -> bool:
         """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
-        return (self.policy.backend == "auto" and self.policy.select == "chunks" and q0.device.type == "cpu"
+        return (self.policy.backend == "auto" and q0.device.type == "cpu"
                 and q0.dtype == torch.float32
                 and self.gen_k.dtype == torch.float32 and q0.shape[1] // self.gen_k.shape[1] <= 8 and native.available()
                 and (self.landmarks is None
@@ -44,7 +44,8 @@ class SelectedSteps:
 
     def _native_step(self, q0, k_sel, allow, scaling):
         """`native.shadowkv_select` (selection and the chosen chunks' keys), the values fetched, then
-        `native.attend_rows` over generated tokens, exact tokens and chosen chunks under one softmax."""
+        `native.attend_rows` over generated tokens, exact tokens and chosen chunks (or single
+        tokens, ``select="tokens"``) under one softmax."""
         p = self.policy
         B, _, D = q0.shape
         H, cs = self.gen_k.shape[1], p.chunk_size
@@ -54,14 +55,18 @@ class SelectedSteps:
         ids = values = None
         if k_sel:
             n_cand = min(k_sel * p.rerank, self.max_selectable)
+            tokens = p.select == "tokens"
             ids, keys = native.shadowkv_select(q0, self.landmarks, self.selectable, self.factor, self.basis,
                                                self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
                                                shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
-                                               reduction=p.score_reduction)
-            values = fetch_chunks(self.v_host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
+                                               reduction=p.score_reduction, tokens=tokens)
+            host = self.v_host.view(B, H, -1, 1, D) if tokens else self.v_host  # tokens: one-token "chunks"
+            values = fetch_chunks(host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
             self.sel_idx, self.sel_values = ids, values
-            rows = (ids >= 0).sum(-1).to(torch.int32) * cs
+            rows = (ids >= 0).sum(-1).to(torch.int32) * (1 if tokens else cs)
             sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
+            if tokens:
+                values = values.view(B, H, k_sel * cs, D)
         out, lse = native.attend_rows(q0, sets, scale=scaling)
         return out, lse, ids, values
 

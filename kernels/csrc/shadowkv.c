@@ -138,7 +138,9 @@ static void softmax_or_zero(float *row, int64_t n) {
  * re-scored exactly (softmax per query head over the shortlist's tokens, group-reduced, max over a
  * chunk's tokens); otherwise the landmark scores decide. The best allow[b, h] (<= k) chunks are
  * written to ids_out (B, H, k) ascending, -1 after, and their rebuilt keys to keys_out
- * (B, H, k * cs, D), zeros in empty slots.
+ * (B, H, k * cs, D), zeros in empty slots. With `tokens` (select="tokens", `select_tokens`) the
+ * shortlist of max(n_cand, k) chunks is always re-scored and its best allow[b, h] * cs single
+ * tokens are chosen instead: token ids (chunk * cs + offset) to ids_out (B, H, k * cs).
  *
  * q (B, Hq, D); lm (B, H, C, D); sel (B, H, C) bytes (0 / 1: a torch bool tensor); factor (B, T_pad, R); basis
  * (B, R, H, D); inv_freq (D / 2); rope_start (B) int64; allow (B, H) int32. All fp32, contiguous. */
@@ -146,31 +148,33 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
                         const float *lm, int64_t C, const uint8_t *sel,
                         const float *factor, int64_t T_pad, int64_t R, const float *basis,
                         const float *inv_freq, const int64_t *rope_start, int64_t cs,
-                        const int32_t *allow, int64_t k, int64_t n_cand, float scale, int reduction,
+                        const int32_t *allow, int64_t k, int64_t n_cand, float scale, int reduction, int tokens,
                         int32_t *ids_out, float *keys_out) {
     int64_t G = Hq / H, half = D / 2, M = n_cand > k ? n_cand : k;
     if (G * H != Hq || G > 8 || D % 2 || D > 512 || cs <= 0 || T_pad < 0 || k < 0 || C * cs > T_pad || M > C
         || reduction < 0 || reduction > 3) return -1;
-    int soft = reduction >= 2, rerank = n_cand > k;
+    int soft = reduction >= 2, rerank = n_cand > k || tokens;
     int64_t max_pos = 0;  /* the largest position any row's chunk can start at */
     for (int64_t b = 0; b < B; ++b) max_pos = T_pad - rope_start[b] > max_pos ? T_pad - rope_start[b] : max_pos;
     kvp_rope rope;
     if (rope_init(&rope, inv_freq, half, cs, max_pos) != 0) return -3;
-    int64_t nk = rerank ? n_cand * cs : 0;
+    int64_t nk = rerank ? M * cs : 0;
+    int64_t n_pick = tokens ? M * cs : M, n_top = C > nk ? C : nk;  /* chosen slots; select_top's scratch */
+    int64_t slots = tokens ? k * cs : k;  /* ids per (row, KV head) */
     int nt = team(B * H, (double)(B * H) * (double)(G * C * D + (rerank ? nk * (R + G) * D : k * cs * R * D))), rc = 0;
     (void)nt;  /* unused in a build without OpenMP */
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *fb = malloc(sizeof(float) * (size_t)(G * D + G * C + C + nk * D + G * nk + nk + M + 2 * cs * half));
-        int32_t *ib = malloc(sizeof(int32_t) * (size_t)(3 * C + 2 * M));
-        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)C);
-        uint64_t *mark = malloc(sizeof(uint64_t) * (size_t)((C + 63) / 64 + 1));
+        int32_t *ib = malloc(sizeof(int32_t) * (size_t)(C + n_top + 2 * n_pick));
+        uint32_t *keys = malloc(sizeof(uint32_t) * (size_t)n_top);
+        uint64_t *mark = malloc(sizeof(uint64_t) * (size_t)((C * cs + 63) / 64 + 1));
         uint8_t *anyb = malloc((size_t)C + 1);
         int ok = fb && ib && keys && mark && anyb;
         if (!ok) set_rc(&rc, -3);
         float *qs = fb, *sg = qs + G * D, *red = sg + G * C, *kb = red + C, *ex = kb + nk * D, *tok = ex + G * nk,
               *csc = tok + nk, *cosv = csc + M, *sinv = cosv + cs * half;
-        int32_t *cand = ib, *live = cand + C, *pick = live + C, *tmp = pick + M;
+        int32_t *cand = ib, *live = cand + C, *pick = live + n_top, *tmp = pick + n_pick;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t bh = 0; bh < B * H; ++bh) {
             if (!ok) continue;
@@ -181,7 +185,7 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
             memset(anyb, 0, (size_t)C);
             for (int64_t hh = 0; hh < H; ++hh)
                 for (int64_t c = 0; c < C; ++c) anyb[c] |= sel[(b * H + hh) * C + c];
-            int32_t *ids = ids_out + bh * k;
+            int32_t *ids = ids_out + bh * slots;
             float *kout = keys_out + bh * k * cs * D;
             for (int64_t i = 0; i < G * D; ++i) qs[i] = qh[i] * scale;
             for (int64_t c = 0; c < C; ++c) {
@@ -198,7 +202,7 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
                 if (!selh[c]) red[c] = -INFINITY;
                 fin += red[c] > -INFINITY;
             }
-            int64_t want = allow[bh] < k ? allow[bh] : k, m = rerank ? (n_cand < fin ? n_cand : fin) : 0, kk;
+            int64_t want = allow[bh] < k ? allow[bh] : k, m = rerank ? (M < fin ? M : fin) : 0, kk;
             if (want < 0) want = 0;
             if (!rerank) {
                 kk = want < fin ? want : fin;
@@ -225,6 +229,20 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
                     float best = -INFINITY;
                     for (int64_t j = 0; j < cs; ++j) best = tok[i * cs + j] > best ? tok[i * cs + j] : best;
                     csc[i] = best;
+                }
+                if (tokens) {  /* the best single tokens of the shortlist, ascending by id */
+                    kk = want * cs < m * cs ? want * cs : m * cs;
+                    select_top(tok, m * cs, kk, pick, live, keys);
+                    for (int64_t i = 0; i < kk; ++i) tmp[i] = cand[pick[i] / cs] * (int32_t)cs + pick[i] % (int32_t)cs;
+                    sort_ids(tmp, kk, C * cs, mark);
+                    for (int64_t i = 0, p = 0; i < kk; ++i) {  /* the shortlist is ascending: find each token's chunk */
+                        while (cand[p] != tmp[i] / cs) ++p;
+                        memcpy(kout + i * D, kb + (p * cs + tmp[i] % cs) * D, sizeof(float) * (size_t)D);
+                    }
+                    memcpy(ids, tmp, sizeof(int32_t) * (size_t)kk);
+                    for (int64_t i = kk; i < slots; ++i) ids[i] = -1;
+                    memset(kout + kk * D, 0, sizeof(float) * (size_t)((slots - kk) * D));
+                    continue;
                 }
                 kk = want < m ? want : m;
                 select_top(csc, m, kk, pick, live, keys);
