@@ -117,12 +117,14 @@ class ShadowKVPolicy(Policy):
     instead of whole chunks, since at this budget the chunk granularity is what loses (above).
     Values are read from the host tier a token at a time (reuse counted per token); with
     ``tail_chunk`` a chunk partly attended stays in the estimate for the tokens it has left (its
-    landmark still stands for their keys). Torch path only (the compiled CPU step selects chunks).
+    landmark still stands for their keys). The compiled CPU step selects tokens too (session 30:
+    ``native.shadowkv_select(tokens=True)``; before, only the torch path did).
     Measured with ``rerank=32:tail_chunk=64`` at budget 256 (session 29, BENCHMARKS "Session 29
     (CPU)"): 27 of ``full``'s 29 8k niah_single needles (chunks: 25), and on 64 4k
     niah_multivalue samples 93.0% of ``full`` (chunks 87.3% on the same): better at both, not
-    95%, and slower on CPU (no compiled step: 0.32x ``full`` at 8k against the compiled chunks'
-    0.70x, session 30), so chunks stay the default. Of the two 8k needles
+    95%. CPU decode at 8k (session 30, one thread): 0.67x ``full`` with the compiled step, as
+    fast as chunks in the same configuration (0.68x; the torch path 0.33x); chunks stay the
+    default as the paper's method. Of the two 8k needles
     it loses (session 30, BENCHMARKS "Session 30 (CPU)"), #36 is lost by exact top-k selection
     too (every selection drops the needle's last digit at this budget) and #46 by the low-rank
     keys: ``rank=192`` keeps it, ranks 56 and 64, ``rerank`` 64 / 128 and ``tail_chunk=32`` do
