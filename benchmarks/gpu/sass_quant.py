@@ -4,7 +4,7 @@
 
 Runs the launcher (`kvpress.kernels.triton_quant.triton_quant_decode`) on CPU tensors of the
 sweep's shapes (Llama-3-8B attention, 32k tokens, fp16 queries) with the kernel replaced by a
-recorder, then compiles the recorded launch for sm_90 with ``triton.compile`` **with the
+recorder, then compiles the recorded launch for sm_90 (`kvpress.kernels.triton_aot`) **with the
 specialization a CUDA launch adds**: ``tt.divisibility=16`` on every pointer and on every integer
 argument divisible by 16, integers equal to 1 as constants (session 29 compiled without these
 hints and wrongly concluded that Triton pipelines none of the loads; with them the tile loads go
@@ -23,16 +23,13 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import kvpress.kernels.triton_quant as tq
 import kvpress.kernels.triton_quant_kernel as kern
 from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
+from kvpress.kernels.triton_aot import compile_launch
 
 HQ, HKV, D, GROUP, T = 32, 8, 128, 32, 32768
-_PTR = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int64: "i64",
-        torch.uint8: "u8", torch.int32: "i32"}
 COUNTED = ("LDGSTS", "LDG", "LDS", "STS", "BAR", "I2F", "HMMA", "HFMA2", "PRMT", "LOP3")
 
 
@@ -66,35 +63,6 @@ def record_launch(bits: int, batch: int):
     return launches[0]
 
 
-def compile_as_launched(fn, args, kwargs):
-    kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages")}
-    options["enable_fp_fusion"] = True
-    bound = {**dict(zip(fn.arg_names, args)), **kwargs}
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(fn.params):
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _PTR[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # CUDA allocations are 256-byte aligned
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int) and value == 1:
-            signature[param.name], constexprs[param.name] = "constexpr", 1
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{param.name}: unexpected argument {value!r}")
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
-
-
 def cubin_report(cubin: bytes) -> dict:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -126,7 +94,7 @@ def main(argv=None):
     tq.PTX_CODES = not args.no_ptx
     try:
         fn, a, kw = record_launch(args.bits, args.batch)
-        report = cubin_report(compile_as_launched(fn, a, kw).asm["cubin"])
+        report = cubin_report(compile_launch(fn, a, kw).asm["cubin"])
     finally:
         tq.OVERRIDE, tq.NUM_STAGES, tq.PTX_CODES = saved
     launch = {key: kw[key] for key in ("BLOCK_N", "num_warps", "num_stages", "PTX_CODES")}

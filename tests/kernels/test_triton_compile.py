@@ -4,7 +4,8 @@ The interpreter tests check what the kernels compute; they never run Triton's co
 where a kernel breaks when the Triton version changes (the GPU image has Triton 3.6, this
 machine 3.9). Here the launchers run on CPU tensors of the real dtypes with the kernels replaced
 by recorders, and each recorded launch (argument types, constexprs, num_warps) is compiled ahead
-of time to a cubin with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``.
+of time to a cubin with ``triton.compile`` for a ``GPUTarget("cuda", 90, 32)``, specialized as a
+CUDA launch would be (`kvpress.kernels.triton_aot`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,9 @@ triton = pytest.importorskip("triton")
 
 from kvpress.kernels import triton_decode, triton_decode_kernel, triton_quant, triton_quant_kernel  # noqa: E402
 from kvpress.kernels import triton_shadowkv, triton_shadowkv_kernel  # noqa: E402
+from kvpress.kernels.triton_aot import compile_launch  # noqa: E402
 from kvpress_kernel_cases import build, case  # noqa: E402
 
-_PTR = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32",
-        torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.bool: "i1"}
 KERNELS = {
     triton_decode_kernel: ("_sparse_decode_split_kernel", "_merge_splits_kernel"),
     triton_quant_kernel: ("_quant_decode_split_kernel", "_quantize_pack_kernel"),
@@ -51,32 +51,7 @@ def launches(monkeypatch):
 
 
 def _compile(fn, args, kwargs, arch: int = 90):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    options["enable_fp_fusion"] = True  # what a launch compiles with (explicit: Triton 3.9 warns on the default)
-    bound = {**dict(zip(fn.arg_names, args)), **kwargs}
-    assert set(bound) == set(fn.arg_names), f"{fn.__name__}: launched without {set(fn.arg_names) - set(bound)}"
-    signature, constexprs = {}, {}
-    for param in fn.params:
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + _PTR[value.dtype]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{fn.__name__}.{param.name}: unexpected argument {value!r}")
-    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                            options=options)
-    return kernel.asm
+    return compile_launch(fn, args, kwargs, arch).asm
 
 
 def _check_compiles(launches, expected_kernels):
