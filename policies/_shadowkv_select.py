@@ -15,15 +15,20 @@ from kvpress.kernels import landmark_scores, landmark_tail_estimate
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 
+def chunk_scores(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, *, scale: float,
+                 reduction: str) -> torch.Tensor:
+    """Landmark scores (B, H_kv, C), GQA group reduced, -inf where a chunk is not selectable."""
+    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction, mask=selectable.any(1))
+    return scores.masked_fill(~selectable, float("-inf"))
+
+
 def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
                   basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
                   k: int, shortlist: int, chunk_size: int, scale: float, reduction: str,
                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``allow[b, h]`` (<= ``k``) chunks per KV head: ids int32 (B, H_kv, k) ascending, -1 after,
     and their rebuilt keys (B, H_kv, k * chunk_size, D), zeros in empty slots."""
-    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction,
-                             mask=selectable.any(1))  # (B, H, C) GQA group reduced
-    scores = scores.masked_fill(~selectable, float("-inf"))
+    scores = chunk_scores(q, landmarks, selectable, scale=scale, reduction=reduction)
     if shortlist > k:
         return _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, k=k, shortlist=shortlist,
                        chunk_size=chunk_size, scale=scale, reduction=reduction, backend=backend)
@@ -86,8 +91,7 @@ def select_tokens(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
     chunks, without whole-chunk granularity). Token ids int32 (B, H_kv, k * cs) ascending (chunk
     ``c``'s tokens are ``c * cs ...``), -1 after; their rebuilt keys (B, H_kv, k * cs, D), zeros
     in empty slots."""
-    scores = landmark_scores(q, landmarks, scale=scale, reduction=reduction, mask=selectable.any(1))
-    scores = scores.masked_fill(~selectable, float("-inf"))
+    scores = chunk_scores(q, landmarks, selectable, scale=scale, reduction=reduction)
     B, H, C = scores.shape
     D, cs, dev = q.shape[-1], chunk_size, q.device
     cand, keys, tok = _shortlist(q, scores, factor, basis, inv_freq, rope_start, shortlist=max(shortlist, k),
@@ -129,6 +133,14 @@ def tail_value_sums(v: torch.Tensor, selectable: torch.Tensor, tail_chunk: int) 
     return F.pad(sums, (0, 0, off, 0)).view(B, H, N, m, D).sum(3)
 
 
+def _minus_group_sums(v_sum: torch.Tensor, grp: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """``v_sum`` (B, H, N, D) less the rows ``sel`` (B, H, k, D) added into their groups ``grp``
+    (B, H, k); group ``N`` is the spare one that empty slots point at."""
+    B, H, N, D = v_sum.shape
+    spare = v_sum.new_zeros(B, H, N + 1, D).scatter_add_(2, grp[..., None].expand(-1, -1, -1, D), sel)
+    return v_sum - spare[:, :, :N]
+
+
 def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
                   ids: torch.Tensor | None, values: torch.Tensor | None, *, chunk_size: int, tail_chunk: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +163,7 @@ def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.T
         keep = keep & selectable
         grp = torch.where(ok, (ids.long() + off) // m, N)  # (B, H, k); spare group N
         sel = values.float().sum(3) * ok[..., None]  # (B, H, k, D)
-        v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
-            2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
+        v_sum = _minus_group_sums(v_sum, grp, sel)
     return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)
 
 
@@ -176,6 +187,5 @@ def tail_estimate_tokens(q0: torch.Tensor, landmarks: torch.Tensor, selectable: 
         keep = keep * (1 - taken / cs)
         grp = torch.where(ok, (chunk + off) // m, N)
         sel = values.float() * ok[..., None]
-        v_sum = v_sum - v_sum.new_zeros(B, H, N + 1, D).scatter_add_(
-            2, grp[..., None].expand(-1, -1, -1, D), sel)[:, :, :N]
+        v_sum = _minus_group_sums(v_sum, grp, sel)
     return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)

@@ -40,9 +40,15 @@ def record_launch(bits: int, batch: int):
     q = torch.randn(batch, HQ, D, dtype=torch.float16)
     launches, fn = [], kern._quant_decode_split_kernel
 
+    class Recorded(Exception):
+        """Raised once the split launch is recorded: the merge launch after it is not needed."""
+
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((fn, a, kw))
+            def record(*a, **kw):
+                launches.append((fn, a, kw))
+                raise Recorded
+            return record
 
     saved = (kern._quant_decode_split_kernel, tq.require_cuda_or_interpreter, tq._sm_count, tq.interpreting,
              tq._splits)
@@ -52,14 +58,15 @@ def record_launch(bits: int, batch: int):
     tq._sm_count = lambda device: 132
     tq.interpreting = lambda: False
     tq._splits = lambda b, h, t, device, bn, pps: splits(b, h, t, torch.device("cuda"), bn, pps)
-    try:  # the merge launch after it runs on CPU tensors and is not needed: stop at it
+    try:
         tq.triton_quant_decode(q, *kq, *vq, bits=bits, group_size=GROUP)
-    except Exception:
-        if not launches:
-            raise
+    except Recorded:
+        pass
     finally:
         (kern._quant_decode_split_kernel, tq.require_cuda_or_interpreter, tq._sm_count, tq.interpreting,
          tq._splits) = saved
+    if not launches:
+        raise RuntimeError("triton_quant_decode returned without launching the split kernel")
     return launches[0]
 
 
