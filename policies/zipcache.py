@@ -45,7 +45,12 @@ class ZipCachePolicy(Policy):
     A 4-bit setting, ``bits_low=4, bits_high=8, salient_ratio=0.0625`` (5.41 bits per element
     at 8k in fp16, everything counted), kept every needle ``full`` finds on SmolLM2 at 8k (29)
     and 4k (32) with ``full``'s perplexity, where uniform 4-bit stores (``kivi``, ``gear``, this
-    policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` (BENCHMARKS.md "Session 15").
+    policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` over 32 samples (BENCHMARKS.md
+    "Session 15"), 96.9% over 256 (sessions 22-30), short of the quantization issue's 98%, which
+    8-bit ``kivi`` reaches on the same samples (99.8%). Of seven 4-bit settings (5.16-5.66 bits)
+    this one is the closest to ``full`` by teacher-forced KL along ``full``'s answers (1.7e-3
+    nats per step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
+    ``benchmarks/answer_kl.py``, BENCHMARKS.md "Session 31").
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
