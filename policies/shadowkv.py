@@ -123,9 +123,9 @@ class ShadowKVPolicy(Policy):
     (CPU)"): 27 of ``full``'s 29 8k niah_single needles (chunks: 25), and on 64 4k
     niah_multivalue samples 93.0% of ``full`` (chunks 87.3% on the same): better at both, not
     95%; session 30 added samples 0-63 (97.2%): 95.0% over 128 4k multivalue samples, still 27 of
-    29 at 8k; 4k niah_single 32 of 32 (session 31). CPU decode at 8k (session 30, one thread): 0.67x ``full`` with the compiled step, as
-    fast as chunks in the same configuration (0.68x; the torch path 0.33x); chunks stay the
-    default as the paper's method. Of the two 8k needles
+    29 at 8k; 4k niah_single 32 of 32 (session 31). CPU decode at 8k (session 30, one thread):
+    0.67x ``full`` with the compiled step, as fast as chunks in the same configuration (0.68x;
+    the torch path 0.33x); chunks stay the default as the paper's method. Of the two 8k needles
     it loses (session 30, BENCHMARKS "Session 30 (CPU)"), #36 is lost by exact top-k selection
     too (every selection drops the needle's last digit at this budget) and #46 by the low-rank
     keys: ``rank=192`` keeps it, ranks 56 and 64, ``rerank`` 64 / 128 and ``tail_chunk=32`` do
