@@ -47,7 +47,7 @@ class ZipCachePolicy(Policy):
     and 4k (32) with ``full``'s perplexity, where uniform 4-bit stores (``kivi``, ``gear``, this
     policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` over 32 samples (BENCHMARKS.md
     "Session 15"), 96.9% over 256 (sessions 22-30), short of the quantization issue's 98%, which
-    8-bit ``kivi`` reaches on the same samples (99.8%). Of ten 4-bit settings (5.16-5.66 bits)
+    8-bit ``kivi`` reaches on the same samples (99.8%). Of twelve 4-bit settings (5.16-5.66 bits)
     this one is the closest to ``full`` by teacher-forced KL along ``full``'s answers (1.7e-3
     nats per step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
     ``benchmarks/answer_kl.py``, BENCHMARKS.md "Session 31").
