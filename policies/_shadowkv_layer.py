@@ -33,16 +33,19 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
     Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
     (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
     with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
-    the previous step's fetched chunks ``sel_idx``/``sel_values``, and with ``tail_chunk`` the
-    value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier: ``v_host``
-    (B, H_kv, C, chunk_size, D). Transfers: ``counters`` (:class:`TransferCounters`).
+    the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys`` with
+    ``fetch_keys``), and with ``tail_chunk`` the value sums per group ``tail_v_sum``
+    (B, H_kv, N, D) fp32. Host tier: ``v_host`` (B, H_kv, C, chunk_size, D), with ``fetch_keys``
+    the exact post-RoPE keys ``k_host`` in the same layout. Transfers: ``counters``
+    (:class:`TransferCounters`).
     """
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
-              "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "tail_v_sum")
+              "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
+              "tail_v_sum")
     # what a fold replaces (`_fold`), held while a recorded forward may still be cropped
-    _FOLDED = _STATE + ("v_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
+    _FOLDED = _STATE + ("v_host", "k_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
                         "_exact_cnt_cpu", "_sel_cnt_cpu")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
@@ -60,7 +63,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         """No prompt, no generated tokens (a new layer, or a prompt forward taken back)."""
         for name in self._STATE:
             setattr(self, name, None)
-        self.v_host = None
+        self.v_host = self.k_host = None
         self.gen_len = 0
         self.exact_max = 0  # most exact tokens of any (row, KV head)
         self.max_selectable = 0
@@ -168,6 +171,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             rank = default_rank(H * D) if p.rank is None else p.rank
             self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
+            if p.fetch_keys:
+                self.k_host = to_host(kp.view(B, H, C, cs, D))
             if p.tail_chunk:
                 self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
         self.seen += T
@@ -192,9 +197,13 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             C, cs = self.selectable.shape[-1], p.chunk_size
             order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
             ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
-            keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
-                                         chunk_size=cs, backend=p.backend))
             fetched = fetch_chunks(self.v_host, ids, None, None, self.counters, dev)
+            if p.fetch_keys:
+                exact = fetch_chunks(self.k_host, ids, None, None, self.counters, dev, bytes_only=True)
+                keys.append(exact.view(B, H, self.max_selectable * cs, D))
+            else:
+                keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                             chunk_size=cs, backend=p.backend))
             values.append(fetched.view(B, H, self.max_selectable * cs, D))
             seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
         if self.gen_len:
@@ -282,6 +291,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             self.landmarks = k.new_zeros(B, H, C0, D)
             self.selectable = torch.zeros(B, H, C0, dtype=torch.bool, device=dev)
             self.v_host = to_host(v.new_zeros(B, H, C0, cs, D))
+            if p.fetch_keys:
+                self.k_host = to_host(k.new_zeros(B, H, C0, cs, D))
             if p.tail_chunk:
                 self.tail_v_sum = tail_value_sums(v.new_zeros(B, H, C0, cs, D), self.selectable, p.tail_chunk)
         R = self.factor.shape[2]
@@ -300,6 +311,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         self.landmarks = torch.cat([self.landmarks, chunk_landmarks(k, cs)], dim=2)
         self.selectable = torch.cat([self.selectable, selectable], dim=2)
         self.v_host = append_host(self.v_host, v.reshape(B, H, nf, cs, D))
+        if p.fetch_keys:
+            self.k_host = append_host(self.k_host, k.reshape(B, H, nf, cs, D))
         if p.tail_chunk:  # fold_size is a multiple of tail_chunk: whole groups, aligned as the prompt's
             self.tail_v_sum = torch.cat([self.tail_v_sum, tail_value_sums(v.reshape(B, H, nf, cs, D), selectable,
                                                                           p.tail_chunk)], dim=2)
@@ -406,7 +419,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):
-        return {"v_host": self.v_host}
+        return {"v_host": self.v_host, "k_host": self.k_host}
 
     def batch_select(self, indices: torch.Tensor) -> None:
         super().batch_select(indices)

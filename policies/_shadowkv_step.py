@@ -60,9 +60,9 @@ class SelectedSteps:
                                                self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
                                                shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
                                                reduction=p.score_reduction, tokens=tokens)
-            host = self.v_host.view(B, H, -1, 1, D) if tokens else self.v_host  # tokens: one-token "chunks"
-            values = fetch_chunks(host, ids, self.sel_idx, self.sel_values, self.counters, q0.device)
-            self.sel_idx, self.sel_values = ids, values
+            exact, values = self._fetch_selected(ids, tokens, q0.device)
+            if exact is not None:
+                keys = exact.reshape(B, H, k_sel * cs, D)
             rows = (ids >= 0).sum(-1).to(torch.int32) * (1 if tokens else cs)
             sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
             if tokens:
@@ -70,9 +70,23 @@ class SelectedSteps:
         out, lse = native.attend_rows(q0, sets, scale=scaling)
         return out, lse, ids, values
 
+    def _fetch_selected(self, ids, tokens: bool, device):
+        """The chosen chunks' (``tokens``: single tokens') values from the host tier, reusing the
+        previous step's, and with ``fetch_keys`` their exact keys beside them (else None)."""
+        B, H = ids.shape[:2]
+        as_units = (lambda t: t.view(B, H, -1, 1, t.shape[-1])) if tokens else (lambda t: t)  # noqa: E731
+        values = fetch_chunks(as_units(self.v_host), ids, self.sel_idx, self.sel_values, self.counters, device)
+        keys = None
+        if self.policy.fetch_keys:
+            keys = fetch_chunks(as_units(self.k_host), ids, self.sel_idx, self.sel_keys, self.counters, device,
+                                bytes_only=True)
+        self.sel_idx, self.sel_values, self.sel_keys = ids, values, keys
+        return keys, values
+
     def _attend_selected(self, q0, k_sel, allow, scaling):
         """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head -- or as many single tokens with
-        ``select="tokens"`` -- : rebuild their keys, fetch their values, attend."""
+        ``select="tokens"`` -- : rebuild their keys (``fetch_keys``: fetch the exact ones), fetch
+        their values, attend."""
         p = self.policy
         B, H, _, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
@@ -82,20 +96,17 @@ class SelectedSteps:
                            self._rope_inv_freq(dev), self.rope_start, allow, k=k_sel,
                            shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
                            reduction=p.score_reduction, backend=p.backend)
-        host = self.v_host
-        if p.select == "tokens":  # the host tier read a token at a time: one-token "chunks"
-            C = host.shape[2]
-            host, unit, slots_n = host.view(B, H, C * cs, 1, D), 1, k_sel * cs
-        else:
-            unit, slots_n = cs, k_sel
-        values = fetch_chunks(host, ids, self.sel_idx, self.sel_values, self.counters, dev)
-        self.sel_idx, self.sel_values = ids, values
+        tokens = p.select == "tokens"
+        unit, slots_n = (1, k_sel * cs) if tokens else (cs, k_sel)
+        exact, values = self._fetch_selected(ids, tokens, dev)
+        if exact is not None:
+            keys = exact.reshape(B, H, k_sel * cs, D)
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
         slots = torch.arange(slots_n, device=dev, dtype=torch.int32)
         index = SparseIndex(unit, torch.where(slots < cnt[..., None], slots, -1), cnt,
                             torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
         out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
                                  backend=self._decode_backend, validate_index=False)
-        if p.select == "tokens":
+        if tokens:
             values = values.view(B, H, k_sel * cs, D)
         return out, lse, ids, values

@@ -1,4 +1,5 @@
-"""Host tier of ShadowKV: values in chunk-contiguous layout, fetched per step with reuse.
+"""Host tier of ShadowKV: values (with ``fetch_keys`` exact keys too) in chunk-contiguous layout,
+fetched per step with reuse.
 
 ShadowKV (arXiv 2410.21465) moves the values of the prompt off the accelerator and copies
 back only the chunks a decode step selects. Consecutive steps select mostly the same chunks,
@@ -76,8 +77,8 @@ def append_host(host: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
-                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device
-                 ) -> torch.Tensor:
+                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device, *,
+                 bytes_only: bool = False) -> torch.Tensor:
     """Values of the selected chunks on ``device``, reusing the previous step's copies.
 
     Parameters
@@ -90,6 +91,9 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
         The previous step's selection and values.
     counters : TransferCounters
         Updated in place.
+    bytes_only : bool
+        Add only the bytes copied (a second tensor of the same step and chunks, e.g. exact keys
+        beside the values: one step, its chunks counted once).
 
     Returns
     -------
@@ -110,7 +114,8 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
         pos = torch.searchsorted(key, torch.where(valid, ids, C + 1)).clamp_(max=K_prev - 1)
         found = (key.gather(1, pos) == ids) & valid
         prev_slot = order.gather(1, pos)  # (BH, K) the previous step's slot of each chunk
-        counters.reused_chunks += int(found.sum())
+        if not bytes_only:
+            counters.reused_chunks += int(found.sum())
     need = valid & ~found
     host_rows = (rows_of * C + ids)[need]  # (M,) rows of host.view(-1, cs * D), row-major over (BH, K)
     M = host_rows.numel()
@@ -129,9 +134,12 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
     index = torch.where(found, rows_of * K_prev + prev_slot, torch.where(need, fresh, BH * K_prev + M))
     table = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     out = table.index_select(0, index.view(-1)).view(B, H, K, cs, D)
+    counters.fetched_bytes += fetched_bytes
+    if bytes_only:
+        counters.last_fetched_bytes += fetched_bytes
+        return out
     counters.steps += 1
     counters.requested_chunks += int(valid.sum())
-    counters.fetched_bytes += fetched_bytes
     counters.last_fetched_bytes = fetched_bytes
     return out
 

@@ -131,6 +131,14 @@ class ShadowKVPolicy(Policy):
     keys: ``rank=192`` keeps it, ranks 56 and 64, ``rerank`` 64 / 128 and ``tail_chunk=32`` do
     not; rank 56 is the most the 25% device-bytes line allows at 8k (24.7% of ``full``).
 
+    ``fetch_keys=True`` (default False, the paper's rebuild): the host tier also holds the exact
+    post-RoPE keys, and the tokens a step attends (selected chunks or tokens, a new turn's every
+    chunk) use their exact keys, fetched beside their values (same reuse, the bytes counted);
+    the low-rank keys only select. Device bytes are unchanged; host bytes and fetched bytes
+    double. At 8k on SmolLM2 the loss that ranks <= 56 leave is in the attention over rebuilt
+    keys, not in the selection (session 32: ``#46`` kept with exact keys for the attended tokens
+    of a rank-48 selection, lost at ranks 48-64 rebuilt, also with a query-weighted SVD).
+
     CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
     calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
     shortlist's keys rebuilt with RoPE, exact re-scoring, the chosen chunks' keys) and
@@ -186,6 +194,7 @@ class ShadowKVPolicy(Policy):
     tail_chunk: int = 0
     fold_size: int | None = None
     select: str = "chunks"
+    fetch_keys: bool = False
     backend: str = "auto"
 
     name = "shadowkv"

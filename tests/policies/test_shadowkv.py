@@ -1,5 +1,6 @@
 """ShadowKV policy: errors, honest device / host accounting, transfers, low-rank rebuild, budget."""
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import kvpress
 from kvpress.policies._shadowkv_store import TransferCounters, fetch_chunks, to_host
 from kvpress.policies.shadowkv import transfer_summary
 from kvpress.prefill import cache_from_dense, dense_prefill
+from kvpress.stats import tensor_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import random_ids, tiny_model  # noqa: E402
@@ -346,7 +348,8 @@ def test_tail_left_padded_rows_estimate_as_when_run_alone(model):
 @pytest.mark.skipif(not kvpress.kernels.native.available(), reason="native CPU kernels not built here")
 @pytest.mark.parametrize("kw", [dict(), dict(rerank=1), dict(rerank=4, tail_chunk=16),
                                 dict(score_reduction="mean", rerank=3), dict(budget=200),
-                                dict(select="tokens"), dict(select="tokens", rerank=4, tail_chunk=16)])
+                                dict(select="tokens"), dict(select="tokens", rerank=4, tail_chunk=16),
+                                dict(fetch_keys=True, rerank=2), dict(select="tokens", fetch_keys=True, tail_chunk=16)])
 def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
     """On fp32 CPU tensors ``backend="auto"`` runs a step as `native.shadowkv_select` +
     `native.attend_rows` (+ the tail in torch): same tokens, logits and host transfers as the torch
@@ -400,6 +403,43 @@ def test_token_selection_takes_the_shortlists_top_tokens_and_attends_them(model)
         torch.testing.assert_close(values[0, h, :n], host[0, h, expect])
         p = torch.softmax(logits[0, h][:, expect], -1)  # (G, n) over the chosen tokens' rebuilt keys
         torch.testing.assert_close(out[0, 2 * h:2 * h + 2], p @ host[0, h, expect], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("select", ["chunks", "tokens"])
+def test_fetch_keys_attends_the_exact_keys_of_what_the_low_rank_keys_select(model, select):
+    """``fetch_keys``: the same selection as the rebuilt keys make (rank 2 of 32: poor keys), but
+    attended over the exact post-RoPE keys fetched from the host tier beside the values, counted
+    as bytes of the same step; device state as without it but for the fetched keys, host bytes
+    doubled."""
+    ids = random_ids(PROMPT, seed=12)
+    _, dense = dense_prefill(model, ids)
+    pol = policy(rank=2, rerank=4, select=select)
+    layers = {fk: cache_from_dense(model, replace(pol, fetch_keys=fk), dense).layers[1] for fk in (False, True)}
+    layer, plain = layers[True], layers[False]
+    B, H, C, D = layer.landmarks.shape
+    q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(4))
+    allow = torch.tensor([[3, 2]])
+    out, lse, sel, values = layer._attend_selected(q0, 3, allow, 0.25)
+    ref_out, _, ref_sel, ref_values = plain._attend_selected(q0, 3, allow, 0.25)
+    assert torch.equal(sel, ref_sel) and torch.equal(values, ref_values)  # the same selection and values
+    assert layer.counters.fetched_bytes == 2 * plain.counters.fetched_bytes > 0
+    assert layer.counters.steps == plain.counters.steps == 1
+    assert layer.counters.requested_chunks == plain.counters.requested_chunks
+    unit = 1 if select == "tokens" else 8
+    k_exact = dense.layers[1].buffer.keys  # (B, H, T, D) post-RoPE, no shift: PROMPT is whole chunks
+    v_exact = dense.layers[1].buffer.values
+    for h in range(H):
+        n = int(allow[0, h])
+        tok = (sel[0, h, : n * 8 // unit].long()[:, None] * unit + torch.arange(unit)).flatten()
+        torch.testing.assert_close(layer.sel_keys.reshape(B, H, -1, D)[0, h, : n * 8], k_exact[0, h, tok])
+        logits = (q0[0, 2 * h:2 * h + 2] * 0.25) @ k_exact[0, h, tok].T  # (G, n * 8)
+        torch.testing.assert_close(out[0, 2 * h:2 * h + 2], torch.softmax(logits, -1) @ v_exact[0, h, tok],
+                                   atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, ref_out, atol=1e-3)  # the rebuilt rank-2 keys attend differently
+    # on the device: the same state plus this step's fetched keys (kept for the next step's reuse)
+    sel_bytes = layer.sel_keys.numel() * layer.sel_keys.element_size()
+    assert tensor_bytes(layer.state_tensors().values()) == tensor_bytes(plain.state_tensors().values()) + sel_bytes
+    assert tensor_bytes(layer.host_tensors().values()) == 2 * tensor_bytes(plain.host_tensors().values())
 
 
 def test_token_tail_subtracts_the_attended_tokens():

@@ -69,13 +69,14 @@ def test_long_generation_keeps_the_budget_and_one_chunk_grid(model):
     assert kvpress.cache_stats(folded).offloaded_bytes > kvpress.cache_stats(kept).offloaded_bytes
 
 
-@pytest.mark.parametrize("tail_chunk", [0, 16])
-def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk):
+@pytest.mark.parametrize("tail_chunk, fetch_keys", [(0, False), (16, False), (0, True)])
+def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk, fetch_keys):
     """The first layer's keys do not depend on attention, so the run without folding holds the
     same generated keys exactly: at full rank (the key dimension, 32) the folded chunks' keys
-    rebuilt from their factors with RoPE equal them, and the host tier holds their values."""
+    rebuilt from their factors with RoPE equal them, and the host tier holds their values (with
+    ``fetch_keys`` their exact keys too)."""
     ids, steps = random_ids(PROMPT, seed=3), random_ids(50, seed=4)  # folds before steps 33 and 49
-    _, folded = feed(model, policy(rank=32, tail_chunk=tail_chunk), ids, steps)
+    _, folded = feed(model, policy(rank=32, tail_chunk=tail_chunk, fetch_keys=fetch_keys), ids, steps)
     _, kept = feed(model, policy(rank=32, fold_size=0), ids, steps)
     layer, ref = folded.layers[0], kept.layers[0]
     first, C = PROMPT // 8, layer.n_chunks
@@ -87,6 +88,10 @@ def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk):
                             chunk_size=8)  # (B, H, n, D)
     torch.testing.assert_close(keys, ref.gen_k[:, :, :n], atol=1e-4, rtol=0)
     assert torch.equal(layer.v_host[:, :, first:].reshape(B, H, n, -1), ref.gen_v[:, :, :n])
+    if fetch_keys:
+        assert torch.equal(layer.k_host[:, :, first:].reshape(B, H, n, -1), ref.gen_k[:, :, :n])
+    else:
+        assert layer.k_host is None
     torch.testing.assert_close(layer.gen_k[:, :, :layer.gen_len], ref.gen_k[:, :, n:ref.gen_len])
     if tail_chunk:  # the folded groups' value sums continue the prompt's (groups of two chunks)
         sums = ref.gen_v[:, :, :n].float().reshape(B, H, n // 16, 16, -1).sum(3)
