@@ -1,0 +1,128 @@
+"""How far ShadowKV's low-rank keys move attention, per layer, on a task sample (CPU).
+
+    python benchmarks/shadowkv_key_error.py --task niah_single --length 8192 --samples 48 --sample 46 --ranks 48,64
+
+ShadowKV (arXiv 2410.21465) keeps each layer's pre-RoPE keys of all KV heads as a truncated SVD
+(`kvpress.policies._shadowkv_store.low_rank`) and rebuilds the attended keys from it. This
+measures what that costs the attention of the prompt's last ``--queries`` queries: for each
+layer, the total variation distance between their softmax over all prompt keys with the exact
+keys and with the rank-``r`` keys, averaged over query heads and queries (0 = the same
+distribution, 1 = disjoint), and the share of the keys' energy the rank keeps.
+
+Two factorisations are compared at each rank:
+
+* ``plain``: the policy's SVD, the best rank-``r`` keys in squared error, every channel alike;
+* ``query``: the SVD of the keys with each channel scaled by the root mean square of the
+  prompt's pre-RoPE queries of the KV head's group in that channel, the scale then taken back
+  out of the basis, so the error it minimises is the error of the scores ``q . k`` those queries
+  would compute. RoPE rotates each channel pair (``c``, ``c + head_dim / 2``) by the relative
+  position, so only a pair's total weight is invariant: both channels get the pair's mean.
+
+Keys and queries are read from the model's ``k_proj`` / ``q_proj`` outputs (pre-RoPE, Llama-style
+rotary pairs) during one dense prefill; RoPE is applied as the model does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvpress.evals.models import load_eval_model
+from kvpress.evals.tasks import get_task
+from kvpress.evals.tasks.base import build_input_ids
+
+
+def pair_weights(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Per key channel (H_kv * D,): mean square of the pre-RoPE queries ``q`` (T, H_q, D) of each
+    KV head's group, averaged over each rotary pair (``c``, ``c + D / 2``)."""
+    T, H_q, D = q.shape
+    ms = q.float().pow(2).view(T, num_kv_heads, H_q // num_kv_heads, D).mean(dim=(0, 2))  # (H_kv, D)
+    return ((ms + ms.roll(D // 2, dims=-1)) / 2).reshape(-1)
+
+
+def low_rank_keys(k: torch.Tensor, rank: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """Rank-``rank`` keys (T, H_kv * D) of ``k``, in the channel metric ``weights`` (None: plain),
+    and the share of the (weighted) energy kept."""
+    scale = torch.ones(k.shape[1]) if weights is None else weights.clamp_min(1e-12).sqrt()
+    u, s, vh = torch.linalg.svd(k.float() * scale, full_matrices=False)
+    kept = float(s[:rank].pow(2).sum() / s.pow(2).sum())
+    return (u[:, :rank] * s[:rank]) @ (vh[:rank] / scale), kept
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with rotate-half pairs: ``x`` (H, T, D), ``cos``/``sin`` (T, D)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@torch.no_grad()
+def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int) -> list[dict]:
+    """Per layer: ``{(method, rank): (tv, energy)}`` for methods ``plain`` and ``query``."""
+    cfg = model.config
+    H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H_q
+    grabbed: dict = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name in ("q_proj", "k_proj"):
+            hooks.append(getattr(layer.self_attn, name).register_forward_hook(
+                lambda m, a, out, key=(name, i): grabbed.__setitem__(key, out[0].detach())))
+    try:
+        model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    T = input_ids.shape[1]
+    cos, sin = model.model.rotary_emb(torch.zeros(1, T, D), torch.arange(T)[None])
+    cos, sin = cos[0].float(), sin[0].float()
+    rows = []
+    for i in range(cfg.num_hidden_layers):
+        q = grabbed[("q_proj", i)].float().view(T, H_q, D)
+        k = grabbed[("k_proj", i)].float().view(T, H * D)
+        qr = rotate(q[-queries:].transpose(0, 1), cos[-queries:], sin[-queries:]) * D ** -0.5  # (H_q, n, D)
+
+        def attention(keys):
+            kr = rotate(keys.view(T, H, D).transpose(0, 1), cos, sin).repeat_interleave(H_q // H, 0)  # (H_q, T, D)
+            return torch.softmax(qr @ kr.transpose(1, 2), dim=-1)  # (H_q, n, T)
+
+        exact = attention(k)
+        row = {}
+        for method, w in (("plain", None), ("query", pair_weights(q, H))):
+            for r in ranks:
+                approx, kept = low_rank_keys(k, r, w)
+                tv = 0.5 * (attention(approx) - exact).abs().sum(-1).mean().item()
+                row[(method, r)] = (tv, kept)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--task", default="niah_single")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--samples", type=int, default=48, help="samples the task generates (as `kvpress eval --samples`)")
+    ap.add_argument("--sample", type=int, default=46, help="which of them")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ranks", default="48,64")
+    ap.add_argument("--queries", type=int, default=16, help="the prompt's last queries whose attention is compared")
+    args = ap.parse_args(argv)
+    ranks = [int(r) for r in args.ranks.split(",")]
+    model, tokenizer = load_eval_model(args.model)
+    sample = get_task(args.task).generate(tokenizer, args.length, args.samples, args.seed)[args.sample]
+    ids = torch.tensor([build_input_ids(tokenizer, sample)])
+    rows = key_error(model, ids, ranks, args.queries)
+    cols = [(m, r) for r in ranks for m in ("plain", "query")]
+    print(f"{args.task} sample {args.sample} at {args.length} tokens ({ids.shape[1]} in the prompt), "
+          f"attention of the last {args.queries} queries: TV distance (energy kept)")
+    print("| layer | " + " | ".join(f"{m} r={r}" for m, r in cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for i, row in enumerate(rows):
+        print(f"| {i} | " + " | ".join(f"{row[c][0]:.3f} ({row[c][1]:.3f})" for c in cols) + " |")
+    print("| mean | " + " | ".join(f"{sum(r[c][0] for r in rows) / len(rows):.3f}" for c in cols) + " |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
