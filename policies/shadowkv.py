@@ -134,10 +134,12 @@ class ShadowKVPolicy(Policy):
     ``fetch_keys=True`` (default False, the paper's rebuild): the host tier also holds the exact
     post-RoPE keys, and the tokens a step attends (selected chunks or tokens, a new turn's every
     chunk) use their exact keys, fetched beside their values (same reuse, the bytes counted);
-    the low-rank keys only select. Device bytes are unchanged; host bytes and fetched bytes
-    double. At 8k on SmolLM2 the loss that ranks <= 56 leave is in the attention over rebuilt
-    keys, not in the selection (session 32: ``#46`` kept with exact keys for the attended tokens
-    of a rank-48 selection, lost at ranks 48-64 rebuilt, also with a query-weighted SVD).
+    the low-rank keys only select. On the device only the step's fetched keys are added (kept
+    for the next step's reuse, like its values); host bytes and fetched bytes double. On
+    SmolLM2 at 8k the rebuilt keys, not the selection, lose needle #46 (session 32: kept with
+    exact keys for the tokens a rank-48 selection picks): at rank 48 the attention of the
+    prompt's last queries is 0.22 in total variation from the exact keys' on average over the
+    layers, 0.13 at rank 96 (`benchmarks/shadowkv_key_error.py`).
 
     CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
     calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
