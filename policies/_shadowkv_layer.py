@@ -15,7 +15,8 @@ from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
 from ._shadowkv_step import SelectedSteps
-from ._shadowkv_store import TransferCounters, append_host, default_rank, fetch_chunks, low_rank, to_host
+from ._shadowkv_store import (TransferCounters, append_host, default_rank, fetch_chunks, low_rank, project,
+                              query_pair_weights, to_host)
 
 if TYPE_CHECKING:
     from .shadowkv import ShadowKVPolicy
@@ -43,7 +44,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
-              "tail_v_sum")
+              "tail_v_sum", "key_weight")
     # what a fold replaces (`_fold`), held while a recorded forward may still be cropped
     _FOLDED = _STATE + ("v_host", "k_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
                         "_exact_cnt_cpu", "_sel_cnt_cpu")
@@ -55,6 +56,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         self.counters = TransferCounters()
         self._inv_freq = None
         self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
+        self._prompt_qsq = None  # with svd="query": that forward's query squares (`_query_squares`)
+        self._stage_qsq = None  # with svd="query": the staged prompt's query squares
         self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
         self._fold_undo: list[tuple[int, dict]] = []  # folds of the recorded forward: (seen before, state)
         self._clear()
@@ -78,10 +81,16 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             if self._stage is None:
                 self._stage = PromptStage()
             self.seen += k_new.shape[2]
+            q_sq = self._query_squares(q, k_new.shape[1])
+            if q_sq is not None:
+                self._stage_qsq = q_sq if self._stage_qsq is None else torch.cat([self._stage_qsq, q_sq], dim=2)
             return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
         if self.seen == 0:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
-            self._ingest(k_new, v_new)
+            q_sq = self._query_squares(q, k_new.shape[1])
+            if self._prompt_record is not None:
+                self._prompt_qsq = q_sq
+            self._ingest(k_new, v_new, q_sq)
             return out
         if self.cache.prompt_open or (q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2])):
             # a new turn (any piece of one, a one-token last piece included): a prompt continuation
@@ -89,19 +98,32 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         # a decode step, or assisted decoding's verification: one causal step per token
         return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)
 
+    def _query_squares(self, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor | None:
+        """With ``svd="query"``: the squares of a forward's queries (B, H_q, T, D), averaged over
+        each KV head's group, fp32 (B, H_kv, T, D); else None."""
+        if self.policy.svd != "query":
+            return None
+        B, H_q, T, D = q.shape
+        return q.float().square().view(B, num_kv_heads, H_q // num_kv_heads, T, D).mean(2)
+
     def ingest_prefill(self, k, v):
+        if self.policy.svd == "query":
+            raise ValueError("shadowkv:svd='query' weights its SVD by the prompt's queries, which a shared dense "
+                             "prefill does not keep: run the prompt through the model under the policy (its "
+                             "prefills_densely() is False, so kvpress eval and bench do)")
         if not self.is_initialized:
             self.lazy_initialization(k, v)
         self._ingest(k, v)
 
     def end_prompt(self) -> None:
         stage, self._stage = self._stage, None
+        q_sq, self._stage_qsq = self._stage_qsq, None
         if stage is not None:  # the whole prompt, as one forward would have left it
             self.seen = 0
-            self._ingest(stage.buffer.keys, stage.buffer.values)
+            self._ingest(stage.buffer.keys, stage.buffer.values, q_sq)
 
     @torch.no_grad()
-    def _ingest(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _ingest(self, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = None) -> None:
         p, adapter = self.policy, self.cache.adapter
         B, H, T, D = k.shape
         cs, dev = p.chunk_size, k.device
@@ -163,13 +185,18 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         self.max_selectable = int(selectable.sum(-1).max()) if B else 0
         # a row that keeps its prompt exact takes its basis from the first tokens it folds, as alone
         self.has_basis = ~row_exact if self.max_selectable else torch.zeros_like(row_exact)
+        self.key_weight = None  # svd="query": the SVD's channel metric, from the prompt's queries (folds use it too)
+        if p.svd == "query":
+            if q_sq is None:
+                raise ValueError("shadowkv:svd='query' needs the prompt's queries")
+            self.key_weight = query_pair_weights(q_sq, torch.arange(T, device=dev)[None, :] >= rs[:, None])
         if self.max_selectable:
             self.landmarks, self.selectable = landmarks, selectable
             # Pre-RoPE keys (exact inverse rotation), padding zeroed.
             k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
             k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
             rank = default_rank(H * D) if p.rank is None else p.rank
-            self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype)
+            self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype, self.key_weight)
             self.v_host = to_host(vp.view(B, H, C, cs, D))
             if p.fetch_keys:
                 self.k_host = to_host(kp.view(B, H, C, cs, D))
@@ -297,12 +324,12 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
                 self.tail_v_sum = tail_value_sums(v.new_zeros(B, H, C0, cs, D), self.selectable, p.tail_chunk)
         R = self.factor.shape[2]
         # factors on each row's basis (orthonormal rows from the SVD): (B, f, R)
-        factor = (k_pre @ self.basis.float().reshape(B, R, H * D).transpose(1, 2)).to(self.factor.dtype)
+        factor = project(k_pre, self.basis, self.key_weight).to(self.factor.dtype)
         need = rows & ~self.has_basis  # rows whose first chunks these are: factored on their own keys
         if bool(need.any()):
             idx = need.nonzero().squeeze(1)
             f_new, b_new = low_rank(k_pre[idx], torch.zeros(idx.numel(), dtype=torch.long, device=dev), R, H,
-                                    self.factor.dtype)
+                                    self.factor.dtype, None if self.key_weight is None else self.key_weight[idx])
             factor[idx] = f_new
             self.basis = self.basis.index_copy(0, idx, b_new)  # a new tensor: an undo keeps the old one
             self.has_basis = self.has_basis | need
@@ -377,6 +404,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         # the prompt's forward (assisted decoding's first one also holds draft tokens) is taken
         # back by ingesting the kept tokens again; later forwards only add generated tokens
         self._prompt_record = (k, v) if self.seen == 0 else None
+        self._prompt_qsq = None  # set by the forward's attention when it is the prompt's
         self._fold_undo = []  # an earlier forward's folds are final
 
     def removable(self) -> int:
@@ -393,6 +421,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
 
     def remove_latest(self, n):
         record, self._prompt_record = self._prompt_record, None
+        q_sq, self._prompt_qsq = self._prompt_qsq, None
         undo, self._fold_undo = self._fold_undo, []  # the forward's folds, oldest first
         if not n:
             return
@@ -400,7 +429,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             k, v = record
             self._clear()
             if k.shape[2] > n:
-                self._ingest(k[:, :, : k.shape[2] - n], v[:, :, : k.shape[2] - n])
+                keep = k.shape[2] - n
+                self._ingest(k[:, :, :keep], v[:, :, :keep], None if q_sq is None else q_sq[:, :, :keep])
             return
         kept = self.seen - n
         while undo and undo[-1][0] >= kept:  # a fold made by a step that is taken back
@@ -415,7 +445,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
 
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):
-        staged = {} if self._stage is None else self._stage.state_tensors()
+        staged = {} if self._stage is None else {**self._stage.state_tensors(), "_stage_qsq": self._stage_qsq}
         return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):

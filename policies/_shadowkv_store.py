@@ -165,22 +165,51 @@ def default_rank(key_dim: int) -> int:
     return max(1, key_dim // 4)
 
 
-def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype):
+def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype,
+             weights: torch.Tensor | None = None):
     """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
 
     Each row is factored on its own real tokens only (padding rows excluded, not just zeroed) and
     short rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the
     same factors as the same prompt run alone.
+
+    ``weights`` (B, H_kv * D), positive: the SVD is taken in the metric ``sum_c w_c e_c^2`` of the
+    error ``e`` (keys scaled by ``sqrt(w)`` per channel, the scale taken back out of the basis), so
+    the basis rows are orthonormal in that metric; `project` puts new keys on it.
     """
     B, T_pad, HD = k_pre.shape
     factor = k_pre.new_zeros(B, T_pad, rank)
     basis = k_pre.new_zeros(B, rank, HD)
+    scale = None if weights is None else weights.float().sqrt()  # (B, HD)
     starts = rope_start.tolist()
     groups = [list(range(B))] if len(set(starts)) == 1 else [[b] for b in range(B)]
     for rows in groups:
         first = starts[rows[0]]
-        u, s, vh = torch.linalg.svd(k_pre[rows, first:], full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
+        keys = k_pre[rows, first:] if scale is None else k_pre[rows, first:] * scale[rows, None]
+        u, s, vh = torch.linalg.svd(keys, full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
         r = min(rank, s.shape[-1])
         factor[rows, first:, :r] = u[..., :r] * s[:, None, :r]
-        basis[rows, :r] = vh[:, :r]
+        basis[rows, :r] = vh[:, :r] if scale is None else vh[:, :r] / scale[rows, None]
     return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)
+
+
+def project(k_pre: torch.Tensor, basis: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Factors (B, n, R) of pre-RoPE keys ``k_pre`` (B, n, H_kv * D) on a `low_rank` basis (B, R, H_kv, D)
+    made with ``weights`` (B, H_kv * D) or None: the closest keys the basis spans, in its metric."""
+    B, R = basis.shape[:2]
+    k = k_pre if weights is None else k_pre * weights.float()[:, None]
+    return k @ basis.float().reshape(B, R, -1).transpose(1, 2)
+
+
+def query_pair_weights(q_sq: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Per-channel key weights (B, H_kv * D) from the queries' squares ``q_sq`` (B, H_kv, T, D)
+    (mean over each KV head's query group) at the positions ``real`` (B, T) bool: their mean
+    over those positions, averaged over each rotary pair (``c``, ``c + D / 2``) -- RoPE rotates a
+    pair by the relative position, so the pair's total is what every relative position sees,
+    and it is the same before and after RoPE. A floor of 1e-6 of the row's mean keeps every
+    channel in the metric."""
+    B, H, T, D = q_sq.shape
+    m = real[:, None, :, None].to(q_sq.dtype)
+    ms = (q_sq * m).sum(2) / m.sum(2).clamp_min(1)  # (B, H, D)
+    w = ((ms + ms.roll(D // 2, dims=-1)) / 2).reshape(B, H * D)
+    return torch.maximum(w, 1e-6 * w.mean(-1, keepdim=True).clamp_min(1e-30))

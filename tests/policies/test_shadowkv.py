@@ -351,7 +351,8 @@ def test_tail_left_padded_rows_estimate_as_when_run_alone(model):
 @pytest.mark.parametrize("kw", [dict(), dict(rerank=1), dict(rerank=4, tail_chunk=16),
                                 dict(score_reduction="mean", rerank=3), dict(budget=200),
                                 dict(select="tokens"), dict(select="tokens", rerank=4, tail_chunk=16),
-                                dict(fetch_keys=True, rerank=2), dict(select="tokens", fetch_keys=True, tail_chunk=16)])
+                                dict(fetch_keys=True, rerank=2), dict(select="tokens", fetch_keys=True, tail_chunk=16),
+                                dict(svd="query", select="tokens", rerank=4)])
 def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
     """On fp32 CPU tensors ``backend="auto"`` runs a step as `native.shadowkv_select` +
     `native.attend_rows` (+ the tail in torch): same tokens, logits and host transfers as the torch

@@ -69,14 +69,16 @@ def test_long_generation_keeps_the_budget_and_one_chunk_grid(model):
     assert kvpress.cache_stats(folded).offloaded_bytes > kvpress.cache_stats(kept).offloaded_bytes
 
 
-@pytest.mark.parametrize("tail_chunk, fetch_keys", [(0, False), (16, False), (0, True)])
-def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk, fetch_keys):
+@pytest.mark.parametrize("tail_chunk, fetch_keys, svd", [(0, False, "plain"), (16, False, "plain"), (0, True, "plain"),
+                                                      (0, False, "query")])
+def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk, fetch_keys, svd):
     """The first layer's keys do not depend on attention, so the run without folding holds the
     same generated keys exactly: at full rank (the key dimension, 32) the folded chunks' keys
     rebuilt from their factors with RoPE equal them, and the host tier holds their values (with
-    ``fetch_keys`` their exact keys too)."""
+    ``fetch_keys`` their exact keys too); with ``svd="query"`` folded keys are projected in the
+    basis' own metric."""
     ids, steps = random_ids(PROMPT, seed=3), random_ids(50, seed=4)  # folds before steps 33 and 49
-    _, folded = feed(model, policy(rank=32, tail_chunk=tail_chunk, fetch_keys=fetch_keys), ids, steps)
+    _, folded = feed(model, policy(rank=32, tail_chunk=tail_chunk, fetch_keys=fetch_keys, svd=svd), ids, steps)
     _, kept = feed(model, policy(rank=32, fold_size=0), ids, steps)
     layer, ref = folded.layers[0], kept.layers[0]
     first, C = PROMPT // 8, layer.n_chunks
@@ -109,16 +111,17 @@ def test_a_budget_covering_everything_still_equals_full(model):
     assert int(layer.exact_cnt.min()) == PROMPT + 32 and layer.max_attended == PROMPT + 50
 
 
-def test_batch_rows_equal_their_runs_alone_across_folds(model):
+@pytest.mark.parametrize("svd", ["plain", "query"])
+def test_batch_rows_equal_their_runs_alone_across_folds(model, svd):
     """Row 1 is left-padded to 48 real tokens: it fits the budget (72) and keeps its first folded
     tokens exact; the second fold makes it pass, so it factors those keys on their own (as alone,
     where no prompt was factorised); row 0 folds onto its prompt's basis. Each row's logits equal
-    its run alone."""
+    its run alone (with ``svd="query"`` in the metric of its own prompt's queries)."""
     ids, steps = random_ids(PROMPT, batch=2, seed=7), random_ids(50, batch=2, seed=8)
     pad = PROMPT - 48
     mask = torch.ones(2, PROMPT + 50, dtype=torch.long)
     mask[1, :pad] = 0
-    pol = policy()
+    pol = policy(svd=svd)
     cache = kvpress.make_cache(model, pol)
     got = []
     with torch.no_grad(), kvpress.apply(model, pol):
