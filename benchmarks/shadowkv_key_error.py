@@ -11,12 +11,12 @@ distribution, 1 = disjoint), and the share of the keys' energy the rank keeps.
 
 Two factorisations are compared at each rank:
 
-* ``plain``: the policy's SVD, the best rank-``r`` keys in squared error, every channel alike;
-* ``query``: the SVD of the keys with each channel scaled by the root mean square of the
-  prompt's pre-RoPE queries of the KV head's group in that channel, the scale then taken back
-  out of the basis, so the error it minimises is the error of the scores ``q . k`` those queries
-  would compute. RoPE rotates each channel pair (``c``, ``c + head_dim / 2``) by the relative
-  position, so only a pair's total weight is invariant: both channels get the pair's mean.
+* ``plain``: the paper's SVD (``shadowkv``'s default), the best rank-``r`` keys in squared error,
+  every channel alike;
+* ``query``: ``shadowkv:svd=query``, the SVD in the metric of the prompt's queries: each channel
+  weighted by the mean square of the queries of the KV head's group in it, averaged over each
+  rotary pair (`kvpress.policies._shadowkv_store.query_pair_weights`), so the error it minimises
+  is that of the scores ``q . k`` those queries would compute.
 
 Keys and queries are read from the model's ``k_proj`` / ``q_proj`` outputs (pre-RoPE, Llama-style
 rotary pairs) during one dense prefill; RoPE is applied as the model does.
@@ -31,23 +31,20 @@ import torch
 from kvpress.evals.models import load_eval_model
 from kvpress.evals.tasks import get_task
 from kvpress.evals.tasks.base import build_input_ids
-
-
-def pair_weights(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Per key channel (H_kv * D,): mean square of the pre-RoPE queries ``q`` (T, H_q, D) of each
-    KV head's group, averaged over each rotary pair (``c``, ``c + D / 2``)."""
-    T, H_q, D = q.shape
-    ms = q.float().pow(2).view(T, num_kv_heads, H_q // num_kv_heads, D).mean(dim=(0, 2))  # (H_kv, D)
-    return ((ms + ms.roll(D // 2, dims=-1)) / 2).reshape(-1)
+from kvpress.policies._shadowkv_store import low_rank, query_pair_weights
 
 
 def low_rank_keys(k: torch.Tensor, rank: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, float]:
-    """Rank-``rank`` keys (T, H_kv * D) of ``k``, in the channel metric ``weights`` (None: plain),
-    and the share of the (weighted) energy kept."""
-    scale = torch.ones(k.shape[1]) if weights is None else weights.clamp_min(1e-12).sqrt()
-    u, s, vh = torch.linalg.svd(k.float() * scale, full_matrices=False)
-    kept = float(s[:rank].pow(2).sum() / s.pow(2).sum())
-    return (u[:, :rank] * s[:rank]) @ (vh[:rank] / scale), kept
+    """Rank-``rank`` keys (T, H_kv * D) of ``k`` as the policy factors them (`low_rank`, with the
+    channel ``weights`` (H_kv * D,) of ``svd="query"`` or None), and the share of the (weighted)
+    energy they keep."""
+    H = 1  # the basis' head split does not matter here
+    factor, basis = low_rank(k[None].float(), torch.zeros(1, dtype=torch.long), rank, H, torch.float32,
+                             None if weights is None else weights[None])
+    approx = (factor @ basis.reshape(1, rank, -1))[0]
+    w = torch.ones(k.shape[1]) if weights is None else weights
+    kept = 1 - float(((k - approx).square() * w).sum() / (k.float().square() * w).sum())
+    return approx, kept
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -88,7 +85,9 @@ def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int) ->
 
         exact = attention(k)
         row = {}
-        for method, w in (("plain", None), ("query", pair_weights(q, H))):
+        q_sq = q.square().view(T, H, H_q // H, D).mean(2).transpose(0, 1)[None]  # (1, H, T, D)
+        weights = query_pair_weights(q_sq, torch.ones(1, T, dtype=torch.bool))[0]
+        for method, w in (("plain", None), ("query", weights)):
             for r in ranks:
                 approx, kept = low_rank_keys(k, r, w)
                 tv = 0.5 * (attention(approx) - exact).abs().sum(-1).mean().item()

@@ -3,8 +3,6 @@ query-weighted SVD, per layer."""
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import shadowkv_key_error as ke  # noqa: E402
@@ -19,11 +17,3 @@ def test_full_rank_keys_attend_as_the_exact_ones_and_low_rank_ones_do_not():
             tv, kept = row[(m, 128)]  # 128 = num_kv_heads * head_dim of random-tiny: exact keys
             assert tv < 1e-4 and abs(kept - 1) < 1e-5
             assert row[(m, 1)][0] > 100 * max(tv, 1e-6) and 0 < row[(m, 1)][1] < 1
-
-
-def test_query_weights_give_a_rotary_pair_one_weight():
-    q = torch.randn(50, 4, 8)
-    w = ke.pair_weights(q, 2).view(2, 8)
-    torch.testing.assert_close(w[:, :4], w[:, 4:])
-    ms = q.pow(2).view(50, 2, 2, 8).mean(dim=(0, 2))
-    torch.testing.assert_close(w[:, 0], (ms[:, 0] + ms[:, 4]) / 2)
