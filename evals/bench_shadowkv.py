@@ -18,6 +18,7 @@ at 8k (its keys are 3 KV heads x 64 = 192 dims, so the paper's rank 160 would no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -192,6 +193,10 @@ def run_speed(args) -> dict:
     check_identity(model, args)
     on_gpu = model.device.type == "cuda"
     policies = {"full": kvpress.get_policy("full"), "shadowkv": shadowkv_policy(args, args.length)}
+    for fields in filter(None, (args.variants or "").split(",")):  # e.g. select=tokens:fetch_keys=True
+        base = dataclasses.asdict(policies["shadowkv"])
+        policies[f"shadowkv:{fields}"] = kvpress.get_policy(
+            "shadowkv", **{**base, **kvpress.parse_policy_spec(f"shadowkv:{fields}")[1]})
     results = {"mode": "speed", "model": args.model, "length": args.length, "device": str(model.device),
                "budget": policies["shadowkv"].budget, "rank": args.rank, "runs": {}}
     for name, policy in policies.items():
@@ -246,6 +251,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-window", type=int, default=32)
     parser.add_argument("--score-reduction", default="softmax_max", help="GQA group reduction of landmark scores")
     parser.add_argument("--backend", default="auto")
+    parser.add_argument("--variants", default=None,
+                        help="speed mode: also these shadowkv configurations, comma-separated field lists on top of "
+                             "the one above, e.g. rerank=32:tail_chunk=64:select=tokens:fetch_keys=True")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: double until OOM on GPU, 1 on CPU)")
     parser.add_argument("--max-batch", type=int, default=256)

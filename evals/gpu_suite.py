@@ -18,7 +18,7 @@ that would start too late is skipped and says so):
               at 32k, budget 1024: decode attention-only and end-to-end ms/token of quest,
               double_sparsity and tidal against full
 ``shadowkv``  ``bench_shadowkv speed`` at 32k: largest batch that fits, tokens/s, fetch bytes and
-              reuse, against full
+              reuse, against full; then batches 1 and 8 with ``fetch_keys`` (exact keys fetched)
 ``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
               quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
               weights; speed does not depend on which heads) and the eviction baselines against full
@@ -101,8 +101,14 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "shadowkv":
         sizes = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
             ["--length", length, "--new-tokens", "16"]
+        # then the configuration that keeps SmolLM2's needles (exact keys fetched, session 32) at two
+        # batches: the same device bytes as the default, twice its host traffic
+        fk = ["--batches", "1"] if smoke else ["--batches", "1,8"]
         return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
-                      "--json", str(work / "shadowkv" / "speed.json")]]
+                      "--json", str(work / "shadowkv" / "speed.json")],
+                py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes, *fk,
+                      "--variants", "rerank=32:tail_chunk=64:select=tokens:fetch_keys=True",
+                      "--json", str(work / "shadowkv" / "speed_fetch_keys.json")]]
     if stage == "bench":
         artifact = work / "sparse" / f"ds-{model}.safetensors"
         # the sparse stage makes the artifact when it ran first in this call
