@@ -145,9 +145,10 @@ class ShadowKVPolicy(Policy):
     BENCHMARKS "Session 32"): 28 of ``full``'s 29 8k niah_single needles (only #36, which exact
     top-k loses too) with 23.3-23.7% of ``full``'s bytes on the device; 4k niah_multivalue 103.3%
     [97.7-109.3%] of ``full`` over 128 samples (keys rebuilt: 95.0%), niah_single 32 of 32, so
-    this configuration meets the issue's 95% at both lengths; CPU decode at 8k 0.68x
-    ``full`` (rebuilt: 0.73x in the same run). The paper's rebuild stays the default: on a GPU
-    it saves half the host link's traffic, which this option spends.
+    this configuration meets the issue's 95% at both lengths; CPU decode at 8k 0.68x ``full``
+    (rebuilt: 0.73x in the same run). The default configuration with it: 78.8% of ``full`` on
+    32 4k niah_multivalue samples (rebuilt 70.0%). The paper's rebuild stays the default: on a
+    GPU it saves half the host link's traffic, which this option spends.
 
     ``svd="query"`` (default ``"plain"``, the paper's): the SVD minimises the error of the scores
     the prompt's queries would compute instead of the keys' squared error -- each key channel
