@@ -162,8 +162,11 @@ def kernel_mode(args) -> list[dict]:
 
 # ----------------------------------------------------------------------------- model modes
 def _policy(label):
+    """A label of `POLICIES`, or any policy spec as the CLI takes it (``kivi:bits=4:rotate_values=True``)."""
     import kvpress
 
+    if label not in POLICIES:
+        return kvpress.get_policy(label)
     name, overrides = POLICIES[label]
     return kvpress.get_policy(name, **overrides)
 
@@ -190,14 +193,15 @@ def bits_mode(args) -> list[dict]:
 
 def _reproduced_kv(layer, chunk: int = 512):
     """Keys and values (B, H, N, D) fp32 a quantized layer reproduces for its N packed tokens:
-    scores of identity queries are the keys, outputs of one-hot probabilities the values."""
+    scores of identity queries are the keys, outputs of one-hot probabilities the values (rotated
+    back to the model's basis where the layer stores them rotated, ``rotate_values``)."""
     B, H, _, D = layer.k_win.shape
     N = layer.n_quant
     eye = torch.eye(D).expand(B, H, D, D)
     k = layer._quant_scores(eye, 1.0).transpose(-1, -2)  # (B, H, N, D)
     v = torch.cat([layer._quant_output(torch.eye(N)[i : i + chunk].expand(B, H, -1, N).contiguous())
                    for i in range(0, N, chunk)], 2)
-    return k, v
+    return k, layer.from_stored_values(v)
 
 
 def sqnr_mode(args) -> list[dict]:
@@ -341,7 +345,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"labels from {list(POLICIES)}")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"labels from {list(POLICIES)} or policy specs (kivi:bits=4:rotate_values=True)")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--dtype", default=None, help="SmolLM2 weights dtype (default: float16 for bits, float32 for quality)")

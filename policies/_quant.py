@@ -13,6 +13,9 @@ amortises one transient fp32 copy of the packed tokens over its queries and runs
 """
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from kvpress.attention import dense_causal_attention
@@ -68,10 +71,12 @@ class QuantWindowLayer(CacheLayer):
     # all read unquantized and its flush waits for `crop`.
     undoable_flush = False
 
-    def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int):
+    def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int, rotate_values: bool = False):
         super().__init__(cache, layer_idx)
         self.residual_length = residual_length
         self.flush_unit = flush_unit
+        self.rotate_values = rotate_values
+        self.v_basis = None  # (D, D) fp32 orthonormal, with rotate_values: values are stored as v @ v_basis
         self.k_win = self.v_win = None
         self.win_len = 0
         self.n_quant = 0
@@ -128,7 +133,29 @@ class QuantWindowLayer(CacheLayer):
         self._maybe_flush()
 
     # ------------------------------------------------------------------ CacheLayer API
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        if self.rotate_values:
+            self.v_basis = value_basis(value_states.shape[-1], value_states.device)
+
+    def to_stored_values(self, v: torch.Tensor) -> torch.Tensor:
+        """Values (..., D) in the model's basis -> the basis the layer stores them in (same dtype)."""
+        return v if self.v_basis is None else (v.float() @ self.v_basis).to(v.dtype)
+
+    def from_stored_values(self, x: torch.Tensor) -> torch.Tensor:
+        """Values, or attention outputs, (..., D) in the stored basis -> the model's basis (same dtype)."""
+        return x if self.v_basis is None else (x.float() @ self.v_basis.T).to(x.dtype)
+
     def attend(self, q, k_new, v_new, scaling):
+        """The step's attention output (B, H_q, T, D). With ``rotate_values`` every value enters
+        the layer rotated (`to_stored_values`), so the window, the codes and the readers all work
+        in the rotated basis, and the output, linear in the values, is rotated back once."""
+        if self.v_basis is None:
+            return self._attend(q, k_new, v_new, scaling)
+        return self.from_stored_values(self._attend(q, k_new, self.to_stored_values(v_new), scaling))
+
+    def _attend(self, q, k_new, v_new, scaling):
+        """`attend` in the stored value basis (subclasses add their fused and compiled steps here)."""
         T = q.shape[2]
         if self.undoable_flush and self.seen and self.verifies_as_steps(T):
             first = self.residual_length + self.flush_unit - self.win_len - 1  # decode steps flush after this one
@@ -324,7 +351,7 @@ class QuantWindowLayer(CacheLayer):
     def ingest_prefill(self, k, v):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
-        self._prefill(None, k, v, None)
+        self._prefill(None, k, self.to_stored_values(v), None)
 
     # ------------------------------------------------------------------ window bookkeeping
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -445,6 +472,27 @@ class QuantWindowLayer(CacheLayer):
             return 0
         B, H, _, D = self.k_win.shape
         return 2 * B * H * self.seen * D
+
+
+@functools.lru_cache(maxsize=None)
+def _value_basis_cpu(dim: int) -> torch.Tensor:
+    if dim & (dim - 1) == 0:  # Sylvester's construction
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h / math.sqrt(dim)).float()
+    gen = torch.Generator().manual_seed(dim)
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def value_basis(dim: int, device) -> torch.Tensor:
+    """The orthonormal (dim, dim) fp32 rotation of ``rotate_values``: the normalised Hadamard
+    matrix when ``dim`` is a power of two (every entry +-1/sqrt(dim), so each rotated channel
+    is an equal-weight mix of all channels and one large channel spreads over all of them),
+    otherwise a fixed random orthogonal matrix (seeded by ``dim``). A constant of the model
+    shape, not state: nothing is stored per token or per row."""
+    return _value_basis_cpu(dim).to(device)
 
 
 def fill_with_group_median(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -299,14 +299,14 @@ class GearLayer(QuantWindowLayer):
             v_out=(self.vo[:, :, :n], self.vx[:, :, :n]) if out else None,
             sinks=None if self.sk is None else (self.sk, self.sv), sink_start=self.row_start)
 
-    def attend(self, q, k_new, v_new, scaling):
+    def _attend(self, q, k_new, v_new, scaling):
         keys, values = self._views() if self.n_quant else (None, None)
         if self.native_step_ok(q, k_new, self.p.backend, [(keys, values)]):  # the whole step in one compiled call
             g = self.p.group_size
             seg = native.PackedSegment(keys, values, self.p.bits, g, g, starts=self.row_start,
                                        gear=self._native_parts(q.device))
             return self.native_decode(q, k_new, v_new, scaling, [seg])
-        return super().attend(q, k_new, v_new, scaling)
+        return super()._attend(q, k_new, v_new, scaling)
 
     def _dequantize_into(self, k_out, v_out):
         p, n, g = self.p, self.n_quant, self.p.group_size

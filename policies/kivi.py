@@ -64,6 +64,19 @@ class KiviPolicy(Policy):
     #46 as it does) and 96.2% of full on 32 niah_multivalue samples at 4k (the paper's scheme
     95.0%) (BENCHMARKS "Sessions 13-14"): better, still short of 98%.
 
+    ``rotate_values`` (default False) stores every value rotated by a fixed orthonormal matrix
+    (``kvpress.policies._quant.value_basis``: the Hadamard matrix for a power-of-two head_dim), as
+    QuaRot does before 4-bit KV quantization (Ashkboos et al., arXiv 2404.00456), and rotates each
+    step's attention output back once (one D x D product per layer and step; attention is linear
+    in the values). The window, the codes and every reader (torch, compiled, fused Triton) work
+    unchanged in the rotated basis, and no bit is added. A value channel far larger than the
+    others then no longer sets every token's range: on SmolLM2 at 4k the attention-output error
+    that 4-bit values cause drops by a fifth (0.0259 to 0.0201 relative;
+    ``benchmarks/kv_quant_error.py``, BENCHMARKS "Session 33"), but answers hardly move: teacher-forced KL of ``kivi:bits=4:sink_tokens=4`` along
+    ``full``'s 4k niah_multivalue answers 1.274e-2 against 1.276e-2 (lower on 7 of 8 samples;
+    ``benchmarks/answer_kl.py``), since the keys' error, not the values', moves this model's
+    attention.
+
     On CPU a decode step is one call of the compiled kernel `kvpress.kernels.native.quant_attend`
     (packed tokens, exact sinks and the fp window under one softmax; each packed row unpacked in
     registers once for the GQA group; until every row's sinks are flushed, the two packed reads
@@ -88,6 +101,7 @@ class KiviPolicy(Policy):
     residual_length: int = 128
     value_group_size: int | None = None
     sink_tokens: int = 0
+    rotate_values: bool = False
     backend: str = "auto"
 
     name = "kivi"
@@ -140,7 +154,8 @@ class KiviLayer(QuantWindowLayer):
     columns are never read (their keys enter the codes as their group's median)."""
 
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
-        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size)
+        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size,
+                         rotate_values=policy.rotate_values)
         self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
         self.sink_tokens = policy.sink_tokens
         self.read_backend = policy.backend
@@ -223,12 +238,12 @@ class KiviLayer(QuantWindowLayer):
             v_out.scatter_(2, idx, torch.where(here, self.sv.float(), v_out.gather(2, idx)))
         return True
 
-    def attend(self, q, k_new, v_new, scaling):
+    def _attend(self, q, k_new, v_new, scaling):
         if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         if self._native_step(q, k_new):
             return self._native_decode(q, k_new, v_new, scaling)
-        return super().attend(q, k_new, v_new, scaling)
+        return super()._attend(q, k_new, v_new, scaling)
 
     def _sinks_flushed(self) -> bool:
         """Whether every row's exact sinks are in the packed part (then the packed tokens a step

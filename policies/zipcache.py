@@ -52,6 +52,12 @@ class ZipCachePolicy(Policy):
     nats per step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
     ``benchmarks/answer_kl.py``, BENCHMARKS.md "Session 31").
 
+    ``rotate_values`` (default False): values stored in a Hadamard-rotated basis, the output
+    rotated back (as ``kivi``'s option; the normaliser then sees evenly spread channels). On
+    SmolLM2 it lowers the values' 4-bit error (BENCHMARKS "Session 33") but not the perturbation
+    of the answers: the 4/8-bit setting above with it 1.9e-3 nats per step against 1.7e-3 without
+    (lower on 3 of 8 samples, ``benchmarks/answer_kl.py``): off by default.
+
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
     join them again. The prompt's random probes are drawn anew for each prompt length, so a
@@ -80,6 +86,7 @@ class ZipCachePolicy(Policy):
     probe_recent: int = 16
     probe_random: int = 16
     seed: int = 0
+    rotate_values: bool = False
     backend: str = "auto"
 
     name = "zipcache"
@@ -179,7 +186,8 @@ class ZipCacheLayer(QuantWindowLayer):
     croppable = True
 
     def __init__(self, cache, layer_idx, policy: ZipCachePolicy):
-        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
+        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size,
+                         rotate_values=policy.rotate_values)
         self.p = policy
         self.hi = _Store(policy.bits_high, policy.group_size, policy.value_group_size, policy.backend)
         self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend)
@@ -350,7 +358,7 @@ class ZipCacheLayer(QuantWindowLayer):
                 torch.gather(pad[:, None, :].expand(-1, H, -1), 2, idx).sum(-1).to(torch.int32)
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
-    def attend(self, q, k_new, v_new, scaling):
+    def _attend(self, q, k_new, v_new, scaling):
         if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
@@ -358,7 +366,7 @@ class ZipCacheLayer(QuantWindowLayer):
             segments = [native.PackedSegment(*st.views(), st.bits, st.group_size, st.value_group_size, starts=st.pad,
                                              value_scale=self.vn) for st in stores]
             return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
-        return super().attend(q, k_new, v_new, scaling)
+        return super()._attend(q, k_new, v_new, scaling)
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: each store through the fused dequantize-attention kernel (`quant_decode`),

@@ -10,13 +10,21 @@ from kvpress.stats import tensor_bytes
 
 from conftest import contract_model, random_ids, tiny_model
 
-POLICIES = kvpress.list_policies()
+POLICIES = tuple(kvpress.list_policies())
+# Options that change how a policy stores its state run the contract too: "policy+field" is the
+# policy's example with that boolean field on.
+VARIANTS = ("kivi+rotate_values", "zipcache+rotate_values")
 PROMPT = 48
 NEW = 6
 
 
 def example(name, adapter):
-    return kvpress.policy_class(name).example(adapter)
+    base, *flags = name.split("+")
+    return kvpress.policy_class(base).example(adapter).replace(**dict.fromkeys(flags, True))
+
+
+def base_class(name):
+    return kvpress.policy_class(name.split("+")[0])
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2-sliding"])
@@ -35,7 +43,7 @@ def greedy(model, ids, policy=None, **kwargs):
             return model.generate(ids, **kw)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_generate_returns_policy_cache_with_honest_stats(family_model, name):
     adapter = kvpress.get_adapter(family_model)
     policy = example(name, adapter)
@@ -67,7 +75,7 @@ def test_generate_returns_policy_cache_with_honest_stats(family_model, name):
                 assert t.device == family_model.device
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_budget_covering_sequence_is_identity(family_model, name):
     adapter = kvpress.get_adapter(family_model)
     try:
@@ -82,7 +90,7 @@ def test_budget_covering_sequence_is_identity(family_model, name):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_deterministic(llama, name):
     policy = example(name, kvpress.get_adapter(llama))
     ids = random_ids(PROMPT, seed=2)
@@ -92,7 +100,7 @@ def test_deterministic(llama, name):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_restores_model_on_exit_even_after_exception(llama, name):
     policy = example(name, kvpress.get_adapter(llama))
     ids = random_ids(20, seed=3)
@@ -116,7 +124,7 @@ def test_restores_model_on_exit_even_after_exception(llama, name):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_left_padded_batch_matches_single_rows(cache_model, name):
     policy = example(name, kvpress.get_adapter(cache_model))
     long, short = random_ids(40, seed=4), random_ids(27, seed=5)
@@ -144,7 +152,7 @@ def _forward_decode(model, policy, ids, steps=4):
     return torch.stack(logits, 1)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_unmasked_batch_matches_single_rows(llama, name):
     """Without a mask there is no per-row start: per-row state (sinks, selections) must still be per row."""
     policy = example(name, kvpress.get_adapter(llama))
@@ -167,7 +175,7 @@ def test_registry_metadata(name):
     assert policy.to_dict()["policy"] == name
 
 
-@pytest.mark.parametrize("name", [n for n in POLICIES if kvpress.policy_class(n).full_prefill])
+@pytest.mark.parametrize("name", [n for n in POLICIES + VARIANTS if base_class(n).full_prefill])
 def test_shared_dense_prefill_equals_own_prefill(cache_model, name):
     """full_prefill policies accept a copy of one dense prefill and then decode identically."""
     from kvpress.prefill import cache_from_dense, dense_prefill
@@ -192,7 +200,7 @@ def _budget_covering(name, adapter):
         return None  # no token budget: the policy itself is checked, not an identity
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_second_generate_on_the_same_cache_continues_the_conversation(llama, name):
     """Multi-turn: generate, append a new user turn, generate again on the returned cache."""
     adapter = kvpress.get_adapter(llama)
@@ -216,7 +224,7 @@ def test_second_generate_on_the_same_cache_continues_the_conversation(llama, nam
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_prompt_fed_in_chunks_then_decoded(cache_model, name):
     """A prompt fed as two forwards, then decode steps: every token is counted, and a policy whose
     budget covers the sequence gives full's logits."""
@@ -241,7 +249,7 @@ def test_prompt_fed_in_chunks_then_decoded(cache_model, name):
         torch.testing.assert_close(chunked(covering)[0], chunked(kvpress.get_policy("full"))[0], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_beam_search_reorders_the_policy_cache(cache_model, name):
     """num_beams=2 expands and reorders the cache's rows (``batch_select`` / ``reorder_cache``)."""
     adapter = kvpress.get_adapter(cache_model)
@@ -259,7 +267,7 @@ def half_model(request):
     return tiny_model("llama").to(request.param)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_runs_in_half_precision_on_cpu(half_model, name):
     """A model loaded in bf16 / fp16 on a CPU (the compiled kernels take fp32 only, so the torch
     paths run): every policy generates finite logits for a left-padded batch, in one forward and
@@ -285,7 +293,7 @@ def test_runs_in_half_precision_on_cpu(half_model, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_cuda_matches_cpu_and_runs_in_bf16(name):
     """Each policy on CUDA (Triton kernels where it has them) gives the CPU run's tokens and logits
     (fp32; Triton's fp32 dots use tf32, hence the tolerance), keeps its state on the GPU, and runs
@@ -314,7 +322,7 @@ def odd_head_dim_model():
     return tiny_model("llama", heads=6, kv_heads=2, head_dim=36)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", POLICIES + VARIANTS)
 def test_head_dim_off_the_vector_width_runs_or_is_refused_up_front(odd_head_dim_model, name):
     """Every policy either runs on a head_dim of 36 (budget covering the sequence: ``full``'s
     tokens) or, for the quantizers (channel groups of 8..128 cannot divide 36), refuses with a clear

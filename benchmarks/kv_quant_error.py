@@ -1,0 +1,184 @@
+"""Which part of a 4-bit KV cache moves attention: keys or values, and what each remedy buys (CPU).
+
+    python benchmarks/kv_quant_error.py --task niah_multivalue --length 4096 --samples 64,65 \
+        --schemes base,ksink,ksink+vexact,vrot,ksink+vrot
+
+On each task sample the model prefills the prompt once (dense); every layer's queries, keys and
+values are read from ``q_proj`` / ``k_proj`` / ``v_proj``, RoPE applied as the model does. Each
+scheme quantizes the keys and values of all but the last ``--window`` prompt tokens (the
+quantizers' full-precision window) and dequantizes them again -- the numbers a packed store gives
+back -- and the attention of the prompt's last ``--queries`` queries is compared with the exact
+one, per layer, then averaged over layers and samples:
+
+* ``tv``: total variation distance between the exact and the quantized softmax (what key error does);
+* ``out``: relative error ``|o - o*| / |o*|`` of the attention output per query head (both errors).
+
+Schemes are ``+``-joined parts; without a part, keys are 4-bit per channel in groups of 32 tokens
+(KIVI's keys) and values 4-bit per token in groups of ``--value-group`` channels:
+
+``ksink``  the first 4 tokens' keys exact, their group's range taken without them (``kivi:sink_tokens=4``)
+``k8`` / ``v8``  8-bit keys / values
+``kexact`` / ``vexact``  keys / values not quantized (to split the error between them)
+``kpre``  keys quantized before RoPE (KVQuant, arXiv 2401.18079), rotated after
+``kout``  dense-and-sparse keys: the 20 entries of each 32-token group that lie furthest from their
+          channel's median kept exact (about 1% of the entries, KVQuant's share)
+``vnorm``  ``zipcache``'s value normaliser: each channel divided by the square root of its largest magnitude
+``vrot``  values rotated by the Hadamard matrix before quantization, rotated back after
+          (``rotate_values=True``, `kvpress.policies._quant.value_basis`)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvpress.evals.models import load_eval_model
+from kvpress.evals.tasks import get_task
+from kvpress.evals.tasks.base import build_input_ids
+from kvpress.kernels.quant import (dequantize_per_channel, dequantize_per_token, quantize_per_channel,
+                                   quantize_per_token)
+from kvpress.policies._quant import value_basis
+
+PARTS = ("ksink", "k8", "v8", "kexact", "vexact", "kpre", "kout", "vnorm", "vrot")
+KEY_GROUP = 32
+SINKS = 4
+OUTLIERS = 20
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with rotate-half pairs: ``x`` (H, T, D), ``cos``/``sin`` (T, D)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` (H, T, D) through KIVI's key quantizer and back."""
+    codes, scale, zero = quantize_per_channel(x[None], bits, KEY_GROUP)
+    return dequantize_per_channel(codes, scale, zero, bits, KEY_GROUP)[0]
+
+
+def per_token(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """``x`` (H, T, D) through the value quantizer and back."""
+    codes, scale, zero = quantize_per_token(x[None], bits, group)
+    return dequantize_per_token(codes, scale, zero, bits, group)[0]
+
+
+def quant_keys(k_pre: torch.Tensor, k: torch.Tensor, parts: set, cos, sin) -> torch.Tensor:
+    """Post-RoPE keys (H, T, D) as the scheme gives them back; ``k_pre`` the same keys before RoPE."""
+    if "kexact" in parts:
+        return k
+    x = (k_pre if "kpre" in parts else k).clone()
+    H, T, D = x.shape
+    groups = x.reshape(H, T // KEY_GROUP, KEY_GROUP, D)
+    median = groups.median(2, keepdim=True).values.expand_as(groups).reshape(H, T, D)
+    exact = x.clone()
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    if "kout" in parts:
+        dev = (x - median).abs().reshape(H, T // KEY_GROUP, KEY_GROUP * D)
+        cut = dev.topk(OUTLIERS, -1).values[..., -1:]
+        keep |= (dev >= cut).view(H, T, D)
+    if "ksink" in parts:
+        keep[:, :SINKS] = True
+    x = torch.where(keep, median, x)  # kept entries do not stretch their group's range
+    x = torch.where(keep, exact, per_channel(x, 8 if "k8" in parts else 4))
+    return rotate(x, cos, sin) if "kpre" in parts else x
+
+
+def quant_values(v: torch.Tensor, parts: set, group: int) -> torch.Tensor:
+    """Values (H, T, D) as the scheme gives them back."""
+    if "vexact" in parts:
+        return v
+    scale = v.abs().amax(1, keepdim=True).sqrt().clamp_min(1e-6) if "vnorm" in parts else None
+    basis = value_basis(v.shape[-1], v.device) if "vrot" in parts else None
+    x = v if scale is None else v / scale
+    x = x if basis is None else x @ basis
+    x = per_token(x, 8 if "v8" in parts else 4, group)
+    x = x if basis is None else x @ basis.T
+    return x if scale is None else x * scale
+
+
+@torch.no_grad()
+def quant_error(model, input_ids: torch.Tensor, schemes: list[str], queries: int, window: int,
+                value_group: int) -> dict[str, tuple[float, float]]:
+    """``{scheme: (tv, out)}`` averaged over the layers for one prompt."""
+    cfg = model.config
+    H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H_q
+    grabbed: dict = {}
+    hooks = [getattr(layer.self_attn, name).register_forward_hook(
+        lambda m, a, out, key=(name, i): grabbed.__setitem__(key, out[0].detach()))
+        for i, layer in enumerate(model.model.layers) for name in ("q_proj", "k_proj", "v_proj")]
+    try:
+        model(input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    T = input_ids.shape[1]
+    n = (T - window) // KEY_GROUP * KEY_GROUP  # quantized tokens
+    cos, sin = model.model.rotary_emb(torch.zeros(1, T, D), torch.arange(T)[None])
+    cos, sin = cos[0].float(), sin[0].float()
+    totals = {s: [0.0, 0.0] for s in schemes}
+    layers = cfg.num_hidden_layers
+    for i in range(layers):
+        q = grabbed[("q_proj", i)].float().view(T, H_q, D).transpose(0, 1)
+        k_pre = grabbed[("k_proj", i)].float().view(T, H, D).transpose(0, 1)
+        v = grabbed[("v_proj", i)].float().view(T, H, D).transpose(0, 1)
+        k = rotate(k_pre, cos, sin)
+        qr = rotate(q[:, -queries:], cos[-queries:], sin[-queries:]) * D ** -0.5
+
+        def attention(keys, values):
+            keys, values = keys.repeat_interleave(H_q // H, 0), values.repeat_interleave(H_q // H, 0)
+            p = torch.softmax(qr @ keys.transpose(1, 2), dim=-1)
+            return p, p @ values
+
+        p0, o0 = attention(k, v)
+        for scheme in schemes:
+            parts = set(scheme.split("+")) - {"base"}
+            kq, vq = k.clone(), v.clone()
+            kq[:, :n] = quant_keys(k_pre[:, :n], k[:, :n], parts, cos[:n], sin[:n])
+            vq[:, :n] = quant_values(v[:, :n], parts, value_group)
+            p, o = attention(kq, vq)
+            totals[scheme][0] += 0.5 * (p - p0).abs().sum(-1).mean().item() / layers
+            totals[scheme][1] += ((o - o0).norm(dim=-1) / o0.norm(dim=-1)).mean().item() / layers
+    return {s: (tv, out) for s, (tv, out) in totals.items()}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--task", default="niah_multivalue")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--n-samples", type=int, default=256, help="samples the task generates (as `kvpress eval --samples`)")
+    ap.add_argument("--samples", default="64,65", help="which of them, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schemes", default="base,ksink,ksink+vexact,vrot,ksink+vrot")
+    ap.add_argument("--queries", type=int, default=16, help="the prompt's last queries whose attention is compared")
+    ap.add_argument("--window", type=int, default=128, help="latest prompt tokens left unquantized")
+    ap.add_argument("--value-group", type=int, default=32, help="channels per value quantization group")
+    args = ap.parse_args(argv)
+    schemes = args.schemes.split(",")
+    for scheme in schemes:
+        bad = set(scheme.split("+")) - set(PARTS) - {"base"}
+        if bad:
+            raise SystemExit(f"unknown scheme part(s) {sorted(bad)}; allowed: base, {', '.join(PARTS)}")
+    ids_list = [int(s) for s in args.samples.split(",")]
+    model, tokenizer = load_eval_model(args.model)
+    samples = get_task(args.task).generate(tokenizer, args.length, args.n_samples, args.seed)
+    mean = {s: [0.0, 0.0] for s in schemes}
+    for sid in ids_list:
+        ids = torch.tensor([build_input_ids(tokenizer, samples[sid])])
+        for s, (tv, out) in quant_error(model, ids, schemes, args.queries, args.window, args.value_group).items():
+            mean[s][0] += tv / len(ids_list)
+            mean[s][1] += out / len(ids_list)
+    print(f"{args.task} at {args.length} tokens, samples {args.samples}; attention of the last {args.queries} "
+          f"queries, mean over layers (4-bit unless stated; value groups of {args.value_group} channels)")
+    print("| scheme | attention TV | output relative error |")
+    print("|---|---:|---:|")
+    for s in schemes:
+        print(f"| {s} | {mean[s][0]:.4f} | {mean[s][1]:.4f} |")
+    return mean
+
+
+if __name__ == "__main__":
+    main()
