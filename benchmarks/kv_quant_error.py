@@ -40,16 +40,12 @@ from kvpress.kernels.quant import (dequantize_per_channel, dequantize_per_token,
                                    quantize_per_token)
 from kvpress.policies._quant import value_basis
 
+from _projections import prompt_projections, rotate
+
 PARTS = ("ksink", "k8", "v8", "kexact", "vexact", "kpre", "kout", "vnorm", "vrot")
 KEY_GROUP = 32
 SINKS = 4
 OUTLIERS = 20
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with rotate-half pairs: ``x`` (H, T, D), ``cos``/``sin`` (T, D)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -98,26 +94,15 @@ def quant_values(v: torch.Tensor, parts: set, group: int) -> torch.Tensor:
     return x if scale is None else x * scale
 
 
-@torch.no_grad()
 def quant_error(model, input_ids: torch.Tensor, schemes: list[str], queries: int, window: int,
                 value_group: int) -> dict[str, tuple[float, float]]:
     """``{scheme: (tv, out)}`` averaged over the layers for one prompt."""
     cfg = model.config
     H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H_q
-    grabbed: dict = {}
-    hooks = [getattr(layer.self_attn, name).register_forward_hook(
-        lambda m, a, out, key=(name, i): grabbed.__setitem__(key, out[0].detach()))
-        for i, layer in enumerate(model.model.layers) for name in ("q_proj", "k_proj", "v_proj")]
-    try:
-        model(input_ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    grabbed, cos, sin = prompt_projections(model, input_ids, ("q_proj", "k_proj", "v_proj"))
     T = input_ids.shape[1]
     n = (T - window) // KEY_GROUP * KEY_GROUP  # quantized tokens
-    cos, sin = model.model.rotary_emb(torch.zeros(1, T, D), torch.arange(T)[None])
-    cos, sin = cos[0].float(), sin[0].float()
     totals = {s: [0.0, 0.0] for s in schemes}
     layers = cfg.num_hidden_layers
     for i in range(layers):

@@ -33,6 +33,8 @@ from kvpress.evals.tasks import get_task
 from kvpress.evals.tasks.base import build_input_ids
 from kvpress.policies._shadowkv_store import low_rank, query_pair_weights
 
+from _projections import prompt_projections, rotate
+
 
 def low_rank_keys(k: torch.Tensor, rank: int, weights: torch.Tensor | None) -> tuple[torch.Tensor, float]:
     """Rank-``rank`` keys (T, H_kv * D) of ``k`` as the policy factors them (`low_rank`, with the
@@ -47,32 +49,14 @@ def low_rank_keys(k: torch.Tensor, rank: int, weights: torch.Tensor | None) -> t
     return approx, kept
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with rotate-half pairs: ``x`` (H, T, D), ``cos``/``sin`` (T, D)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 @torch.no_grad()
 def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int) -> list[dict]:
     """Per layer: ``{(method, rank): (tv, energy)}`` for methods ``plain`` and ``query``."""
     cfg = model.config
     H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H_q
-    grabbed: dict = {}
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        for name in ("q_proj", "k_proj"):
-            hooks.append(getattr(layer.self_attn, name).register_forward_hook(
-                lambda m, a, out, key=(name, i): grabbed.__setitem__(key, out[0].detach())))
-    try:
-        model(input_ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    grabbed, cos, sin = prompt_projections(model, input_ids, ("q_proj", "k_proj"))
     T = input_ids.shape[1]
-    cos, sin = model.model.rotary_emb(torch.zeros(1, T, D), torch.arange(T)[None])
-    cos, sin = cos[0].float(), sin[0].float()
     rows = []
     for i in range(cfg.num_hidden_layers):
         q = grabbed[("q_proj", i)].float().view(T, H_q, D)

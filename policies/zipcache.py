@@ -54,9 +54,11 @@ class ZipCachePolicy(Policy):
 
     ``rotate_values`` (default False): values stored in a Hadamard-rotated basis, the output
     rotated back (as ``kivi``'s option; the normaliser then sees evenly spread channels). On
-    SmolLM2 it lowers the values' 4-bit error (BENCHMARKS "Session 33") but not the perturbation
-    of the answers: the 4/8-bit setting above with it 1.9e-3 nats per step against 1.7e-3 without
-    (lower on 3 of 8 samples, ``benchmarks/answer_kl.py``): off by default.
+    SmolLM2 at 4k it lowers the attention-output error of 4-bit values in groups of 64 by 29%
+    (``benchmarks/kv_quant_error.py``) but not the perturbation of the answers: the 4/8-bit
+    setting above with it 1.9e-3 nats per step against 1.7e-3 without (lower on 3 of 8 samples,
+    ``benchmarks/answer_kl.py``), perplexity 29.125 against 29.135; the 2/4-bit default loses
+    with it (perplexity 30.54 against 30.22; BENCHMARKS "Session 33"). Off by default.
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
