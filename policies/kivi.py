@@ -72,7 +72,7 @@ class KiviPolicy(Policy):
     unchanged in the rotated basis, and no bit is added. A value channel far larger than the
     others then no longer sets every token's range: on SmolLM2 at 4k the attention-output error
     that 4-bit values cause drops by a fifth (0.0259 to 0.0201 relative;
-    ``benchmarks/kv_quant_error.py``, BENCHMARKS "Session 33"), but answers hardly move:
+    ``benchmarks/kv_quant_error.py``, BENCHMARKS "Session 33 (CPU)"), but answers hardly move:
     teacher-forced KL of ``kivi:bits=4:sink_tokens=4`` along ``full``'s 4k niah_multivalue answers
     1.274e-2 against 1.276e-2 (lower on 7 of 8 samples;
     ``benchmarks/answer_kl.py``); 4k perplexity 29.133 against 29.129 at 4 bits, 31.478 against

@@ -162,7 +162,14 @@ class ShadowKVPolicy(Policy):
     attention's total variation from the exact keys' to 0.135 at rank 48, against 0.219 for the
     plain SVD at rank 48 and 0.126 at rank 96, i.e. about the plain SVD's accuracy at half the
     rank. Task scores did not move: the default configuration with it scores 70.0% of ``full``
-    on 32 4k niah_multivalue samples, as without it (6 answers differ, 3 each way; session 32).
+    on 32 4k niah_multivalue samples, as without it (6 answers differ, 3 each way; session 32),
+    and rebuilt at rank 56 or 64 with it the keys still lose 8k needle #46 (session 33). Where
+    the low-rank keys only select (``fetch_keys=True``) it halves the rank the selection needs:
+    ``rerank=32:tail_chunk=64:select=tokens:fetch_keys=True:svd=query:rank=24`` at budget 256
+    keeps 28 of ``full``'s 29 8k niah_single needles (only #36, as rank 48 does) with 16.9-17.3%
+    of ``full``'s bytes on the device (rank 48: 23.3-23.7%), 103.6% [98.1-110.0%] of ``full``
+    over 128 4k niah_multivalue samples (rank 48: 103.3%) and 32 of 32 4k niah_single needles
+    (BENCHMARKS "Session 33 (CPU)").
 
     CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
     calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the

@@ -58,7 +58,7 @@ class ZipCachePolicy(Policy):
     (``benchmarks/kv_quant_error.py``) but not the perturbation of the answers: the 4/8-bit
     setting above with it 1.9e-3 nats per step against 1.7e-3 without (lower on 3 of 8 samples,
     ``benchmarks/answer_kl.py``), perplexity 29.125 against 29.135; the 2/4-bit default loses
-    with it (perplexity 30.54 against 30.22; BENCHMARKS "Session 33"). Off by default.
+    with it (perplexity 30.54 against 30.22; BENCHMARKS "Session 33 (CPU)"). Off by default.
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
