@@ -24,7 +24,7 @@ Schemes are ``+``-joined parts; without a part, keys are 4-bit per channel in gr
           channel's median kept exact (about 1% of the entries, KVQuant's share)
 ``vnorm``  ``zipcache``'s value normaliser: each channel divided by the square root of its largest magnitude
 ``vrot``  values rotated by the Hadamard matrix before quantization, rotated back after
-          (``rotate_values=True``, `kvpress.policies._quant.value_basis`)
+          (``rotate_values=True``, `kvpress.policies._rotation.value_basis`)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvpress.evals.tasks import get_task
 from kvpress.evals.tasks.base import build_input_ids
 from kvpress.kernels.quant import (dequantize_per_channel, dequantize_per_token, quantize_per_channel,
                                    quantize_per_token)
-from kvpress.policies._quant import value_basis
+from kvpress.policies._rotation import value_basis
 
 from _projections import prompt_projections, rotate
 

@@ -13,9 +13,6 @@ amortises one transient fp32 copy of the packed tokens over its queries and runs
 """
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
 
 from kvpress.attention import dense_causal_attention
@@ -23,6 +20,8 @@ from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
+
+from ._rotation import value_basis
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
@@ -472,27 +471,6 @@ class QuantWindowLayer(CacheLayer):
             return 0
         B, H, _, D = self.k_win.shape
         return 2 * B * H * self.seen * D
-
-
-@functools.lru_cache(maxsize=None)
-def _value_basis_cpu(dim: int) -> torch.Tensor:
-    if dim & (dim - 1) == 0:  # Sylvester's construction
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return (h / math.sqrt(dim)).float()
-    gen = torch.Generator().manual_seed(dim)
-    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float()
-
-
-def value_basis(dim: int, device) -> torch.Tensor:
-    """The orthonormal (dim, dim) fp32 rotation of ``rotate_values``: the normalised Hadamard
-    matrix when ``dim`` is a power of two (every entry +-1/sqrt(dim), so each rotated channel
-    is an equal-weight mix of all channels and one large channel spreads over all of them),
-    otherwise a fixed random orthogonal matrix (seeded by ``dim``). A constant of the model
-    shape, not state: nothing is stored per token or per row."""
-    return _value_basis_cpu(dim).to(device)
 
 
 def fill_with_group_median(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor, group_size: int) -> torch.Tensor:

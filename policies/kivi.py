@@ -65,7 +65,7 @@ class KiviPolicy(Policy):
     95.0%) (BENCHMARKS "Sessions 13-14"): better, still short of 98%.
 
     ``rotate_values`` (default False) stores every value rotated by a fixed orthonormal matrix
-    (``kvpress.policies._quant.value_basis``: the Hadamard matrix for a power-of-two head_dim), as
+    (``kvpress.policies._rotation.value_basis``: the Hadamard matrix for a power-of-two head_dim), as
     QuaRot does before 4-bit KV quantization (Ashkboos et al., arXiv 2404.00456), and rotates each
     step's attention output back once (one D x D product per layer and step; attention is linear
     in the values). The window, the codes and every reader (torch, compiled, fused Triton) work

@@ -226,7 +226,7 @@ def test_codes_are_packed_bytes(llama):
 
 
 def test_value_basis_is_orthonormal_and_fixed():
-    from kvpress.policies._quant import value_basis
+    from kvpress.policies._rotation import value_basis
 
     h = value_basis(64, "cpu")
     torch.testing.assert_close(h @ h.T, torch.eye(64), atol=1e-6, rtol=0)
