@@ -69,7 +69,8 @@ class KiviPolicy(Policy):
     QuaRot does before 4-bit KV quantization (Ashkboos et al., arXiv 2404.00456), and rotates each
     step's attention output back once (one D x D product per layer and step; attention is linear
     in the values). The window, the codes and every reader (torch, compiled, fused Triton) work
-    unchanged in the rotated basis, and no bit is added. A value channel far larger than the
+    unchanged in the rotated basis, and no bit is added (in a half-precision model the window's
+    values are rounded once more, in the rotated basis). A value channel far larger than the
     others then no longer sets every token's range: on SmolLM2 at 4k the attention-output error
     that 4-bit values cause drops by a fifth (0.0259 to 0.0201 relative;
     ``benchmarks/kv_quant_error.py``, BENCHMARKS "Session 33 (CPU)"), but answers hardly move:
