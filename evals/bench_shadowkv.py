@@ -197,8 +197,12 @@ def run_speed(args) -> dict:
         base = dataclasses.asdict(policies["shadowkv"])
         policies[f"shadowkv:{fields}"] = kvpress.get_policy(
             "shadowkv", **{**base, **kvpress.parse_policy_spec(f"shadowkv:{fields}")[1]})
+    for name in filter(None, (args.skip or "").split(",")):
+        if name not in ("full", "shadowkv"):
+            raise SystemExit(f"--skip takes full and/or shadowkv (the baselines), not {name!r}")
+        del policies[name]
     results = {"mode": "speed", "model": args.model, "length": args.length, "device": str(model.device),
-               "budget": policies["shadowkv"].budget, "rank": args.rank, "runs": {}}
+               "budget": shadowkv_policy(args, args.length).budget, "rank": args.rank, "runs": {}}
     for name, policy in policies.items():
         batches = [int(b) for b in args.batches.split(",")] if args.batches else None
         b, runs = 1, []
@@ -211,7 +215,15 @@ def run_speed(args) -> dict:
                 runs.append(_decode_throughput(model, policy, batch, args.length, args.new_tokens))
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
+                print(f"{name} batch {batch}: out of memory", flush=True)
                 break
+            except Exception as err:  # one configuration failing must not cost the others' figures
+                results.setdefault("errors", {})[name] = f"batch {batch}: {type(err).__name__}: {err}"
+                print(f"{name} batch {batch}: FAILED {type(err).__name__}: {err}", flush=True)
+                break
+            r = runs[-1]
+            print(f"{name} batch {batch}: prefill {r['prefill_s']:.2f} s, {r['decode_ms_per_step']:.1f} ms/step",
+                  flush=True)
             if batches is not None and not batches:
                 break
             if batches is None:
@@ -254,6 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=None,
                         help="speed mode: also these shadowkv configurations, comma-separated field lists on top of "
                              "the one above, e.g. rerank=32:tail_chunk=64:select=tokens:fetch_keys=True")
+    parser.add_argument("--skip", default=None,
+                        help="speed mode: leave out these baselines (full, shadowkv), e.g. when only --variants are new")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: double until OOM on GPU, 1 on CPU)")
     parser.add_argument("--max-batch", type=int, default=256)
@@ -266,7 +280,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2, default=float)
-    return 0
+    for name, err in results.get("errors", {}).items():
+        print(f"{name} failed at {err}", file=sys.stderr)
+    return 1 if results.get("errors") else 0
 
 
 if __name__ == "__main__":

@@ -101,13 +101,14 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "shadowkv":
         sizes = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
             ["--length", length, "--new-tokens", "16"]
-        # then the configuration that keeps SmolLM2's needles (exact keys fetched, session 32) at two
-        # batches: the same device bytes as the default, twice its host traffic
+        # then the configurations that keep SmolLM2's needles (exact keys fetched, sessions 32-33) at
+        # two batches: rank 48 (the default's device bytes) and rank 24 in the queries' metric
         fk = ["--batches", "1"] if smoke else ["--batches", "1,8"]
+        fetch = "rerank=32:tail_chunk=64:select=tokens:fetch_keys=True"
         return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
                       "--json", str(work / "shadowkv" / "speed.json")],
-                py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes, *fk,
-                      "--variants", "rerank=32:tail_chunk=64:select=tokens:fetch_keys=True",
+                py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes, *fk, "--skip", "full,shadowkv",
+                      "--variants", f"{fetch},{fetch}:svd=query:rank={'4' if smoke else '24'}",
                       "--json", str(work / "shadowkv" / "speed_fetch_keys.json")]]
     if stage == "bench":
         artifact = work / "sparse" / f"ds-{model}.safetensors"

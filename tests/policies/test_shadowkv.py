@@ -169,8 +169,11 @@ def test_low_budget_still_attends_exact_parts(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fetch_keys", [False, True])
-def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(fetch_keys):
+@pytest.mark.parametrize("extra", [{}, {"fetch_keys": True},
+                                   # the configuration that keeps SmolLM2's 8k needles (session 33)
+                                   {"fetch_keys": True, "svd": "query", "select": "tokens", "rerank": 32}],
+                         ids=["default", "fetch_keys", "fetch_keys-svd_query-tokens"])
+def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -180,11 +183,11 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(fetch_keys):
     ids = random_ids(300).cuda()
     outs = {}
     for backend in ("torch", "triton"):
-        out = generate(model, policy(budget=96, rank=32, backend=backend, fetch_keys=fetch_keys), ids, new=8)
+        out = generate(model, policy(budget=96, rank=32, backend=backend, **extra), ids, new=8)
         outs[backend] = out.sequences
         layer = out.past_key_values.layers[0]
         assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
-        assert not fetch_keys or (layer.k_host.is_pinned() and layer.sel_keys.is_cuda)
+        assert not extra or (layer.k_host.is_pinned() and layer.sel_keys.is_cuda)
         assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
     assert torch.equal(outs["torch"], outs["triton"])
 
