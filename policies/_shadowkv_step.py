@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
+from kvpress.kernels.rows import attend_rows, triton_rows_supported
 
 from ._shadowkv_select import select_chunks, select_tokens
 from ._shadowkv_store import fetch_chunks
@@ -16,9 +17,21 @@ class SelectedSteps:
     factors, the host tier, ``sel_idx``/``sel_values``, ``counters``)."""
 
     def _torch_step(self, q0, k_sel, allow, scaling):
-        """Generated tokens, exact tokens and selected chunks, each through `sparse_decode`, merged."""
+        """Generated tokens, exact tokens and selected chunks: on CUDA one `attend_rows` launch over
+        the three stores; else each through `sparse_decode`, merged (the reference path)."""
         B, _, D = q0.shape
         H, dev = self.gen_k.shape[1], q0.device
+        allow = allow.to(dev, non_blocking=True)
+        ids = values = None
+        if self._decode_backend == "auto" and triton_rows_supported(q0, H, 1 + bool(self.exact_max) + bool(k_sel)):
+            sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
+            if self.exact_max:
+                sets.append((self.exact_k, self.exact_v, self.exact_cnt, self.exact_max))
+            if k_sel:
+                keys, vals, ids, values, unit, cnt = self._selected_rows(q0, k_sel, allow, scaling)
+                sets.append((keys, vals, cnt * unit, keys.shape[2]))
+            out, lse = attend_rows(q0, sets, scale=scaling, backend="triton")
+            return out.to(q0.dtype), lse, ids, values
         full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
         gen_index = SparseIndex.dense(full(self.gen_len), H, block_size=64, capacity=self.gen_k.shape[2])  # no sync
         out, lse = sparse_decode(q0, self.gen_k, self.gen_v, gen_index, scale=scaling, backend=self._decode_backend,
@@ -28,9 +41,8 @@ class SelectedSteps:
             o, l = sparse_decode(q0, self.exact_k, self.exact_v, index, scale=scaling, backend=self._decode_backend,
                                  validate_index=False)
             out, lse = merge_states(out, lse, o, l)
-        ids = values = None
         if k_sel:
-            o, l, ids, values = self._attend_selected(q0, k_sel, allow.to(dev, non_blocking=True), scaling)
+            o, l, ids, values = self._attend_selected(q0, k_sel, allow, scaling)
             out, lse = merge_states(out, lse, o, l)
         return out, lse, ids, values
 
@@ -83,10 +95,12 @@ class SelectedSteps:
         self.sel_idx, self.sel_values, self.sel_keys = ids, values, keys
         return keys, values
 
-    def _attend_selected(self, q0, k_sel, allow, scaling):
+    def _selected_rows(self, q0, k_sel, allow, scaling):
         """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head -- or as many single tokens with
-        ``select="tokens"`` -- : rebuild their keys (``fetch_keys``: fetch the exact ones), fetch
-        their values, attend."""
+        ``select="tokens"`` -- : their keys rebuilt (``fetch_keys``: the exact ones fetched) and
+        their values fetched. Returns keys and values (B, H, k_sel * cs, D), the chosen ids, the
+        values as the caller returns them (the tail estimate reads them), the rows per unit and
+        the units in use (B, H) int32: the first ``cnt * unit`` rows are in use."""
         p = self.policy
         B, H, _, D = self.landmarks.shape
         cs, dev = p.chunk_size, q0.device
@@ -97,16 +111,20 @@ class SelectedSteps:
                            shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
                            reduction=p.score_reduction, backend=p.backend)
         tokens = p.select == "tokens"
-        unit, slots_n = (1, k_sel * cs) if tokens else (cs, k_sel)
         exact, values = self._fetch_selected(ids, tokens, dev)
         if exact is not None:
             keys = exact.reshape(B, H, k_sel * cs, D)
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
-        slots = torch.arange(slots_n, device=dev, dtype=torch.int32)
+        rows_v = values.view(B, H, k_sel * cs, D)
+        return keys, rows_v, ids, rows_v if tokens else values, 1 if tokens else cs, cnt
+
+    def _attend_selected(self, q0, k_sel, allow, scaling):
+        """`_selected_rows` attended through `sparse_decode`: ``(out, lse, ids, values)``."""
+        keys, vals, ids, values, unit, cnt = self._selected_rows(q0, k_sel, allow, scaling)
+        B, dev = q0.shape[0], q0.device
+        slots = torch.arange(keys.shape[2] // unit, device=dev, dtype=torch.int32)
         index = SparseIndex(unit, torch.where(slots < cnt[..., None], slots, -1), cnt,
-                            torch.full((B,), k_sel * cs, dtype=torch.int32, device=dev))
-        out, lse = sparse_decode(q0, keys, values.view(B, H, k_sel * cs, D), index, scale=scaling,
-                                 backend=self._decode_backend, validate_index=False)
-        if tokens:
-            values = values.view(B, H, k_sel * cs, D)
+                            torch.full((B,), keys.shape[2], dtype=torch.int32, device=dev))
+        out, lse = sparse_decode(q0, keys, vals, index, scale=scaling, backend=self._decode_backend,
+                                 validate_index=False)
         return out, lse, ids, values

@@ -1,10 +1,11 @@
 """Where does a decode step of random-llama3-8b (32 layers) go on a GPU? plain HF vs kvpress. (CUDA only)
 
-    python benchmarks/gpu/profile_decode.py [CONTEXT=32768]
+    python benchmarks/gpu/profile_decode.py [CONTEXT=32768] [SPEC ...]
 
 Prefills a random prompt, times 5 greedy decode steps (synchronised), then prints torch.profiler
-tables (self CPU time, self device time) of 2 more steps: the unpatched model with its
-DynamicCache, `full` and `quest@1024`. Session 8 ran it on an H100 (BENCHMARKS "Session 8").
+tables (self CPU time, self device time) of 2 more steps for each SPEC: ``plain`` (the unpatched
+model with its DynamicCache) or a policy spec (``full``, ``quest:budget=1024``, ``shadowkv:...``).
+Default: plain, full, quest:budget=1024 -- session 8's run on an H100 (BENCHMARKS "Session 8").
 """
 import contextlib, sys, time, torch, kvpress
 from torch.profiler import profile, ProfilerActivity
@@ -35,6 +36,9 @@ def loop(label, policy, steps=5):
         print(ka.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60), flush=True)
     del cache, out
     torch.cuda.empty_cache()
-loop("plain HF", None)
-loop("full", kvpress.get_policy("full"))
-loop("quest@1024", kvpress.get_policy("quest", budget=1024))
+for spec in sys.argv[2:] or ["plain", "full", "quest:budget=1024"]:
+    if spec == "plain":
+        loop("plain HF", None)
+    else:
+        name, overrides = kvpress.parse_policy_spec(spec)
+        loop(spec, kvpress.get_policy(name, **overrides))

@@ -15,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvpress.kernels import triton_decode, triton_decode_kernel, triton_quant, triton_quant_kernel  # noqa: E402
-from kvpress.kernels import triton_shadowkv, triton_shadowkv_kernel  # noqa: E402
+from kvpress.kernels import triton_rows, triton_rows_kernel, triton_shadowkv, triton_shadowkv_kernel  # noqa: E402
 from kvpress.kernels.triton_aot import compile_launch  # noqa: E402
 from kvpress_kernel_cases import build, case  # noqa: E402
 
@@ -23,6 +23,7 @@ KERNELS = {
     triton_decode_kernel: ("_sparse_decode_split_kernel", "_merge_splits_kernel"),
     triton_quant_kernel: ("_quant_decode_split_kernel", "_quantize_pack_kernel"),
     triton_shadowkv_kernel: ("_shadowkv_rebuild_kernel",),
+    triton_rows_kernel: ("_attend_rows_kernel",),
 }
 
 
@@ -45,7 +46,7 @@ def launches(monkeypatch):
     for module, names in KERNELS.items():
         for name in names:
             monkeypatch.setattr(module, name, _Recorder(getattr(module, name), recorded))
-    for module in (triton_decode, triton_quant, triton_shadowkv):
+    for module in (triton_decode, triton_quant, triton_shadowkv, triton_rows):
         monkeypatch.setattr(module, "require_cuda_or_interpreter", lambda t, what: None)
     return recorded
 
@@ -100,3 +101,17 @@ def test_shadowkv_rebuild_compiles_for_sm90(launches, dtype, D, chunk):
     triton_shadowkv.triton_shadowkv_rebuild(factor, basis, chunk_idx, inv_freq, torch.zeros(B, dtype=torch.int64),
                                             chunk_size=chunk)
     _check_compiles(launches, ["_shadowkv_rebuild_kernel"])
+
+
+@pytest.mark.parametrize("dtype,D,G,n_sets", [(torch.bfloat16, 128, 4, 3), (torch.float16, 64, 16, 1),
+                                              (torch.bfloat16, 64, 3, 4)])
+def test_attend_rows_compiles_for_sm90(launches, dtype, D, G, n_sets):
+    B, H = 2, 2
+    q = torch.randn(B, H * G, D, dtype=dtype)
+    sets = []
+    for i in range(n_sets):
+        k = torch.randn(B, H, 96 + 32 * i, D, dtype=dtype)
+        cnt = None if i == 0 else torch.randint(0, 96, (B, H), dtype=torch.int32)
+        sets.append((k, torch.randn_like(k), cnt, 90 + i))
+    triton_rows.triton_attend_rows(q, sets, scale=D ** -0.5)
+    _check_compiles(launches, ["_attend_rows_kernel"])

@@ -177,9 +177,9 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).cuda().eval()  # head_dim 64: the Triton kernels apply
+    model = LlamaForCausalLM(config).cuda().eval()  # head_dim 64: the Triton kernels apply (attend_rows too)
     ids = random_ids(300).cuda()
     outs = {}
     for backend in ("torch", "triton"):
