@@ -41,7 +41,9 @@ def _attend_set(q, m_i, l_i, acc, K, V, CNT, n, b, hk,
     return m_i, l_i, acc
 
 
-@triton.jit
+# the row counts change from step to step (the generated tokens grow by one): specializing on them
+# (== 1, multiple of 16) would compile the kernel again at such steps
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
 def _attend_rows_kernel(
     Q, OUT, LSE,
     K0, V0, C0, K1, V1, C1, K2, V2, C2, K3, V3, C3,
