@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 
 from kvpress.kernels import triton_decode, triton_decode_kernel, triton_quant, triton_quant_kernel  # noqa: E402
 from kvpress.kernels import triton_rows, triton_rows_kernel, triton_shadowkv, triton_shadowkv_kernel  # noqa: E402
+from kvpress.kernels import triton_merge, triton_merge_kernel  # noqa: E402
 from kvpress.kernels.triton_aot import compile_launch  # noqa: E402
 from kvpress_kernel_cases import build, case  # noqa: E402
 
@@ -24,6 +25,7 @@ KERNELS = {
     triton_quant_kernel: ("_quant_decode_split_kernel", "_quantize_pack_kernel"),
     triton_shadowkv_kernel: ("_shadowkv_rebuild_kernel",),
     triton_rows_kernel: ("_attend_rows_kernel",),
+    triton_merge_kernel: ("_merge_two_kernel",),
 }
 
 
@@ -46,7 +48,7 @@ def launches(monkeypatch):
     for module, names in KERNELS.items():
         for name in names:
             monkeypatch.setattr(module, name, _Recorder(getattr(module, name), recorded))
-    for module in (triton_decode, triton_quant, triton_shadowkv, triton_rows):
+    for module in (triton_decode, triton_quant, triton_shadowkv, triton_rows, triton_merge):
         monkeypatch.setattr(module, "require_cuda_or_interpreter", lambda t, what: None)
     return recorded
 
@@ -115,3 +117,11 @@ def test_attend_rows_compiles_for_sm90(launches, dtype, D, G, n_sets):
         sets.append((k, torch.randn_like(k), cnt, 90 + i))
     triton_rows.triton_attend_rows(q, sets, scale=D ** -0.5)
     _check_compiles(launches, ["_attend_rows_kernel"])
+
+
+@pytest.mark.parametrize("dtypes,D", [((torch.bfloat16, torch.bfloat16), 128), ((torch.float32, torch.bfloat16), 64),
+                                      ((torch.float16, torch.float32), 80)])
+def test_merge_states_compiles_for_sm90(launches, dtypes, D):
+    out_a, out_b = torch.randn(2, 12, D, dtype=dtypes[0]), torch.randn(2, 12, D, dtype=dtypes[1])
+    triton_merge.triton_merge_states(out_a, torch.randn(2, 12), out_b, torch.randn(2, 12))
+    _check_compiles(launches, ["_merge_two_kernel"])
