@@ -35,7 +35,10 @@ class ShadowKVPolicy(Policy):
     chunks per KV head that fit the budget, rebuilds their keys from the factors with RoPE at
     their original positions (fused Triton kernel on GPU), fetches their values from the host
     (chunks fetched for the previous step are reused) and attends over exact tokens + selected
-    chunks + generated tokens with ``sparse_decode`` / ``merge_states``.
+    chunks + generated tokens: on CUDA in one `kvpress.kernels.rows.attend_rows` launch (one
+    softmax over the three stores; session 34: the step is host-bound there, and this took 35%
+    of its launches off), with ``backend="torch"`` and on other devices through ``sparse_decode``
+    per store merged by ``merge_states`` (the reference), on fp32 CPU as compiled calls (below).
 
     Two choices differ from the paper's Llama-3-8B setting, both measured on SmolLM2 (4k needle
     tasks, budget ~3% of the context): ``rank=None`` (default) keeps a quarter of the key
