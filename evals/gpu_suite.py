@@ -12,7 +12,8 @@ that would start too late is skipped and says so):
               bytes read + written; a bf16 8192^3 matrix product) -- the yardsticks for the rest
 ``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies, the registry contract and crop (Triton
               kernels against torch references; every policy on CUDA against its CPU run)
-``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096
+``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096; then
+              ``bench_rows``: `attend_rows` (one launch) against 3 ``sparse_decode`` + 2 merges, host included
 ``quant``     ``bench_quant kernel``: fused 4/2-bit dequantize-attention vs bf16 dense, 8k-128k
 ``sparse``    Double Sparsity calibrated on the random Llama-3-8B shape, then ``bench_sparse_decode``
               at 32k, budget 1024: decode attention-only and end-to-end ms/token of quest,
@@ -84,7 +85,10 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "kernels":
         sizes = ["--contexts", "1k", "--budgets", "256", "--warmup", "0", "--iters", "1"] if smoke else \
             ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]
-        return [py + ["kvpress.evals.bench_kernels", "--device", dev, *sizes, "--out", str(work / "kernels")]]
+        rows = ["--batches", "1", "--selected", "64", "--iters", "2", "--warmup", "1"] if smoke else []
+        return [py + ["kvpress.evals.bench_kernels", "--device", dev, *sizes, "--out", str(work / "kernels")],
+                # one decode step's attention over split stores: one launch against 3 + 2 (session 34)
+                py + ["kvpress.evals.bench_rows", "--device", dev, *rows, "--json", str(work / "kernels" / "rows.json")]]
     if stage == "quant":
         sizes = ["--contexts", "1k", "--warmup", "0", "--iters", "1"] if smoke else ["--contexts", "8k,32k,128k"]
         return [py + ["kvpress.evals.bench_quant", "kernel", "--device", dev, *sizes, "--out", str(work / "quant")]]

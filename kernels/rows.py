@@ -5,8 +5,8 @@ window tokens, the selected chunks) can attend each store with `sparse_decode` a
 partial states with `merge_states`; that is a handful of launches per store and per merge, which
 is what bounds a decode step on a host-bound GPU machine. `attend_rows` takes the stores as they
 are and does it in one pass: on CUDA one Triton launch (``triton_rows.py``), elsewhere the torch
-path below, which is also the reference the kernel is tested against. (`native.attend_rows` is
-the compiled CPU twin, called directly by the policies that use it.)
+path below, which is also the reference the kernel is tested against; on fp32 CPU tensors the
+compiled twin `native.attend_rows` where it applies.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .checks import ALLOWED_DTYPES, MAX_GROUP
 from .decode import triton_available
 from .triton_decode import TRITON_HEAD_DIMS
 
-ROW_BACKENDS = ("auto", "triton", "torch")
+ROW_BACKENDS = ("auto", "triton", "native", "torch")
 TRITON_MAX_SETS = 4  # row sets one Triton launch takes
 
 
@@ -92,6 +92,18 @@ def triton_rows_supported(q: torch.Tensor, num_kv_heads: int, num_sets: int) -> 
             and num_kv_heads > 0 and q.shape[1] % num_kv_heads == 0 and q.shape[1] // num_kv_heads <= MAX_GROUP)
 
 
+def native_rows_supported(q: torch.Tensor, sets) -> bool:
+    """Whether `native.attend_rows` (the compiled CPU twin) takes these inputs: fp32 CPU, G <= 8,
+    up to 8 sets, k and v of one shape and strides with dense (n, D) rows, the library built."""
+    from . import native
+    from ._native_lib import _fp32_cpu, _rows_contiguous
+
+    H = sets[0][0].shape[1]
+    return (len(sets) <= 8 and _fp32_cpu(q) and q.shape[1] % H == 0 and q.shape[1] // H <= 8
+            and all(_fp32_cpu(k, v) and k.stride() == v.stride() and _rows_contiguous(k) for k, v, _, _ in sets)
+            and native.available())
+
+
 def attend_rows(q: torch.Tensor, sets, *, scale: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of ``q`` over the union of ``sets``, one softmax.
 
@@ -106,9 +118,10 @@ def attend_rows(q: torch.Tensor, sets, *, scale: float, backend: str = "auto") -
         never read by the kernel and never counted by the torch path.
     scale : float
         Score scale.
-    backend : {"auto", "triton", "torch"}
-        ``"triton"``: CUDA tensors, head_dim 64 or 128, G <= 16, at most 4 sets. ``"auto"``: triton
-        where it applies, else torch.
+    backend : {"auto", "triton", "native", "torch"}
+        ``"triton"``: CUDA tensors, head_dim 64 or 128, G <= 16, at most 4 sets. ``"native"``: the
+        compiled CPU twin (`native.attend_rows`: fp32, G <= 8, dense rows). ``"auto"``: triton,
+        else native, where they apply, else torch.
 
     Returns
     -------
@@ -122,4 +135,9 @@ def attend_rows(q: torch.Tensor, sets, *, scale: float, backend: str = "auto") -
     if backend == "triton" or (backend == "auto" and sets and triton_rows_supported(q, sets[0][0].shape[1], len(sets))):
         from .triton_rows import triton_attend_rows
         return triton_attend_rows(q, sets, scale=scale)
+    if backend == "native" or (backend == "auto" and sets and native_rows_supported(q, sets)):
+        from . import native
+        check_row_sets(q, sets)
+        return native.attend_rows(q, [(k, v, None if c is None else c.clamp(max=n), n) for k, v, c, n in sets],
+                                  scale=scale)
     return torch_attend_rows(q, sets, scale=scale)

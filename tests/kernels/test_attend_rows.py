@@ -98,6 +98,30 @@ def test_torch_path_matches_the_compiled_cpu_twin():
     torch.testing.assert_close(lse, n_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_auto_on_fp32_cpu_takes_the_compiled_twin_where_it_applies(monkeypatch):
+    q, sets = make_case(G=4, D=64, seed=7)
+    calls = []
+    real = native.attend_rows
+    monkeypatch.setattr(native, "attend_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out, lse = attend_rows(q, sets, scale=0.125)
+    ref_out, ref_lse = torch_attend_rows(q, sets, scale=0.125)
+    assert calls == ([1] if native.available() else [])
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    attend_rows(q.bfloat16(), [(k.bfloat16(), v.bfloat16(), c, n) for k, v, c, n in sets], scale=0.125)
+    assert len(calls) == (1 if native.available() else 0)  # bf16: the torch path
+
+
+def test_bench_rows_cpu_smoke(tmp_path):
+    from kvpress.evals.bench_rows import main
+
+    out = tmp_path / "rows.json"
+    assert main(["--device", "cpu", "--batches", "1,2", "--selected", "64", "--iters", "2", "--warmup", "1",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["rel_err"] < 1e-4 and r["attend_rows_us"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("mutate,match", [
     (lambda q, s: (q, []), "at least one row set"),
     (lambda q, s: (q, [s[0][:3]]), r"must be \(k, v, cnt, n\)"),
