@@ -13,20 +13,9 @@ from kvpress.prefill import cache_from_dense, dense_prefill
 from kvpress.stats import tensor_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import random_ids, tiny_model  # noqa: E402
+from conftest import random_ids  # noqa: E402
+from shadowkv_helpers import PROMPT, model, small_policy as policy  # noqa: E402,F401  (model: the fixture)
 from smollm2_needle import needle_run  # noqa: E402
-
-PROMPT = 160
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
-
-
-def policy(**kw):
-    base = dict(budget=48, chunk_size=8, rank=8, outlier_chunks=2, local_window=16)
-    return kvpress.get_policy("shadowkv", **{**base, **kw})
 
 
 def generate(model, pol, ids, new=6):

@@ -13,19 +13,12 @@ from kvpress.compat import cache_kwargs
 from kvpress.kernels import shadowkv_rebuild
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import random_ids, tiny_model  # noqa: E402
-
-PROMPT = 160  # 20 chunks of 8, no shift
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
+from conftest import random_ids  # noqa: E402
+from shadowkv_helpers import PROMPT, model, small_policy  # noqa: E402,F401  (model: the fixture)
 
 
 def policy(**kw):
-    base = dict(budget=72, chunk_size=8, rank=8, outlier_chunks=2, local_window=16, fold_size=16)
-    return kvpress.get_policy("shadowkv", **{**base, **kw})
+    return small_policy(**{"budget": 72, "fold_size": 16, **kw})
 
 
 def feed(model, pol, ids, steps, *, record=False):

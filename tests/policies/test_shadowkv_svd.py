@@ -12,19 +12,12 @@ from kvpress.policies._shadowkv_store import low_rank, project, query_pair_weigh
 from kvpress.prefill import cache_from_dense, dense_prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import random_ids, tiny_model  # noqa: E402
-
-PROMPT = 160
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
+from conftest import random_ids  # noqa: E402
+from shadowkv_helpers import PROMPT, model, small_policy  # noqa: E402,F401  (model: the fixture)
 
 
 def policy(**kw):
-    base = dict(budget=48, chunk_size=8, rank=8, outlier_chunks=2, local_window=16, svd="query")
-    return kvpress.get_policy("shadowkv", **{**base, **kw})
+    return small_policy(**{"svd": "query", **kw})
 
 
 def test_weighted_factors_are_best_in_their_metric_and_exact_at_full_rank():
