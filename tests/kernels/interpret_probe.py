@@ -44,3 +44,23 @@ def interpreter_unusable() -> str | None:
     last = (proc.stderr.strip().splitlines() or ["?"])[-1]
     return (f"Triton {triton.__version__}'s interpreter cannot run a loop with a run-time bound here "
             f"(NumPy {numpy.__version__}): {last[:200]}")
+
+
+def run_interpreter_worker(script: str, cases: list) -> list:
+    """Run the test module ``script`` as a child process with TRITON_INTERPRET=1 (so the flag never
+    leaks into the test session), ``cases`` as JSON on its stdin; its last output line, JSON, is
+    returned. Skips where Triton or its interpreter is unusable; a failed child fails the test."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("triton")
+    reason = interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, script], input=json.dumps(cases), capture_output=True, text=True, env=env,
+                          timeout=600)
+    if proc.returncode:
+        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,6 @@ on CUDA.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from kvpress.kernels import SparseIndex, merge_states, native, reference_sparse_decode, sparse_decode
 from kvpress.kernels.rows import attend_rows, check_row_sets, torch_attend_rows
-from interpret_probe import interpreter_unusable  # noqa: E402
+from interpret_probe import run_interpreter_worker  # noqa: E402
 
 
 def make_case(B=2, H=2, G=3, D=64, sets=((70, 80, False), (33, 40, True), (130, 150, True)), seed=0,
@@ -159,16 +158,7 @@ INTERPRET_CASES = [dict(), dict(G=1, D=128, seed=1), dict(G=16, H=1, D=64, seed=
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    reason = interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps(INTERPRET_CASES), capture_output=True,
-                          text=True, env=env, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_worker(__file__, INTERPRET_CASES)
 
 
 @pytest.mark.parametrize("i", range(len(INTERPRET_CASES)))

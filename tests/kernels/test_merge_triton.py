@@ -3,7 +3,6 @@ this file run as a script with TRITON_INTERPRET=1), compiled for sm_90 (test_tri
 and on CUDA; the backend argument's errors."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from kvpress.kernels import merge_states
 from kvpress.kernels.merge import torch_merge_states
-from interpret_probe import interpreter_unusable  # noqa: E402
+from interpret_probe import run_interpreter_worker  # noqa: E402
 
 
 def make_case(shape=(2, 9), D=64, seed=0, dtype_a=torch.float32, dtype_b=torch.float32, device="cpu"):
@@ -53,16 +52,7 @@ INTERPRET_CASES = [dict(), dict(shape=(3,), D=80, seed=1), dict(shape=(2, 4, 5),
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    reason = interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps(INTERPRET_CASES), capture_output=True,
-                          text=True, env=env, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_worker(__file__, INTERPRET_CASES)
 
 
 @pytest.mark.parametrize("i", range(len(INTERPRET_CASES)))

@@ -5,14 +5,13 @@ so the interpreter flag never leaks into the rest of the test session.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from kvpress.kernels import shadowkv_rebuild, torch_shadowkv_rebuild
-from interpret_probe import interpreter_unusable  # noqa: E402
+from interpret_probe import run_interpreter_worker  # noqa: E402
 
 
 def make_case(B=1, H=2, D=64, R=24, C=5, K=3, cs=8, dtype=torch.float32, seed=0, empty_slot=True):
@@ -102,16 +101,7 @@ INTERPRET_CASES = [dict(R=24), dict(B=2, H=3, D=32, R=7, C=6, K=4, cs=16, seed=1
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    reason = interpreter_unusable()
-    if reason:
-        pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps(INTERPRET_CASES), capture_output=True,
-                          text=True, env=env, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreter_worker(__file__, INTERPRET_CASES)
 
 
 @pytest.mark.parametrize("i", range(len(INTERPRET_CASES)))
