@@ -16,6 +16,10 @@ __all__ = [
     "page_min_max", "pool_blocks", "quest_scores", "reduce_over_group",
 ]
 from .shadowkv_rebuild import SHADOWKV_CHUNK_SIZES, shadowkv_rebuild, torch_shadowkv_rebuild  # noqa: E402
+# one softmax over several row sets (a decode step over split stores: ShadowKV's)
+from .rows import attend_rows, torch_attend_rows  # noqa: E402
+
+__all__ += ["attend_rows", "torch_attend_rows"]
 
 __all__ += ["SHADOWKV_CHUNK_SIZES", "shadowkv_rebuild", "torch_shadowkv_rebuild"]
 

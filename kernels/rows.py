@@ -132,12 +132,13 @@ def attend_rows(q: torch.Tensor, sets, *, scale: float, backend: str = "auto") -
     if backend not in ROW_BACKENDS:
         raise ValueError(f"backend must be one of {ROW_BACKENDS}, got {backend!r}")
     sets = list(sets)
-    if backend == "triton" or (backend == "auto" and sets and triton_rows_supported(q, sets[0][0].shape[1], len(sets))):
+    if backend != "triton":  # (the launcher checks its own)
+        H = check_row_sets(q, sets).num_kv_heads
+    if backend == "triton" or (backend == "auto" and triton_rows_supported(q, H, len(sets))):
         from .triton_rows import triton_attend_rows
         return triton_attend_rows(q, sets, scale=scale)
-    if backend == "native" or (backend == "auto" and sets and native_rows_supported(q, sets)):
+    if backend == "native" or (backend == "auto" and native_rows_supported(q, sets)):
         from . import native
-        check_row_sets(q, sets)
         return native.attend_rows(q, [(k, v, None if c is None else c.clamp(max=n), n) for k, v, c, n in sets],
                                   scale=scale)
     return torch_attend_rows(q, sets, scale=scale)

@@ -138,6 +138,14 @@ def test_bad_inputs_are_clear_errors(mutate, match):
         check_row_sets(q, sets)
 
 
+def test_attend_rows_checks_its_inputs_before_choosing_a_backend():
+    q, sets = make_case()
+    with pytest.raises(ValueError, match=r"must be \(k, v, cnt, n\)"):
+        attend_rows(q, [sets[0][:3]], scale=0.1)
+    with pytest.raises(ValueError, match="at least one row set"):
+        attend_rows(q, [], scale=0.1)
+
+
 def test_unknown_backend_and_triton_on_cpu_are_clear_errors():
     q, sets = make_case()
     with pytest.raises(ValueError, match="backend must be one of"):
