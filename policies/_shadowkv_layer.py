@@ -15,7 +15,7 @@ from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
 from ._shadowkv_step import SelectedSteps
-from ._shadowkv_store import (TransferCounters, append_host, default_rank, fetch_chunks, low_rank, project,
+from ._shadowkv_store import (TransferCounters, append_host, default_rank, fetch_tables, low_rank, project,
                               query_pair_weights, to_host)
 
 if TYPE_CHECKING:
@@ -224,10 +224,10 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             C, cs = self.selectable.shape[-1], p.chunk_size
             order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
             ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
-            fetched = fetch_chunks(self.v_host, ids, None, None, self.counters, dev)
+            tables = [self.v_host, self.k_host] if p.fetch_keys else [self.v_host]
+            fetched, *exact = fetch_tables(tables, ids, None, [None] * len(tables), self.counters, dev)
             if p.fetch_keys:
-                exact = fetch_chunks(self.k_host, ids, None, None, self.counters, dev, bytes_only=True)
-                keys.append(exact.view(B, H, self.max_selectable * cs, D))
+                keys.append(exact[0].view(B, H, self.max_selectable * cs, D))
             else:
                 keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
                                              chunk_size=cs, backend=p.backend))

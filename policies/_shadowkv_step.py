@@ -9,7 +9,7 @@ from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
 
 from ._shadowkv_select import select_chunks, select_tokens
-from ._shadowkv_store import fetch_chunks
+from ._shadowkv_store import fetch_chunks, fetch_tables
 
 
 class SelectedSteps:
@@ -87,11 +87,12 @@ class SelectedSteps:
         previous step's, and with ``fetch_keys`` their exact keys beside them (else None)."""
         B, H = ids.shape[:2]
         as_units = (lambda t: t.view(B, H, -1, 1, t.shape[-1])) if tokens else (lambda t: t)  # noqa: E731
-        values = fetch_chunks(as_units(self.v_host), ids, self.sel_idx, self.sel_values, self.counters, device)
-        keys = None
-        if self.policy.fetch_keys:
-            keys = fetch_chunks(as_units(self.k_host), ids, self.sel_idx, self.sel_keys, self.counters, device,
-                                bytes_only=True)
+        if self.policy.fetch_keys:  # one plan for both tables: the same chunks, one step
+            values, keys = fetch_tables([as_units(self.v_host), as_units(self.k_host)], ids, self.sel_idx,
+                                        [self.sel_values, self.sel_keys], self.counters, device)
+        else:
+            values, keys = fetch_chunks(as_units(self.v_host), ids, self.sel_idx, self.sel_values, self.counters,
+                                        device), None
         self.sel_idx, self.sel_values, self.sel_keys = ids, values, keys
         return keys, values
 

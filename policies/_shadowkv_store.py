@@ -77,36 +77,40 @@ def append_host(host: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 
 def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
-                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device, *,
-                 bytes_only: bool = False) -> torch.Tensor:
-    """Values of the selected chunks on ``device``, reusing the previous step's copies.
+                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device) -> torch.Tensor:
+    """Values of the selected chunks on ``device``, reusing the previous step's copies
+    (`fetch_tables` of one table)."""
+    return fetch_tables([host], chunk_idx, prev_idx, [prev_values], counters, device)[0]
+
+
+def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, prevs, counters: TransferCounters,
+                 device: torch.device) -> list[torch.Tensor]:
+    """The selected chunks of each host-tier table (values; with ``fetch_keys`` exact keys beside
+    them) on ``device``, reusing the previous step's copies: one plan for every table, one step.
 
     Parameters
     ----------
-    host : Tensor (B, H_kv, C, chunk_size, D) on the host
-        Chunk-contiguous values.
+    hosts : sequence of Tensor (B, H_kv, C, chunk_size, D_i) on the host
+        Chunk-contiguous tables of the same chunks.
     chunk_idx : int32 Tensor (B, H_kv, K) on ``device``
-        Selected chunk ids, -1 for empty slots (their values are zeros, nothing is fetched).
-    prev_idx, prev_values : (B, H_kv, K') and (B, H_kv, K', chunk_size, D) on ``device``, or None
-        The previous step's selection and values.
+        Selected chunk ids, -1 for empty slots (zeros there, nothing is fetched).
+    prev_idx : (B, H_kv, K') on ``device``, or None
+        The previous step's selection; ``prevs`` its copies of each table (B, H_kv, K', chunk_size,
+        D_i), or None.
     counters : TransferCounters
-        Updated in place.
-    bytes_only : bool
-        Add only the bytes copied (a second tensor of the same step and chunks, e.g. exact keys
-        beside the values: one step, its chunks counted once).
+        Updated in place: one step, its chunks counted once, the bytes of every table.
 
     Returns
     -------
-    Tensor (B, H_kv, K, chunk_size, D) on ``device``.
+    list of Tensor (B, H_kv, K, chunk_size, D_i) on ``device``, one per table.
     """
-    B, H, C, cs, D = host.shape
+    B, H, C, cs = hosts[0].shape[:4]
     K, BH = chunk_idx.shape[2], B * H
     ids = chunk_idx.long().view(BH, K)
     valid = ids >= 0  # (BH, K)
-    rows_of = torch.arange(BH, device=device)[:, None]  # (BH, 1)
-    # every slot is one row of a table [previous values | fetched chunks | a zero row] (one
+    # every slot is one row of a table [previous copies | fetched chunks | a zero row] (one
     # index_select builds the result: no scatter into zeros, no 5-D gather)
-    K_prev = 0 if prev_idx is None or prev_values is None else prev_idx.shape[2]
+    K_prev = 0 if prev_idx is None or any(p is None for p in prevs) else prev_idx.shape[2]
     found = torch.zeros_like(valid)
     prev_slot = ids  # (unused without a previous step)
     if K_prev and K:
@@ -114,34 +118,33 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
         pos = torch.searchsorted(key, torch.where(valid, ids, C + 1)).clamp_(max=K_prev - 1)
         found = (key.gather(1, pos) == ids) & valid
         prev_slot = order.gather(1, pos)  # (BH, K) the previous step's slot of each chunk
-        if not bytes_only:
-            counters.reused_chunks += int(found.sum())
     need = valid & ~found
-    host_rows = (rows_of * C + ids)[need]  # (M,) rows of host.view(-1, cs * D), row-major over (BH, K)
-    M = host_rows.numel()
-    parts = [] if not K_prev else [prev_values.reshape(BH * K_prev, cs * D)]
-    fetched_bytes = 0
-    if M:
-        rows = host.view(BH * C, cs * D).index_select(0, host_rows.to(host.device))  # the host-side gather
-        if device.type == "cuda":
-            rows = rows.pin_memory().to(device, non_blocking=True)
-        else:
-            rows = rows.to(device)
-        parts.append(rows)
-        fetched_bytes = rows.numel() * rows.element_size()
-    parts.append(torch.zeros(1, cs * D, dtype=host.dtype, device=device))
+    # the rows the host gathers, worked out on the host from one copy of ids and need (on CUDA the
+    # step's one sync, which the host-side gather needs anyway)
+    ids_h, need_h = torch.stack([ids, need.long()]).cpu().unbind(0)
+    host_rows = (torch.arange(BH)[:, None] * C + ids_h)[need_h.bool()]  # (M,) row-major over (BH, K)
+    M, requested = host_rows.numel(), int((ids_h >= 0).sum())
     fresh = BH * K_prev + need.view(-1).cumsum(0).view(BH, K) - 1  # row of each fetched chunk in the table
-    index = torch.where(found, rows_of * K_prev + prev_slot, torch.where(need, fresh, BH * K_prev + M))
-    table = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    out = table.index_select(0, index.view(-1)).view(B, H, K, cs, D)
-    counters.fetched_bytes += fetched_bytes
-    if bytes_only:
-        counters.last_fetched_bytes += fetched_bytes
-        return out
+    rows_of = torch.arange(BH, device=device)[:, None]  # (BH, 1)
+    index = torch.where(found, rows_of * K_prev + prev_slot, torch.where(need, fresh, BH * K_prev + M)).view(-1)
+    outs, fetched_bytes = [], 0
+    for host, prev in zip(hosts, prevs):
+        width = cs * host.shape[-1]
+        parts = [] if not K_prev else [prev.reshape(BH * K_prev, width)]
+        if M:
+            rows = host.view(BH * C, width).index_select(0, host_rows)  # the host-side gather
+            rows = rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
+            parts.append(rows)
+            fetched_bytes += rows.numel() * rows.element_size()
+        parts.append(torch.zeros(1, width, dtype=host.dtype, device=device))
+        table = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        outs.append(table.index_select(0, index).view(B, H, K, cs, host.shape[-1]))
     counters.steps += 1
-    counters.requested_chunks += int(valid.sum())
+    counters.requested_chunks += requested
+    counters.reused_chunks += requested - M
+    counters.fetched_bytes += fetched_bytes
     counters.last_fetched_bytes = fetched_bytes
-    return out
+    return outs
 
 
 def transfer_summary(cache) -> dict:
