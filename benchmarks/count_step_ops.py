@@ -1,0 +1,85 @@
+"""Torch ops one decode step issues per layer, by the source line that issues them (no GPU needed).
+
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--cuda-path]
+
+On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
+the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
+random-weight Llama-3-8B-shaped model (``--model``), in one decode step after two warm ones, with a
+TorchDispatchMode. ``--cuda-path`` takes the routes a CUDA run takes where they are CPU-only
+here (ShadowKV's one-launch `attend_rows`); with ``backend=triton`` in SPEC and
+TRITON_INTERPRET=1 the Triton kernels run interpreted (their launchers' ops counted, the
+interpreter's own not). Printed: the total, the commonest ops, the lines issuing the most, and
+the total per file.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kvpress
+from kvpress.compat import cache_kwargs, output_cache
+from kvpress.evals.models import load_eval_model
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every op dispatched, and the innermost kvpress source line that issued it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.sites = collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        ours = [f for f in traceback.extract_stack() if "/kvpress/" in f.filename or "/policies/" in f.filename
+                or "/kernels/" in f.filename]
+        site = "(model)" if not ours else f"{ours[-1].filename.split('/')[-1]}:{ours[-1].lineno} {ours[-1].line[:60]}"
+        self.sites[site] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", help="policy spec, e.g. shadowkv:budget=1120:rank=48:backend=triton")
+    parser.add_argument("--model", default="random-llama3-8b-1l", help="a kvpress.evals.models name")
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--cuda-path", action="store_true", help="take CUDA-only routes (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args(argv)
+    if args.cuda_path:
+        import kvpress.policies._shadowkv_step as step
+        step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
+    model, _ = load_eval_model(args.model, device="cpu")
+    ids = torch.randint(3, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0))
+    name, overrides = kvpress.parse_policy_spec(args.spec)
+    T = args.length
+    with torch.no_grad(), kvpress.apply(model, kvpress.get_policy(name, **overrides)):
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        cache, nxt = output_cache(out), out.logits[:, -1:].argmax(-1)
+
+        def step(i):
+            return model(nxt, **cache_kwargs(model, cache), use_cache=True,
+                         position_ids=torch.tensor([[T + i]])).logits[:, -1:].argmax(-1)
+
+        for i in range(2):
+            nxt = step(i)
+        counter = CountOps()
+        with counter:
+            nxt = step(2)
+    layers = model.config.num_hidden_layers
+    print(f"{args.spec}: {sum(counter.ops.values())} ops in one decode step of {layers} layer(s)")
+    print("commonest:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common(20)))
+    for site, n in counter.sites.most_common(args.top):
+        print(f"{n:5d}  {site}")
+    by_file = collections.Counter()
+    for site, n in counter.sites.items():
+        by_file[site.split(":")[0]] += n
+    print("by file:", ", ".join(f"{k} {v}" for k, v in by_file.most_common()))
+    return sum(counter.ops.values())
+
+
+if __name__ == "__main__":
+    main()
