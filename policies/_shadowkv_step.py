@@ -21,7 +21,7 @@ class SelectedSteps:
         the three stores; else each through `sparse_decode`, merged (the reference path)."""
         B, _, D = q0.shape
         H, dev = self.gen_k.shape[1], q0.device
-        allow = allow.to(dev, non_blocking=True)
+        allow = allow.to(dev, non_blocking=True) if k_sel else allow
         ids = values = None
         if self._decode_backend == "auto" and triton_rows_supported(q0, H, 1 + bool(self.exact_max) + bool(k_sel)):
             sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
