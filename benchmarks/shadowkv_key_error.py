@@ -18,6 +18,11 @@ Two factorisations are compared at each rank:
   rotary pair (`kvpress.policies._shadowkv_store.query_pair_weights`), so the error it minimises
   is that of the scores ``q . k`` those queries would compute.
 
+``--residual-bits 2,4`` adds, for each factorisation and rank, the rebuilt keys plus their
+residual (the exact post-RoPE keys less the rebuilt ones) quantized per token in groups of
+``--residual-group`` channels, as ``shadowkv:residual_bits=N`` fetches it beside the values
+(columns ``plain+2b``, ...).
+
 Keys and queries are read from the model's ``k_proj`` / ``q_proj`` outputs (pre-RoPE, Llama-style
 rotary pairs) during one dense prefill; RoPE is applied as the model does.
 """
@@ -29,6 +34,7 @@ import argparse
 import torch
 
 from kvpress.evals.models import load_eval_model
+from kvpress.kernels.quant import dequantize_per_token, quantize_per_token
 from kvpress.evals.tasks import get_task
 from kvpress.evals.tasks.base import build_input_ids
 from kvpress.policies._shadowkv_store import low_rank, query_pair_weights
@@ -50,8 +56,10 @@ def low_rank_keys(k: torch.Tensor, rank: int, weights: torch.Tensor | None) -> t
 
 
 @torch.no_grad()
-def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int) -> list[dict]:
-    """Per layer: ``{(method, rank): (tv, energy)}`` for methods ``plain`` and ``query``."""
+def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int, residual_bits=(),
+              residual_group: int = 32) -> list[dict]:
+    """Per layer: ``{(method, rank): (tv, energy)}`` for methods ``plain`` and ``query``, and
+    ``plain+Nb`` / ``query+Nb`` for each of ``residual_bits``."""
     cfg = model.config
     H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H_q
@@ -63,19 +71,29 @@ def key_error(model, input_ids: torch.Tensor, ranks: list[int], queries: int) ->
         k = grabbed[("k_proj", i)].float().view(T, H * D)
         qr = rotate(q[-queries:].transpose(0, 1), cos[-queries:], sin[-queries:]) * D ** -0.5  # (H_q, n, D)
 
-        def attention(keys):
-            kr = rotate(keys.view(T, H, D).transpose(0, 1), cos, sin).repeat_interleave(H_q // H, 0)  # (H_q, T, D)
+        def rotated(keys):  # (H, T, D) post-RoPE
+            return rotate(keys.view(T, H, D).transpose(0, 1), cos, sin)
+
+        def attention(kr):
+            kr = kr.repeat_interleave(H_q // H, 0)  # (H_q, T, D)
             return torch.softmax(qr @ kr.transpose(1, 2), dim=-1)  # (H_q, n, T)
 
-        exact = attention(k)
+        exact_rot = rotated(k)
+        exact = attention(exact_rot)
         row = {}
         q_sq = q.square().view(T, H, H_q // H, D).mean(2).transpose(0, 1)[None]  # (1, H, T, D)
         weights = query_pair_weights(q_sq, torch.ones(1, T, dtype=torch.bool))[0]
         for method, w in (("plain", None), ("query", weights)):
             for r in ranks:
                 approx, kept = low_rank_keys(k, r, w)
-                tv = 0.5 * (attention(approx) - exact).abs().sum(-1).mean().item()
+                approx_rot = rotated(approx)
+                tv = 0.5 * (attention(approx_rot) - exact).abs().sum(-1).mean().item()
                 row[(method, r)] = (tv, kept)
+                for bits in residual_bits:
+                    codes, scale, zero = quantize_per_token((exact_rot - approx_rot)[None], bits, residual_group)
+                    fixed = approx_rot + dequantize_per_token(codes, scale, zero, bits, residual_group)[0]
+                    tv = 0.5 * (attention(fixed) - exact).abs().sum(-1).mean().item()
+                    row[(f"{method}+{bits}b", r)] = (tv, kept)
         rows.append(row)
     return rows
 
@@ -90,13 +108,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ranks", default="48,64")
     ap.add_argument("--queries", type=int, default=16, help="the prompt's last queries whose attention is compared")
+    ap.add_argument("--residual-bits", default="", help="e.g. 2,4: also the rebuilt keys plus their quantized residual")
+    ap.add_argument("--residual-group", type=int, default=32, help="channels per scale of the residual")
     args = ap.parse_args(argv)
     ranks = [int(r) for r in args.ranks.split(",")]
+    bits = [int(b) for b in args.residual_bits.split(",") if b]
     model, tokenizer = load_eval_model(args.model)
     sample = get_task(args.task).generate(tokenizer, args.length, args.samples, args.seed)[args.sample]
     ids = torch.tensor([build_input_ids(tokenizer, sample)])
-    rows = key_error(model, ids, ranks, args.queries)
-    cols = [(m, r) for r in ranks for m in ("plain", "query")]
+    rows = key_error(model, ids, ranks, args.queries, bits, args.residual_group)
+    methods = [f"{m}{s}" for m in ("plain", "query") for s in [""] + [f"+{b}b" for b in bits]]
+    cols = [(m, r) for r in ranks for m in methods]
     print(f"{args.task} sample {args.sample} at {args.length} tokens ({ids.shape[1]} in the prompt), "
           f"attention of the last {args.queries} queries: TV distance (energy kept)")
     print("| layer | " + " | ".join(f"{m} r={r}" for m, r in cols) + " |")

@@ -105,14 +105,16 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
     if stage == "shadowkv":
         sizes = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
             ["--length", length, "--new-tokens", "16"]
-        # then the configurations that keep SmolLM2's needles (exact keys fetched, sessions 32-33) at
-        # two batches: rank 48 (the default's device bytes) and rank 24 in the queries' metric
+        # then the configurations that keep SmolLM2's needles at two batches: the rebuilt keys with
+        # a 2-bit residual fetched beside the values (session 35), and exact keys fetched with
+        # rank-24 keys in the queries' metric selecting (session 33)
         fk = ["--batches", "1"] if smoke else ["--batches", "1,8"]
-        fetch = "rerank=32:tail_chunk=64:select=tokens:fetch_keys=True"
+        tokens = "rerank=32:tail_chunk=64:select=tokens"
         return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
                       "--json", str(work / "shadowkv" / "speed.json")],
                 py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes, *fk, "--skip", "full,shadowkv",
-                      "--variants", f"{fetch},{fetch}:svd=query:rank={'4' if smoke else '24'}",
+                      "--variants", f"{tokens}:residual_bits=2,{tokens}:fetch_keys=True:svd=query:rank="
+                      f"{'4' if smoke else '24'}",
                       "--json", str(work / "shadowkv" / "speed_fetch_keys.json")]]
     if stage == "bench":
         artifact = work / "sparse" / f"ds-{model}.safetensors"

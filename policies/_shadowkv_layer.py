@@ -15,8 +15,8 @@ from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
 from ._shadowkv_step import SelectedSteps
-from ._shadowkv_store import (TransferCounters, append_host, default_rank, fetch_tables, low_rank, project,
-                              query_pair_weights, to_host)
+from ._shadowkv_store import (TransferCounters, add_residual, append_host, default_rank, fetch_tables, low_rank,
+                              project, query_pair_weights, residual_table, to_host)
 
 if TYPE_CHECKING:
     from .shadowkv import ShadowKVPolicy
@@ -34,11 +34,12 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
     Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
     (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
     with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
-    the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys`` with
-    ``fetch_keys``), and with ``tail_chunk`` the value sums per group ``tail_v_sum``
-    (B, H_kv, N, D) fp32. Host tier: ``v_host`` (B, H_kv, C, chunk_size, D), with ``fetch_keys``
-    the exact post-RoPE keys ``k_host`` in the same layout. Transfers: ``counters``
-    (:class:`TransferCounters`).
+    the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys``: their exact keys
+    with ``fetch_keys``, their residual rows with ``residual_bits``), and with ``tail_chunk`` the
+    value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier: ``v_host`` (B, H_kv, C,
+    chunk_size, D), with ``fetch_keys`` the exact post-RoPE keys ``k_host`` in the same layout,
+    with ``residual_bits`` the quantized residual of the rebuilt keys ``kr_host`` (B, H_kv, C,
+    chunk_size, W; `residual_table`). Transfers: ``counters`` (:class:`TransferCounters`).
     """
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
@@ -46,7 +47,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
               "tail_v_sum", "key_weight")
     # what a fold replaces (`_fold`), held while a recorded forward may still be cropped
-    _FOLDED = _STATE + ("v_host", "k_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
+    _FOLDED = _STATE + ("v_host", "k_host", "kr_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
                         "_exact_cnt_cpu", "_sel_cnt_cpu")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
@@ -66,7 +67,7 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         """No prompt, no generated tokens (a new layer, or a prompt forward taken back)."""
         for name in self._STATE:
             setattr(self, name, None)
-        self.v_host = self.k_host = None
+        self.v_host = self.k_host = self.kr_host = None
         self.gen_len = 0
         self.exact_max = 0  # most exact tokens of any (row, KV head)
         self.max_selectable = 0
@@ -200,6 +201,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             self.v_host = to_host(vp.view(B, H, C, cs, D))
             if p.fetch_keys:
                 self.k_host = to_host(kp.view(B, H, C, cs, D))
+            if p.residual_bits:
+                self.kr_host = to_host(self._residual_rows(kp, 0).view(B, H, C, cs, -1))
             if p.tail_chunk:
                 self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
         self.seen += T
@@ -224,13 +227,18 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             C, cs = self.selectable.shape[-1], p.chunk_size
             order = torch.where(self.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
             ids = torch.where(order < C, order, -1)[..., : self.max_selectable].to(torch.int32)  # (B, H, K)
-            tables = [self.v_host, self.k_host] if p.fetch_keys else [self.v_host]
-            fetched, *exact = fetch_tables(tables, ids, None, [None] * len(tables), self.counters, dev)
+            key_table = self._key_table()
+            tables = [self.v_host] if key_table is None else [self.v_host, key_table]
+            fetched, *extra = fetch_tables(tables, ids, None, [None] * len(tables), self.counters, dev)
             if p.fetch_keys:
-                keys.append(exact[0].view(B, H, self.max_selectable * cs, D))
+                keys.append(extra[0].view(B, H, self.max_selectable * cs, D))
             else:
-                keys.append(shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
-                                             chunk_size=cs, backend=p.backend))
+                rebuilt = shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(dev), self.rope_start,
+                                           chunk_size=cs, backend=p.backend)
+                if p.residual_bits:
+                    rebuilt = add_residual(rebuilt, extra[0].view(B, H, self.max_selectable * cs, -1),
+                                           p.residual_bits, p.residual_group_for(D))
+                keys.append(rebuilt)
             values.append(fetched.view(B, H, self.max_selectable * cs, D))
             seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
         if self.gen_len:
@@ -320,6 +328,9 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
             self.v_host = to_host(v.new_zeros(B, H, C0, cs, D))
             if p.fetch_keys:
                 self.k_host = to_host(k.new_zeros(B, H, C0, cs, D))
+            if p.residual_bits:
+                width = D * p.residual_bits // 8 + 4 * D // p.residual_group_for(D)
+                self.kr_host = to_host(torch.zeros(B, H, C0, cs, width, dtype=torch.uint8, device=dev))
             if p.tail_chunk:
                 self.tail_v_sum = tail_value_sums(v.new_zeros(B, H, C0, cs, D), self.selectable, p.tail_chunk)
         R = self.factor.shape[2]
@@ -340,6 +351,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         self.v_host = append_host(self.v_host, v.reshape(B, H, nf, cs, D))
         if p.fetch_keys:
             self.k_host = append_host(self.k_host, k.reshape(B, H, nf, cs, D))
+        if p.residual_bits:
+            self.kr_host = append_host(self.kr_host, self._residual_rows(k, C0).view(B, H, nf, cs, -1))
         if p.tail_chunk:  # fold_size is a multiple of tail_chunk: whole groups, aligned as the prompt's
             self.tail_v_sum = torch.cat([self.tail_v_sum, tail_value_sums(v.reshape(B, H, nf, cs, D), selectable,
                                                                           p.tail_chunk)], dim=2)
@@ -449,7 +462,23 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
         return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):
-        return {"v_host": self.v_host, "k_host": self.k_host}
+        return {"v_host": self.v_host, "k_host": self.k_host, "kr_host": self.kr_host}
+
+    def _key_table(self):
+        """The host table fetched beside the values: exact keys (``fetch_keys``), the rebuilt keys'
+        quantized residual (``residual_bits``) or None."""
+        return self.k_host if self.policy.fetch_keys else self.kr_host
+
+    def _residual_rows(self, k: torch.Tensor, c0: int) -> torch.Tensor:
+        """`residual_table` rows (B, H_kv, n, W) of the post-RoPE keys ``k`` (B, H_kv, n, D) of the
+        whole chunks from chunk ``c0`` of the store's grid on, less their rebuild from the current
+        factors and basis."""
+        p, cs = self.policy, self.policy.chunk_size
+        B, H, n, _ = k.shape
+        ids = torch.arange(c0, c0 + n // cs, dtype=torch.int32, device=k.device).expand(B, H, -1).contiguous()
+        rebuilt = shadowkv_rebuild(self.factor, self.basis, ids, self._rope_inv_freq(k.device), self.rope_start,
+                                   chunk_size=cs, backend=p.backend)
+        return residual_table(k, rebuilt, p.residual_bits, p.residual_group_for(k.shape[-1]))
 
     def batch_select(self, indices: torch.Tensor) -> None:
         super().batch_select(indices)

@@ -9,7 +9,7 @@ from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
 
 from ._shadowkv_select import select_chunks, select_tokens
-from ._shadowkv_store import fetch_chunks, fetch_tables
+from ._shadowkv_store import add_residual, fetch_chunks, fetch_tables
 
 
 class SelectedSteps:
@@ -72,9 +72,7 @@ class SelectedSteps:
                                                self._rope_inv_freq(q0.device), self.rope_start, allow, k=k_sel,
                                                shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
                                                reduction=p.score_reduction, tokens=tokens)
-            exact, values = self._fetch_selected(ids, tokens, q0.device)
-            if exact is not None:
-                keys = exact.reshape(B, H, k_sel * cs, D)
+            keys, values = self._fetch_selected(ids, tokens, q0.device, keys)
             rows = (ids >= 0).sum(-1).to(torch.int32) * (1 if tokens else cs)
             sets.append((keys, values.reshape(B, H, k_sel * cs, D).contiguous(), rows, k_sel * cs))
             if tokens:
@@ -82,18 +80,28 @@ class SelectedSteps:
         out, lse = native.attend_rows(q0, sets, scale=scaling)
         return out, lse, ids, values
 
-    def _fetch_selected(self, ids, tokens: bool, device):
+    def _fetch_selected(self, ids, tokens: bool, device, rebuilt):
         """The chosen chunks' (``tokens``: single tokens') values from the host tier, reusing the
-        previous step's, and with ``fetch_keys`` their exact keys beside them (else None)."""
+        previous step's, and the keys to attend them with (B, H, rows, D): ``rebuilt`` (their
+        low-rank keys), with ``residual_bits`` plus their residual fetched beside the values, with
+        ``fetch_keys`` their exact keys fetched instead. Returns ``(keys, values)``."""
+        p = self.policy
         B, H = ids.shape[:2]
         as_units = (lambda t: t.view(B, H, -1, 1, t.shape[-1])) if tokens else (lambda t: t)  # noqa: E731
-        if self.policy.fetch_keys:  # one plan for both tables: the same chunks, one step
-            values, keys = fetch_tables([as_units(self.v_host), as_units(self.k_host)], ids, self.sel_idx,
-                                        [self.sel_values, self.sel_keys], self.counters, device)
+        table = self._key_table()
+        if table is not None:  # one plan for both tables: the same chunks, one step
+            values, fetched = fetch_tables([as_units(self.v_host), as_units(table)], ids, self.sel_idx,
+                                           [self.sel_values, self.sel_keys], self.counters, device)
         else:
-            values, keys = fetch_chunks(as_units(self.v_host), ids, self.sel_idx, self.sel_values, self.counters,
-                                        device), None
-        self.sel_idx, self.sel_values, self.sel_keys = ids, values, keys
+            values, fetched = fetch_chunks(as_units(self.v_host), ids, self.sel_idx, self.sel_values, self.counters,
+                                           device), None
+        self.sel_idx, self.sel_values, self.sel_keys = ids, values, fetched
+        keys = rebuilt
+        if p.fetch_keys:
+            keys = fetched.reshape(rebuilt.shape)
+        elif p.residual_bits:
+            keys = add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
+                                p.residual_group_for(rebuilt.shape[-1]))
         return keys, values
 
     def _selected_rows(self, q0, k_sel, allow, scaling):
@@ -112,9 +120,7 @@ class SelectedSteps:
                            shortlist=max(n_cand, k_sel), chunk_size=cs, scale=scaling,
                            reduction=p.score_reduction, backend=p.backend)
         tokens = p.select == "tokens"
-        exact, values = self._fetch_selected(ids, tokens, dev)
-        if exact is not None:
-            keys = exact.reshape(B, H, k_sel * cs, D)
+        keys, values = self._fetch_selected(ids, tokens, dev, keys)
         cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
         rows_v = values.view(B, H, k_sel * cs, D)
         return keys, rows_v, ids, rows_v if tokens else values, 1 if tokens else cs, cnt

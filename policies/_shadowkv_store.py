@@ -216,3 +216,27 @@ def query_pair_weights(q_sq: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     ms = (q_sq * m).sum(2) / m.sum(2).clamp_min(1)  # (B, H, D)
     w = ((ms + ms.roll(D // 2, dims=-1)) / 2).reshape(B, H * D)
     return torch.maximum(w, 1e-6 * w.mean(-1, keepdim=True).clamp_min(1e-30))
+
+
+def residual_table(keys: torch.Tensor, rebuilt: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """The host-tier table of ``residual_bits``: ``keys - rebuilt`` (B, H_kv, T, D; the exact and
+    the low-rank post-RoPE keys) quantized per token in groups of ``group_size`` channels, as uint8
+    rows (B, H_kv, T, D * bits / 8 + 4 * D / group_size): the packed codes, then the fp16 scales
+    and zero points as bytes (one table, so one fetch carries all three)."""
+    from kvpress.kernels.quant import quantize_per_token
+
+    codes, scale, zero = quantize_per_token(keys.float() - rebuilt.float(), bits, group_size)
+    return torch.cat([codes, scale.view(torch.uint8), zero.view(torch.uint8)], dim=-1)
+
+
+def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """``keys`` (B, H_kv, n, D) plus the residual whose `residual_table` rows ``table`` (B, H_kv,
+    n, W) carries, in ``keys``' dtype. A zero row (an empty slot) adds nothing."""
+    from kvpress.kernels.quant import unpack_codes
+
+    B, H, n, D = keys.shape
+    nb, ng = D * bits // 8, D // group_size
+    sz = table[..., nb:].contiguous().view(torch.float16).float()  # (B, H, n, 2 * ng)
+    codes = unpack_codes(table[..., :nb], bits).float().view(B, H, n, ng, group_size)
+    res = codes * sz[..., :ng, None] + sz[..., ng:, None]
+    return (keys.float() + res.view(B, H, n, D)).to(keys.dtype)

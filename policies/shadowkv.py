@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpress.kernels import REDUCTIONS
+from kvpress.kernels.quant import ALLOWED_GROUP_SIZES
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
@@ -15,6 +16,7 @@ from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_
 _BACKENDS = ("auto", "torch", "triton")
 SELECT_UNITS = ("chunks", "tokens")
 SVD_METRICS = ("plain", "query")
+RESIDUAL_BITS = (0, 2, 4, 8)  # 0: off
 
 
 @register_policy
@@ -230,6 +232,8 @@ class ShadowKVPolicy(Policy):
     fold_size: int | None = None
     select: str = "chunks"
     fetch_keys: bool = False
+    residual_bits: int = 0
+    residual_group: int | None = None
     svd: str = "plain"
     backend: str = "auto"
 
@@ -261,6 +265,12 @@ class ShadowKVPolicy(Policy):
                 raise ValueError(f"fold_size={self.fold_size} must be 0 (off) or a multiple of {name}={unit}: "
                                  f"folded tokens join the store in whole {whole}")
         check_choice("select", self.select, SELECT_UNITS)
+        check_choice("residual_bits", self.residual_bits, RESIDUAL_BITS)
+        if self.residual_group is not None:
+            check_choice("residual_group", self.residual_group, ALLOWED_GROUP_SIZES)
+        if self.residual_bits and self.fetch_keys:
+            raise ValueError("shadowkv: fetch_keys=True attends exact keys, residual_bits corrects the rebuilt ones; "
+                             "choose one (residual_bits=0 or fetch_keys=False)")
         check_choice("svd", self.svd, SVD_METRICS)
         check_choice("backend", self.backend, _BACKENDS)
 
@@ -271,6 +281,23 @@ class ShadowKVPolicy(Policy):
                              f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
         if adapter.head_dim % 2:
             raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
+        if self.residual_bits:
+            self.residual_group_for(adapter.head_dim)
+
+    def residual_group_for(self, head_dim: int) -> int:
+        """Channels per scale of the residual: ``residual_group``, or with None the largest allowed
+        group of at most 32 channels that divides ``head_dim``."""
+        fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
+        if self.residual_group is None:
+            small = [g for g in fits if g <= 32]
+            if small:
+                return small[-1]
+        elif head_dim % self.residual_group == 0:
+            return self.residual_group
+        group = (f"any residual_group of at most 32 channels in {list(ALLOWED_GROUP_SIZES)}"
+                 if self.residual_group is None else f"residual_group={self.residual_group}")
+        raise ValueError(f"head_dim={head_dim} is not divisible by {group}; allowed for this model: "
+                         f"{fits or 'none (no supported group divides it; use residual_bits=0)'}")
 
     def prefills_densely(self) -> bool:
         # plain attention either way, but svd="query" needs the prompt's queries, which a shared

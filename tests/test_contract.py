@@ -13,14 +13,17 @@ from conftest import contract_model, random_ids, tiny_model
 POLICIES = tuple(kvpress.list_policies())
 # Options that change how a policy stores its state run the contract too: "policy+field" is the
 # policy's example with that boolean field on.
-VARIANTS = ("kivi+rotate_values", "zipcache+rotate_values")
+# a policy's example with fields set: "+flag" sets a bool field, "+field=N" an int one
+VARIANTS = ("kivi+rotate_values", "zipcache+rotate_values", "shadowkv+residual_bits=4")
 PROMPT = 48
 NEW = 6
 
 
 def example(name, adapter):
     base, *flags = name.split("+")
-    return kvpress.policy_class(base).example(adapter).replace(**dict.fromkeys(flags, True))
+    fields = dict(f.split("=") if "=" in f else (f, True) for f in flags)
+    return kvpress.policy_class(base).example(adapter).replace(
+        **{k: int(v) if isinstance(v, str) else v for k, v in fields.items()})
 
 
 def base_class(name):

@@ -29,7 +29,10 @@ def generate(model, pol, ids, new=6):
                                        (dict(rerank=0), "rerank=0 is out of range"),
                                        (dict(tail_chunk=12), "multiple of chunk_size=8"),
                                        (dict(tail_chunk=-8), "tail_chunk=-8 is out of range"),
-                                       (dict(select="pages"), "select=.pages. is not supported")])
+                                       (dict(select="pages"), "select=.pages. is not supported"),
+                                       (dict(residual_bits=3), r"residual_bits=3 is not supported; allowed: \[0, 2, 4, 8\]"),
+                                       (dict(residual_bits=4, residual_group=24), "residual_group=24 is not supported"),
+                                       (dict(residual_bits=4, fetch_keys=True), "choose one")])
 def test_bad_config_is_a_clear_error(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
@@ -40,6 +43,14 @@ def test_rank_larger_than_key_dim_is_refused_before_anything_runs(model):
         with kvpress.apply(model, policy(rank=33)):
             pass
     with torch.no_grad():  # the model is untouched
+        model(random_ids(5))
+
+
+def test_residual_group_not_dividing_head_dim_is_refused_before_anything_runs(model):
+    with pytest.raises(ValueError, match="head_dim=16 is not divisible by residual_group=32; allowed for this model: \\[8, 16\\]"):
+        with kvpress.apply(model, policy(residual_bits=4, residual_group=32)):
+            pass
+    with torch.no_grad():
         model(random_ids(5))
 
 
@@ -126,6 +137,20 @@ def test_verification_forward_after_prefill_equals_one_token_steps(model):
     torch.testing.assert_close(together, steps, atol=1e-5, rtol=0)
 
 
+def test_new_turn_attends_the_rebuilt_keys_with_their_residual(model):
+    """A new turn's dense pass fetches every selectable chunk's residual beside its values: at rank
+    4 of 32 with an 8-bit residual it comes within the residual's step of ``full``'s continuation,
+    where the rank-4 keys alone are far off; both fetches are counted as one step."""
+    ids, more = random_ids(PROMPT, seed=5), random_ids(20, seed=6)
+    full, _ = _turn_logits(model, kvpress.get_policy("full"), ids, more, record=False)
+    plain, plain_cache = _turn_logits(model, policy(rank=4), ids, more, record=False)
+    fixed, cache = _turn_logits(model, policy(rank=4, residual_bits=8, residual_group=16), ids, more, record=False)
+    far, near = (plain - full).abs().max(), (fixed - full).abs().max()
+    assert near < far / 20 and near < 1e-2
+    a, b = plain_cache.layers[1].counters, cache.layers[1].counters
+    assert a.steps == b.steps == 1 and b.fetched_bytes > a.fetched_bytes
+
+
 def test_new_turn_attends_every_chunk_densely_then_keeps_its_tokens_exact(model):
     """A new turn (no recording) is a prompt continuation: with exact keys (rank = the key
     dimension) it equals ``full``'s continuation; its tokens become generated tokens, its fetch of
@@ -160,8 +185,9 @@ def test_low_budget_still_attends_exact_parts(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("extra", [{}, {"fetch_keys": True},
                                    # the configuration that keeps SmolLM2's 8k needles (session 33)
-                                   {"fetch_keys": True, "svd": "query", "select": "tokens", "rerank": 32}],
-                         ids=["default", "fetch_keys", "fetch_keys-svd_query-tokens"])
+                                   {"fetch_keys": True, "svd": "query", "select": "tokens", "rerank": 32},
+                                   {"residual_bits": 4, "select": "tokens", "rerank": 32}],
+                         ids=["default", "fetch_keys", "fetch_keys-svd_query-tokens", "residual4-tokens"])
 def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -176,7 +202,7 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
         outs[backend] = out.sequences
         layer = out.past_key_values.layers[0]
         assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
-        assert not extra or (layer.k_host.is_pinned() and layer.sel_keys.is_cuda)
+        assert not extra or (layer._key_table().is_pinned() and layer.sel_keys.is_cuda)
         assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
     assert torch.equal(outs["torch"], outs["triton"])
 
@@ -344,7 +370,9 @@ def test_tail_left_padded_rows_estimate_as_when_run_alone(model):
                                 dict(score_reduction="mean", rerank=3), dict(budget=200),
                                 dict(select="tokens"), dict(select="tokens", rerank=4, tail_chunk=16),
                                 dict(fetch_keys=True, rerank=2), dict(select="tokens", fetch_keys=True, tail_chunk=16),
-                                dict(svd="query", select="tokens", rerank=4)])
+                                dict(svd="query", select="tokens", rerank=4),
+                                dict(residual_bits=4, residual_group=8, rerank=2),
+                                dict(select="tokens", residual_bits=2, residual_group=16, tail_chunk=16)])
 def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
     """On fp32 CPU tensors ``backend="auto"`` runs a step as `native.shadowkv_select` +
     `native.attend_rows` (+ the tail in torch): same tokens, logits and host transfers as the torch
@@ -482,3 +510,70 @@ def test_token_selection_keeps_the_budget_and_equals_full_when_it_covers(model, 
     wide = generate(model, policy(select="tokens", budget=4096), ids)
     ref = generate(model, kvpress.get_policy("full"), ids)
     assert torch.equal(wide.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("select", ["chunks", "tokens"])
+def test_residual_bits_correct_the_rebuilt_keys_with_a_fetched_residual(model, select):
+    """``residual_bits``: the same selection and values as the plain rebuild (rank 2 of 32: poor
+    keys), attended over the rebuilt keys plus their quantized residual, fetched from the host tier
+    beside the values in one step: the keys then sit within the residual's quantization step of the
+    exact ones (8 bits: near exact), and the bytes fetched and held on the host grow by the
+    residual rows' width, not by a second fp32 copy of the keys."""
+    from kvpress.kernels.quant import dequantize_per_token, quantize_per_token
+
+    ids = random_ids(PROMPT, seed=12)
+    _, dense = dense_prefill(model, ids)
+    pol = policy(rank=2, rerank=4, select=select)
+    plain = cache_from_dense(model, pol, dense).layers[1]
+    k_exact = dense.layers[1].buffer.keys  # (B, H, T, D) post-RoPE, no shift: PROMPT is whole chunks
+    v_exact = dense.layers[1].buffer.values
+    B, H, C, D = plain.landmarks.shape
+    q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(4))
+    allow = torch.tensor([[3, 2]])
+    ref_out, _, ref_sel, ref_values = plain._attend_selected(q0, 3, allow, 0.25)
+    rebuilt_err = None
+    for bits in (2, 4, 8):
+        layer = cache_from_dense(model, replace(pol, residual_bits=bits, residual_group=8), dense).layers[1]
+        out, lse, sel, values = layer._attend_selected(q0, 3, allow, 0.25)
+        assert torch.equal(sel, ref_sel) and torch.equal(values, ref_values)  # the same selection and values
+        width = D * bits // 8 + 4 * D // 8  # codes, then fp16 scales and zeros per group of 8 channels
+        assert layer.kr_host.shape == (B, H, C, 8, width) and layer.kr_host.dtype == torch.uint8
+        v_bytes = plain.counters.fetched_bytes
+        assert layer.counters.fetched_bytes == v_bytes + v_bytes * width // (D * v_exact.element_size())
+        assert layer.counters.steps == plain.counters.steps == 1
+        unit = 1 if select == "tokens" else 8
+        for h in range(H):
+            n = int(allow[0, h])
+            tok = (sel[0, h, : n * 8 // unit].long()[:, None] * unit + torch.arange(unit)).flatten()
+            rebuilt = _rebuilt_keys(plain, sel, select)[0, h, : n * 8]
+            exact = k_exact[0, h, tok]
+            residual = exact - rebuilt
+            codes, scale, zero = quantize_per_token(residual[None, None], bits, 8)
+            keys = rebuilt + dequantize_per_token(codes, scale, zero, bits, 8)[0, 0]
+            logits = (q0[0, 2 * h:2 * h + 2] * 0.25) @ keys.T  # (G, n * 8)
+            torch.testing.assert_close(out[0, 2 * h:2 * h + 2], torch.softmax(logits, -1) @ v_exact[0, h, tok],
+                                       atol=1e-5, rtol=1e-5)
+            err = (keys - exact).norm() / exact.norm()
+            if rebuilt_err is None:
+                rebuilt_err = (rebuilt - exact).norm() / exact.norm()
+            assert err < rebuilt_err / {2: 3, 4: 15, 8: 200}[bits]  # each 2 bits: ~4x less error
+        assert not torch.allclose(out, ref_out, atol=1e-3)
+        # on the device: the same state plus this step's fetched residual rows (kept for reuse)
+        sel_bytes = layer.sel_keys.numel() * layer.sel_keys.element_size()
+        assert tensor_bytes(layer.state_tensors().values()) == tensor_bytes(plain.state_tensors().values()) + sel_bytes
+        assert (tensor_bytes(layer.host_tensors().values())
+                == tensor_bytes(plain.host_tensors().values()) + layer.kr_host.numel())
+
+
+def _rebuilt_keys(layer, sel, select):
+    """The low-rank keys (B, H, n, D) of the chosen chunks (``tokens``: of the chosen tokens)."""
+    from kvpress.kernels import shadowkv_rebuild
+
+    B, H, C, D = layer.landmarks.shape
+    if select == "chunks":
+        return shadowkv_rebuild(layer.factor, layer.basis, sel, layer._rope_inv_freq("cpu"), layer.rope_start,
+                                chunk_size=8)
+    every = torch.arange(C, dtype=torch.int32).expand(B, H, -1).contiguous()
+    keys = shadowkv_rebuild(layer.factor, layer.basis, every, layer._rope_inv_freq("cpu"), layer.rope_start,
+                            chunk_size=8)  # (B, H, C * 8, D), token t at slot t
+    return torch.gather(keys, 2, sel.clamp(min=0).long()[..., None].expand(-1, -1, -1, D))

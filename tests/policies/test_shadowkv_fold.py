@@ -93,6 +93,29 @@ def test_folded_keys_and_values_are_the_generated_ones(model, tail_chunk, fetch_
         torch.testing.assert_close(layer.tail_v_sum[:, :, -(n // 16):], sums, atol=1e-4, rtol=0)
 
 
+def test_folded_chunks_carry_their_residual_to_the_host_tier(model):
+    """With ``residual_bits`` a fold also appends the folded keys' residual rows -- the generated
+    keys less their rebuild at rank 4 of 32, quantized -- so rebuilt plus residual gives the
+    generated keys back within the residual's 8-bit step, where the rebuild alone is far off."""
+    from kvpress.policies._shadowkv_store import add_residual
+
+    ids, steps = random_ids(PROMPT, seed=3), random_ids(50, seed=4)
+    _, folded = feed(model, policy(rank=4, residual_bits=8, residual_group=16), ids, steps)
+    _, kept = feed(model, policy(rank=4, fold_size=0), ids, steps)
+    layer, ref = folded.layers[0], kept.layers[0]
+    first, C = PROMPT // 8, layer.n_chunks
+    n = (C - first) * 8
+    assert n == 32 and layer.kr_host.shape[2] == C == layer.v_host.shape[2]
+    B, H = layer.selectable.shape[:2]
+    chunks = torch.arange(first, C, dtype=torch.int32)[None, None].expand(B, H, -1).contiguous()
+    rebuilt = shadowkv_rebuild(layer.factor, layer.basis, chunks, layer._rope_inv_freq("cpu"), layer.rope_start,
+                               chunk_size=8)  # (B, H, n, D)
+    exact = ref.gen_k[:, :, :n]
+    keys = add_residual(rebuilt, layer.kr_host[:, :, first:].reshape(B, H, n, -1), 8, 16)
+    assert (rebuilt - exact).norm() > 0.3 * exact.norm()
+    assert (keys - exact).norm() < 0.01 * exact.norm()
+
+
 def test_a_budget_covering_everything_still_equals_full(model):
     """Rows whose tokens fit the budget fold into their exact tokens: no factorisation, ``full``'s logits."""
     ids, steps = random_ids(PROMPT, seed=5), random_ids(50, seed=6)  # folds before steps 33 and 49
