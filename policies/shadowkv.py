@@ -155,6 +155,23 @@ class ShadowKVPolicy(Policy):
     32 4k niah_multivalue samples (rebuilt 70.0%). The paper's rebuild stays the default: on a
     GPU it saves half the host link's traffic, which this option spends.
 
+    ``residual_bits=N`` (default 0: off; 2, 4 or 8): keeps the paper's rebuild and corrects it.
+    The host tier also holds, per token, the post-RoPE key less its rebuild from the factors,
+    quantized per token in groups of ``residual_group`` channels (None: 32, or the largest
+    allowed group dividing head_dim), and the tokens a step attends use rebuilt key + residual,
+    the residual fetched beside the values in the same plan (same reuse, bytes counted; a new
+    turn's dense pass too). Each fold rebuilds its chunks once to take their residual. At 2 bits
+    and head_dim 64 a token's residual is 24 bytes per KV head against 128 of bf16 values
+    (+19% fetched and host bytes; ``fetch_keys``: +100%), and on the device only the step's
+    fetched rows are added. On SmolLM2 (8k niah_single sample 46, the prompt's last 16 queries,
+    `benchmarks/shadowkv_key_error.py --residual-bits 2,4`, session 35) the attention's total
+    variation from the exact keys' falls from 0.219 at rank 48 to 0.086 with a 2-bit residual
+    (rank 96 alone: 0.126) and 0.017 with 4 bits. With
+    ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` at budget 256 it keeps 28 of
+    ``full``'s 29 8k niah_single needles (only #36, which exact top-k loses too; #46, lost by the
+    rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
+    ``full``'s bytes on the device (BENCHMARKS "Session 35 (CPU)").
+
     ``svd="query"`` (default ``"plain"``, the paper's): the SVD minimises the error of the scores
     the prompt's queries would compute instead of the keys' squared error -- each key channel
     weighted by the mean square of the prompt's queries of its KV head's group in that channel,
