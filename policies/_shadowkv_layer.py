@@ -47,8 +47,8 @@ class ShadowKVLayer(SelectedSteps, CacheLayer):
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
               "tail_v_sum", "key_weight")
     # what a fold replaces (`_fold`), held while a recorded forward may still be cropped
-    _FOLDED = _STATE + ("v_host", "k_host", "kr_host", "gen_len", "exact_max", "max_selectable", "exact_mode", "n_chunks",
-                        "_exact_cnt_cpu", "_sel_cnt_cpu")
+    _FOLDED = _STATE + ("v_host", "k_host", "kr_host", "gen_len", "exact_max", "max_selectable", "exact_mode",
+                        "n_chunks", "_exact_cnt_cpu", "_sel_cnt_cpu")
 
     def __init__(self, cache, layer_idx: int, policy: ShadowKVPolicy):
         super().__init__(cache, layer_idx)

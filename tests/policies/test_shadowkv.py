@@ -30,7 +30,8 @@ def generate(model, pol, ids, new=6):
                                        (dict(tail_chunk=12), "multiple of chunk_size=8"),
                                        (dict(tail_chunk=-8), "tail_chunk=-8 is out of range"),
                                        (dict(select="pages"), "select=.pages. is not supported"),
-                                       (dict(residual_bits=3), r"residual_bits=3 is not supported; allowed: \[0, 2, 4, 8\]"),
+                                       (dict(residual_bits=3),
+                                        r"residual_bits=3 is not supported; allowed: \[0, 2, 4, 8\]"),
                                        (dict(residual_bits=4, residual_group=24), "residual_group=24 is not supported"),
                                        (dict(residual_bits=4, fetch_keys=True), "choose one")])
 def test_bad_config_is_a_clear_error(kw, match):
@@ -47,7 +48,8 @@ def test_rank_larger_than_key_dim_is_refused_before_anything_runs(model):
 
 
 def test_residual_group_not_dividing_head_dim_is_refused_before_anything_runs(model):
-    with pytest.raises(ValueError, match="head_dim=16 is not divisible by residual_group=32; allowed for this model: \\[8, 16\\]"):
+    with pytest.raises(ValueError,
+                       match="head_dim=16 is not divisible by residual_group=32; allowed for this model: \\[8, 16\\]"):
         with kvpress.apply(model, policy(residual_bits=4, residual_group=32)):
             pass
     with torch.no_grad():
