@@ -1,19 +1,21 @@
 """Where does a decode step of random-llama3-8b (32 layers) go on a GPU? plain HF vs kvpress. (CUDA only)
 
-    python benchmarks/gpu/profile_decode.py [CONTEXT=32768] [SPEC ...]
+    [BATCH=8] python benchmarks/gpu/profile_decode.py [CONTEXT=32768] [SPEC ...]
 
 Prefills a random prompt, times 5 greedy decode steps (synchronised), then prints torch.profiler
 tables (self CPU time, self device time) of 2 more steps for each SPEC: ``plain`` (the unpatched
 model with its DynamicCache) or a policy spec (``full``, ``quest:budget=1024``, ``shadowkv:...``).
 Default: plain, full, quest:budget=1024 -- session 8's run on an H100 (BENCHMARKS "Session 8").
+``BATCH`` (environment, default 1): prompts per batch (session 36: ShadowKV's residual at batch 8).
 """
-import contextlib, sys, time, torch, kvpress
+import contextlib, os, sys, time, torch, kvpress
 from torch.profiler import profile, ProfilerActivity
 from kvpress.compat import cache_kwargs, output_cache
 from kvpress.evals.models import load_eval_model
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 model, tok = load_eval_model("random-llama3-8b-32l", device="cuda")
-ids = torch.randint(10, 1000, (1, T), device="cuda")
+B = int(os.environ.get("BATCH", "1"))
+ids = torch.randint(10, 1000, (B, T), device="cuda")
 def loop(label, policy, steps=5):
     ctx = kvpress.apply(model, policy) if policy is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
@@ -21,7 +23,7 @@ def loop(label, policy, steps=5):
         cache = output_cache(out); nxt = out.logits[:, -1:].argmax(-1)
         def step(i):
             return model(nxt, **cache_kwargs(model, cache), use_cache=True,
-                         position_ids=torch.tensor([[T + i]], device="cuda")).logits[:, -1:].argmax(-1)
+                         position_ids=torch.full((B, 1), T + i, device="cuda")).logits[:, -1:].argmax(-1)
         times = []
         for i in range(steps):
             torch.cuda.synchronize(); t = time.perf_counter(); nxt = step(i); torch.cuda.synchronize()
