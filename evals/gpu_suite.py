@@ -2,7 +2,8 @@
 
     pip install --no-deps --no-build-isolation -e .      # offline: uses the image's torch / triton / transformers
     python -m kvpress.evals.gpu_suite --out $OUT --stages env,tests,kernels            # ~10 minutes at most
-    python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,shadowkv,bench  # the second call
+    python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,bench           # the second call
+    python -m kvpress.evals.gpu_suite --out $OUT --stages shadowkv                     # ~8 minutes
     python -m kvpress.evals.gpu_suite --out $OUT --stages prefill                      # ~5 minutes
 
 Stages (each a subprocess with its own time limit; ``--budget-s`` caps the whole call, and a stage
@@ -18,8 +19,10 @@ that would start too late is skipped and says so):
 ``sparse``    Double Sparsity calibrated on the random Llama-3-8B shape, then ``bench_sparse_decode``
               at 32k, budget 1024: decode attention-only and end-to-end ms/token of quest,
               double_sparsity and tidal against full
-``shadowkv``  ``bench_shadowkv speed`` at 32k: largest batch that fits, tokens/s, fetch bytes and
-              reuse, against full; then batches 1 and 8 with ``fetch_keys`` (exact keys fetched)
+``shadowkv``  ``bench_shadowkv speed`` at 32k: batches 1 and 8 of full and of the configurations
+              that keep SmolLM2's needles (a 2-bit key residual; ``fetch_keys``) beside their plain
+              selection; then the default's largest batch that fits, tokens/s, fetch bytes and reuse
+              (~8 minutes on an H200: a call of its own)
 ``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
               quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
               weights; speed does not depend on which heads) and the eviction baselines against full
@@ -53,7 +56,7 @@ from pathlib import Path
 
 STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
-LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 300, "bench": 300,
+LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
           "prefill": 300}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
@@ -103,19 +106,23 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
                   "--json", str(work / "sparse" / "bench_sparse_decode.json")],
         ]
     if stage == "shadowkv":
-        sizes = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
-            ["--length", length, "--new-tokens", "16"]
-        # then the configurations that keep SmolLM2's needles at two batches: the rebuilt keys with
-        # a 2-bit residual fetched beside the values (session 35), and exact keys fetched with
-        # rank-24 keys in the queries' metric selecting (session 33)
-        fk = ["--batches", "1"] if smoke else ["--batches", "1,8"]
+        # first the configurations that keep SmolLM2's needles, beside full and the same selection
+        # without its key correction, at two batches in one process (session 36 found the
+        # residual's batch-8 step 2.4x its plain twin's across two processes): the rebuilt keys
+        # with a 2-bit residual fetched beside the values (session 35), and exact keys fetched
+        # with rank-24 keys in the queries' metric selecting (session 33); then the default's
+        # largest batch (doubling until out of memory: ~290 s on an H200, session 36)
+        fk = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
+            ["--length", length, "--batches", "1,8", "--new-tokens", "16"]
         tokens = "rerank=32:tail_chunk=64:select=tokens"
-        return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes,
-                      "--json", str(work / "shadowkv" / "speed.json")],
-                py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sizes, *fk, "--skip", "full,shadowkv",
-                      "--variants", f"{tokens}:residual_bits=2,{tokens}:fetch_keys=True:svd=query:rank="
+        sweep = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
+            ["--length", length, "--new-tokens", "16"]
+        return [py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *fk, "--skip", "shadowkv",
+                      "--variants", f"{tokens},{tokens}:residual_bits=2,{tokens}:fetch_keys=True:svd=query:rank="
                       f"{'4' if smoke else '24'}",
-                      "--json", str(work / "shadowkv" / "speed_fetch_keys.json")]]
+                      "--json", str(work / "shadowkv" / "speed_configs.json")],
+                py + ["kvpress.evals.bench_shadowkv", "speed", "--model", model, *sweep,
+                      "--json", str(work / "shadowkv" / "speed.json")]]
     if stage == "bench":
         artifact = work / "sparse" / f"ds-{model}.safetensors"
         # the sparse stage makes the artifact when it ran first in this call
