@@ -131,9 +131,13 @@ def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, 
     for host, prev in zip(hosts, prevs):
         width = cs * host.shape[-1]
         parts = [] if not K_prev else [prev.reshape(BH * K_prev, width)]
-        if M:
-            rows = host.view(BH * C, width).index_select(0, host_rows)  # the host-side gather
-            rows = rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
+        if M:  # the host-side gather; for CUDA straight into pinned memory (no second host copy)
+            src = host.view(BH * C, width)
+            if device.type == "cuda":
+                rows = torch.empty(M, width, dtype=host.dtype, pin_memory=True)
+                rows = torch.index_select(src, 0, host_rows, out=rows).to(device, non_blocking=True)
+            else:
+                rows = src.index_select(0, host_rows)
             parts.append(rows)
             fetched_bytes += rows.numel() * rows.element_size()
         parts.append(torch.zeros(1, width, dtype=host.dtype, device=device))
