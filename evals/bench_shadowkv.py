@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 
@@ -177,7 +178,9 @@ def _decode_throughput(model, policy, batch: int, length: int, new_tokens: int) 
     steady = times[1:] if len(times) > 1 else times
     step_s = sum(steady) / len(steady)
     st = kvpress.cache_stats(cache)
+    # every step kept: a mean inflated by a few slow steps (a recompile, a host stall) shows
     res = {"batch": batch, "prefill_s": prefill_s, "decode_ms_per_step": 1000 * step_s,
+           "decode_ms_median": 1000 * statistics.median(steady), "step_ms": [1000 * t for t in times],
            "tokens_per_s": batch / step_s, "resident_bytes": st.resident_bytes, "host_bytes": st.offloaded_bytes}
     if policy.name == "shadowkv":
         res.update(transfer_summary(cache))
@@ -222,7 +225,8 @@ def run_speed(args) -> dict:
                 print(f"{name} batch {batch}: FAILED {type(err).__name__}: {err}", flush=True)
                 break
             r = runs[-1]
-            print(f"{name} batch {batch}: prefill {r['prefill_s']:.2f} s, {r['decode_ms_per_step']:.1f} ms/step",
+            print(f"{name} batch {batch}: prefill {r['prefill_s']:.2f} s, {r['decode_ms_per_step']:.1f} ms/step "
+                  f"(median {r['decode_ms_median']:.1f}, slowest {max(r['step_ms'][1:] or r['step_ms']):.1f})",
                   flush=True)
             if batches is not None and not batches:
                 break

@@ -50,6 +50,10 @@ def test_bench_shadowkv_speed_and_memory_on_random_tiny(tmp_path):
     assert full["batch"] == shadow["batch"] == 1
     assert shadow["host_bytes"] > 0 and full["host_bytes"] == 0
     assert shadow["fetched_bytes_per_step"] > 0 and 0.0 <= shadow["reuse_rate"] <= 1.0
+    for run in (full, shadow):  # every step kept; mean and median over steps 2-3
+        assert len(run["step_ms"]) == 3 and min(run["step_ms"]) > 0
+        assert abs(run["decode_ms_per_step"] - sum(run["step_ms"][1:]) / 2) < 1e-6
+        assert run["decode_ms_median"] == sum(run["step_ms"][1:]) / 2
 
     mem_json = tmp_path / "memory.json"
     main(["memory", "--model", "random-tiny", "--length", "1024", "--json", str(mem_json)])
