@@ -20,6 +20,8 @@ bytes it reads. The C kernels of ``csrc/`` do a whole step per (row, KV head) in
 - `shadowkv_select` -- ``shadowkv``'s chunk selection: landmark scores, the shortlist, its keys
   rebuilt from the low-rank factors with RoPE and re-scored exactly, the chosen chunks' ids and
   rebuilt keys (`kvpress.kernels.shadowkv_rebuild`'s math);
+- `add_residual` -- ``shadowkv:residual_bits``' correction of rebuilt keys: each key plus its
+  dequantized residual row (`kvpress.policies._shadowkv_store.add_residual`'s math), one pass;
 - `attend_rows` -- exact attention over a few row sets (a prefix of rows per (row, KV head) each)
   under one softmax: ``sparse_decode`` of each set merged by ``merge_states``, in one call;
 - `gear_key_extra` / `gear_value_extra` -- ``gear``'s low-rank error (per-chunk right factors,
@@ -273,3 +275,25 @@ def attend_rows(q: torch.Tensor, sets: list[tuple], *, scale: float) -> tuple[to
     if rc != 0:
         raise RuntimeError(f"kvp_attend_rows refused its inputs (code {rc})")
     return out, lse
+
+
+def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 ``keys`` (..., n, D) plus the residual whose `residual_table` rows ``table`` (..., n, W)
+    uint8 carries (codes, then fp16 scales and zero points per ``group_size`` channels): a new
+    fp32 tensor; the torch reference is ``kvpress.policies._shadowkv_store.add_residual``."""
+    lib = _lib()
+    D, W = keys.shape[-1], table.shape[-1]
+    if (not _fp32_cpu(keys) or table.dtype != torch.uint8 or table.device.type != "cpu"
+            or keys.shape[:-1] != table.shape[:-1]):
+        raise ValueError(f"add_residual needs fp32 CPU keys (..., n, D) and uint8 CPU rows (..., n, W) of the same "
+                         f"leading shape; got keys {tuple(keys.shape)} {keys.dtype}, table {tuple(table.shape)} "
+                         f"{table.dtype}")
+    keys, table = keys.contiguous(), table.contiguous()
+    out = torch.empty_like(keys)
+    rc = lib.kvp_add_residual(keys.data_ptr(), table.data_ptr(), keys.numel() // max(D, 1), D, W, int(bits),
+                              int(group_size), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"add_residual: bits={bits}, group_size={group_size}, head_dim={D} and row width {W} do not "
+                         f"fit (bits 2 / 4 / 8, group_size dividing head_dim into at most 64 groups, "
+                         f"W = D * bits / 8 + 4 * D / group_size; code {rc})")
+    return out

@@ -238,7 +238,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
                                            chunk_size=cs, backend=p.backend)
                 if p.residual_bits:
                     rebuilt = add_residual(rebuilt, extra[0].view(B, H, self.max_selectable * cs, -1),
-                                           p.residual_bits, p.residual_group_for(D))
+                                           p.residual_bits, p.residual_group_for(D), backend=p.backend)
                 keys.append(rebuilt)
             values.append(fetched.view(B, H, self.max_selectable * cs, D))
             seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))

@@ -101,7 +101,7 @@ class SelectedSteps:
             keys = fetched.reshape(rebuilt.shape)
         elif p.residual_bits:
             keys = add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
-                                p.residual_group_for(rebuilt.shape[-1]))
+                                p.residual_group_for(rebuilt.shape[-1]), backend=p.backend)
         return keys, values
 
     def _selected_rows(self, q0, k_sel, allow, scaling):

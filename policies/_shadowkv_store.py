@@ -233,11 +233,18 @@ def residual_table(keys: torch.Tensor, rebuilt: torch.Tensor, bits: int, group_s
     return torch.cat([codes, scale.view(torch.uint8), zero.view(torch.uint8)], dim=-1)
 
 
-def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size: int,
+                 backend: str = "auto") -> torch.Tensor:
     """``keys`` (B, H_kv, n, D) plus the residual whose `residual_table` rows ``table`` (B, H_kv,
-    n, W) carries, in ``keys``' dtype. A zero row (an empty slot) adds nothing."""
+    n, W) carries, in ``keys``' dtype. A zero row (an empty slot) adds nothing. fp32 CPU tensors
+    take the compiled `kvpress.kernels.native.add_residual` (one pass instead of ~10 torch ops)
+    unless ``backend="torch"``; the torch code below is its reference."""
+    from kvpress.kernels import native
     from kvpress.kernels.quant import unpack_codes
 
+    if (backend != "torch" and keys.dtype == torch.float32 and keys.device.type == "cpu"
+            and table.device.type == "cpu" and native.available()):
+        return native.add_residual(keys, table, bits, group_size)
     B, H, n, D = keys.shape
     nb, ng = D * bits // 8, D // group_size
     sz = table[..., nb:].contiguous().view(torch.float16).float()  # (B, H, n, 2 * ng)

@@ -39,7 +39,7 @@
 #include <omp.h>
 #endif
 
-#define KVP_ABI_VERSION 7
+#define KVP_ABI_VERSION 8
 
 /* internal functions shared between the files: kept out of the library's exported symbols */
 #define KVP_HIDDEN __attribute__((visibility("hidden")))

@@ -266,3 +266,37 @@ int kvp_shadowkv_select(const float *q, int64_t B, int64_t Hq, int64_t H, int64_
     free(rope.lo);
     return rc;
 }
+
+/* ------------------------------------------------------------------ the keys' residual */
+
+/* out (N, D) = keys (N, D) + the residual of `residual_table` rows (N, W) uint8: D * bits / 8
+ * bytes of codes (channel c in byte c / per at bit (c % per) * bits, per = 8 / bits), then D / group
+ * fp16 scales and D / group fp16 zero points as bytes; residual = code * scale + zero of c's group.
+ * Rows independent; `out` may be `keys`. 0, or 1 for a bad bit width / group (at most 64 groups
+ * per row), 2 for a row width that does not match them. */
+int kvp_add_residual(const float *keys, const uint8_t *table, int64_t N, int64_t D, int64_t W, int bits,
+                     int64_t group, float *out) {
+    if (!(bits == 2 || bits == 4 || bits == 8) || group <= 0 || D <= 0 || D % group || (D * bits) % 8
+        || D / group > 64)
+        return 1;
+    const int64_t nb = D * bits / 8, ng = D / group;
+    if (W != nb + 4 * ng) return 2;
+    const int per = 8 / bits, mask = (1 << bits) - 1;
+    const int nt = team(N, (double)N * D);
+#pragma omp parallel for num_threads(nt) if (nt > 1) schedule(static)
+    for (int64_t i = 0; i < N; ++i) {
+        const uint8_t *row = table + i * W;
+        uint16_t h[2 * 64];  /* scales then zeros (ng <= 64, checked above) */
+        float sz[2 * 64];
+        memcpy(h, row + nb, (size_t)(4 * ng));
+        halfs_to_floats(sz, h, 2 * ng);
+        const float *k = keys + i * D;
+        float *o = out + i * D;
+        for (int64_t c = 0; c < D; ++c) {
+            const int code = (row[c / per] >> ((c % per) * bits)) & mask;
+            const int64_t g = c / group;
+            o[c] = k[c] + ((float)code * sz[g] + sz[ng + g]);  /* the reference's order (maybe fused) */
+        }
+    }
+    return 0;
+}

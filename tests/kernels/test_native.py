@@ -208,3 +208,37 @@ def test_selection_and_decode_are_the_same_on_any_thread_count(torch_threads):
         assert torch.equal(one, two)
     want = reference_label_select(q, channels, labels, k, 4, T - 16, 64, 512, 0.2, "softmax_max")
     assert torch.equal(runs[0][0].long(), want)
+
+
+@pytest.mark.parametrize("bits,D,group", [(2, 64, 32), (4, 128, 32), (8, 64, 8), (2, 80, 16), (4, 96, 32)])
+def test_add_residual_equals_the_torch_reference(bits, D, group):
+    """ShadowKV's key correction: compiled = torch (same products and sums), an empty slot's zero
+    row adds nothing, and the corrected keys are within one quantization step of the exact ones."""
+    from kvpress.policies._shadowkv_store import add_residual, residual_table
+
+    g = torch.Generator().manual_seed(bits * D + group)
+    rebuilt = torch.randn(2, 3, 37, D, generator=g)
+    exact = rebuilt + 0.2 * torch.randn(2, 3, 37, D, generator=g)
+    table = residual_table(exact, rebuilt, bits, group)
+    table[1, 2, 5] = 0  # an empty slot's row
+    ref = add_residual(rebuilt, table, bits, group, backend="torch")
+    out = native.add_residual(rebuilt, table, bits, group)
+    assert out.dtype == torch.float32 and out.shape == rebuilt.shape
+    assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[1, 2, 5], rebuilt[1, 2, 5])
+    step = (exact - rebuilt).abs().amax() * 2 / (2**bits - 1)  # a group's range is at most twice the max
+    mask = torch.ones(2, 3, 37, dtype=torch.bool)
+    mask[1, 2, 5] = False
+    assert ((out - exact).abs()[mask] <= step / 2 + 1e-3).all()
+    # the dispatcher takes the compiled pass for fp32 CPU tensors
+    assert torch.equal(add_residual(rebuilt, table, bits, group), out)
+
+
+def test_add_residual_bad_input_is_a_clear_error():
+    keys, table = torch.randn(1, 1, 4, 64), torch.zeros(1, 1, 4, 24, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fp32 CPU keys"):
+        native.add_residual(keys.half(), table, 2, 32)
+    with pytest.raises(ValueError, match="row width 20"):
+        native.add_residual(keys, table[..., :20], 2, 32)
+    with pytest.raises(ValueError, match="bits=3"):
+        native.add_residual(keys, table, 3, 32)
