@@ -171,8 +171,10 @@ class ShadowKVPolicy(Policy):
     ``full``'s 29 8k niah_single needles (only #36, which exact top-k loses too; #46, lost by the
     rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
     ``full``'s bytes on the device, 102.3% [95.6-109.9%] of ``full`` over 128 4k niah_multivalue
-    samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.62x ``full`` (0.65x without
-    the residual; BENCHMARKS "Session 35 (CPU)"). At rank 24 (``svd="query"``) the 2-bit residual
+    samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.65x ``full`` (0.66x without
+    the residual, whose correction is one compiled pass on fp32 CPU; BENCHMARKS "Session 35 (CPU)",
+    "Session 36"). On an H200 its batch-8 step took 2.4x that of the same selection without it
+    (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
     is not enough: 26 of the 29 8k needles.
 
     ``svd="query"`` (default ``"plain"``, the paper's): the SVD minimises the error of the scores
