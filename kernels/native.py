@@ -20,6 +20,8 @@ bytes it reads. The C kernels of ``csrc/`` do a whole step per (row, KV head) in
 - `shadowkv_select` -- ``shadowkv``'s chunk selection: landmark scores, the shortlist, its keys
   rebuilt from the low-rank factors with RoPE and re-scored exactly, the chosen chunks' ids and
   rebuilt keys (`kvpress.kernels.shadowkv_rebuild`'s math);
+- `shadowkv_tail` -- ``shadowkv:tail_chunk``'s estimate of the tokens a ``select="tokens"`` step
+  leaves out, from the chunk landmarks and group value sums (`tail_estimate_tokens`' math);
 - `add_residual` -- ``shadowkv:residual_bits``' correction of rebuilt keys: each key plus its
   dequantized residual row (`kvpress.policies._shadowkv_store.add_residual`'s math), one pass;
 - `attend_rows` -- exact attention over a few row sets (a prefix of rows per (row, KV head) each)
@@ -297,3 +299,40 @@ def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size:
                          f"fit (bits 2 / 4 / 8, group_size dividing head_dim into at most 64 groups, "
                          f"W = D * bits / 8 + 4 * D / group_size; code {rc})")
     return out
+
+
+def shadowkv_tail(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
+                  ids: torch.Tensor | None, values: torch.Tensor | None, *, chunk_size: int, tail_chunk: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kvpress.policies._shadowkv_select.tail_estimate_tokens` (its torch code is the reference)
+    in one call: fp32 CPU ``q`` (B, H_q, D), ``landmarks`` (B, H_kv, C, D), bool ``selectable``
+    (B, H_kv, C), ``v_sum`` (B, H_kv, N, D), the attended token ``ids`` (B, H_kv, K) (-1 empty)
+    and their ``values`` (B, H_kv, K, D), or None for both. Returns fp32 out (B, H_q, D), lse (B, H_q)."""
+    lib = _lib()
+    B, H_q, D = q.shape
+    H, C = landmarks.shape[1], landmarks.shape[2]
+    N, m = v_sum.shape[2], tail_chunk // chunk_size
+    off = N * m - C
+    K = 0 if ids is None else ids.shape[2]
+    if (not _fp32_cpu(q, landmarks, v_sum) or (K and not _fp32_cpu(values)) or selectable.dtype != torch.bool
+            or tuple(selectable.shape) != (B, H, C) or tuple(v_sum.shape) != (B, H, N, D)
+            or landmarks.shape[0] != B or landmarks.shape[3] != D
+            or (K and (tuple(values.shape) != (B, H, K, D) or tuple(ids.shape) != (B, H, K)))):
+        raise ValueError(f"shadowkv_tail needs fp32 CPU q {tuple(q.shape)}, landmarks (B, H_kv, C, D), bool "
+                         f"selectable (B, H_kv, C), v_sum (B, H_kv, N, D), ids (B, H_kv, K) and values "
+                         f"(B, H_kv, K, D); got landmarks {tuple(landmarks.shape)}, selectable "
+                         f"{tuple(selectable.shape)}, v_sum {tuple(v_sum.shape)}")
+    q, landmarks, v_sum = q.contiguous(), landmarks.contiguous(), v_sum.contiguous()
+    sel = selectable.contiguous()
+    ids = ids.to(torch.int32).contiguous() if K else None
+    values = values.contiguous() if K else None
+    out = torch.empty(B, H_q, D, dtype=torch.float32)
+    lse = torch.empty(B, H_q, dtype=torch.float32)
+    rc = lib.kvp_shadowkv_tail(q.data_ptr(), B, H_q, H, D, landmarks.data_ptr(), C, sel.data_ptr(),
+                               v_sum.data_ptr(), N, _ptr(ids), _ptr(values), K, int(chunk_size), m, off,
+                               float(scale), out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"kvp_shadowkv_tail refused its inputs (code {rc}): H_q={H_q} must be a multiple of "
+                         f"H_kv={H} by at most 8, tail_chunk={tail_chunk} a multiple of chunk_size={chunk_size} "
+                         f"with N={N} groups covering C={C} chunks")
+    return out, lse

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import CacheLayer, PromptStage
-from kvpress.kernels import chunk_landmarks, merge_states
+from kvpress.kernels import chunk_landmarks, merge_states, native
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
@@ -293,12 +293,15 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
         allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
         k_sel = int(allow.max()) if allow.numel() else 0
-        if self._native_step_ok(q0):
+        compiled = self._native_step_ok(q0)
+        if compiled:
             out, lse, ids, values = self._native_step(q0, k_sel, allow, scaling)
         else:
             out, lse, ids, values = self._torch_step(q0, k_sel, allow, scaling)
         if p.tail_chunk and self.max_selectable:
             estimate = tail_estimate_tokens if p.select == "tokens" else tail_estimate
+            if compiled and p.select == "tokens":  # the same math in one call (torch: the reference)
+                estimate = native.shadowkv_tail
             o, l = estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
                             chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
             out, lse = merge_states(out, lse, o.to(out.dtype), l)

@@ -300,3 +300,90 @@ int kvp_add_residual(const float *keys, const uint8_t *table, int64_t N, int64_t
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------ the tail estimate */
+
+/* `tail_estimate_tokens` then `landmark_tail_estimate` (kvpress/policies/_shadowkv_select.py,
+ * kvpress/kernels/tail.py) for one decode query per head: chunk c of (b, h) stands for
+ * w = sel * (1 - taken / cs) of its cs tokens (taken: the attended token ids in it); chunks fall in
+ * groups g = (c + off) / m of N; group g has kept = sum w, key k_sum / max(kept, 1) with k_sum the
+ * w-weighted sum of its landmarks, n = kept * cs tokens and value (v_sum[g] - the attended tokens'
+ * values in it) / max(n, 1); each query head attends the groups with logits q.k * scale + log
+ * max(n, 1), groups with n < 0.5 left out. out (B, Hq, D), lse (B, Hq): zeros / -inf when none is
+ * left. q (B, Hq, D); lm (B, H, C, D); sel (B, H, C) bytes; v_sum (B, H, N, D); ids (B, H, K)
+ * int32 (-1 empty) and vals (B, H, K, D), K may be 0. All fp32, contiguous. 0, or -1 for bad
+ * shapes, -3 out of memory. */
+int kvp_shadowkv_tail(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t D,
+                      const float *lm, int64_t C, const uint8_t *sel, const float *v_sum, int64_t N,
+                      const int32_t *ids, const float *vals, int64_t K, int64_t cs, int64_t m, int64_t off,
+                      float scale, float *out, float *lse) {
+    int64_t G = Hq / H;
+    if (G * H != Hq || G > 8 || D <= 0 || cs <= 0 || m <= 0 || off < 0 || off >= m || C < 0 || K < 0
+        || N != (C + off + m - 1) / m) return -1;
+    int nt = team(B * H, (double)(B * H) * (double)(C * D + N * D * (G + 1) + K * D)), rc = 0;
+    (void)nt;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *fb = malloc(sizeof(float) * (size_t)(C + 2 * N * D + N + D + N + 1));
+        if (!fb) set_rc(&rc, -3);
+        float *w = fb, *km = w + C, *vm = km + N * D, *cnt = vm + N * D, *qs = cnt + N, *lg = qs + D;
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * H; ++bh) {
+            if (!fb) continue;
+            int64_t b = bh / H, h = bh % H;
+            const uint8_t *selh = sel + bh * C;
+            const float *lmh = lm + bh * C * D, *vsh = v_sum + bh * N * D;
+            for (int64_t c = 0; c < C; ++c) w[c] = 0.0f;
+            memset(vm, 0, sizeof(float) * (size_t)(N * D));  /* the attended values' group sums */
+            for (int64_t j = 0; j < K; ++j) {
+                int32_t id = ids[bh * K + j];
+                if (id < 0) continue;
+                int64_t c = id / cs;
+                if (c >= C) continue;
+                w[c] += 1.0f;
+                axpy(vm + ((c + off) / m) * D, 1.0f, vals + (bh * K + j) * D, D);
+            }
+            for (int64_t c = 0; c < C; ++c) w[c] = selh[c] ? 1.0f - w[c] / (float)cs : 0.0f;
+            for (int64_t g = 0; g < N; ++g) {
+                float *kg = km + g * D, *vg = vm + g * D, s = 0.0f;
+                for (int64_t d = 0; d < D; ++d) kg[d] = 0.0f;
+                for (int64_t i = 0; i < m; ++i) {
+                    int64_t c = g * m + i - off;
+                    if (c < 0 || c >= C) continue;
+                    s += w[c];
+                    if (w[c] != 0.0f) axpy(kg, w[c], lmh + c * D, D);
+                }
+                float kd = s > 1.0f ? s : 1.0f, n = s * (float)cs, nd = n > 1.0f ? n : 1.0f;
+                cnt[g] = n;
+                for (int64_t d = 0; d < D; ++d) {
+                    kg[d] /= kd;
+                    vg[d] = (vsh[g * D + d] - vg[d]) / nd;
+                }
+            }
+            for (int64_t gq = 0; gq < G; ++gq) {
+                const float *qh = q + (b * Hq + h * G + gq) * D;
+                float *o = out + (b * Hq + h * G + gq) * D, mx = -INFINITY;
+                for (int64_t d = 0; d < D; ++d) qs[d] = qh[d] * scale;
+                for (int64_t g = 0; g < N; ++g) {
+                    lg[g] = cnt[g] < 0.5f ? -INFINITY
+                                          : dot(qs, km + g * D, D) + logf(cnt[g] > 1.0f ? cnt[g] : 1.0f);
+                    if (lg[g] > mx) mx = lg[g];
+                }
+                for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+                if (mx == -INFINITY) {
+                    lse[b * Hq + h * G + gq] = -INFINITY;
+                    continue;
+                }
+                double z = 0.0;
+                for (int64_t g = 0; g < N; ++g) z += lg[g] == -INFINITY ? 0.0 : exp((double)(lg[g] - mx));
+                for (int64_t g = 0; g < N; ++g) {
+                    if (lg[g] == -INFINITY) continue;
+                    axpy(o, (float)(exp((double)(lg[g] - mx)) / z), vm + g * D, D);
+                }
+                lse[b * Hq + h * G + gq] = mx + (float)log(z);
+            }
+        }
+        free(fb);
+    }
+    return rc;
+}

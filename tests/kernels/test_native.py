@@ -242,3 +242,38 @@ def test_add_residual_bad_input_is_a_clear_error():
         native.add_residual(keys, table[..., :20], 2, 32)
     with pytest.raises(ValueError, match="bits=3"):
         native.add_residual(keys, table, 3, 32)
+
+
+@pytest.mark.parametrize("B,H,G,C,D,cs,tail,K,empty", [(1, 3, 3, 96, 64, 8, 64, 40, False),
+                                                      (2, 2, 4, 37, 32, 4, 16, 30, False),
+                                                      (2, 2, 4, 37, 32, 4, 16, 0, True),
+                                                      (1, 1, 8, 5, 128, 2, 8, 12, False)])
+def test_shadowkv_tail_equals_tail_estimate_tokens(B, H, G, C, D, cs, tail, K, empty):
+    """ShadowKV's tail estimate for single attended tokens: compiled = torch, with groups not
+    aligned to the start (offset), chunks not selectable, a chunk all of whose tokens are
+    attended, empty slots, and no attended tokens at all."""
+    from kvpress.policies._shadowkv_select import tail_estimate_tokens
+
+    g = torch.Generator().manual_seed(C * D + K)
+    m = tail // cs
+    N = -(-C // m)
+    q, lm = torch.randn(B, H * G, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    sel = torch.rand(B, H, C, generator=g) > 0.2
+    v_sum = 3 * torch.randn(B, H, N, D, generator=g)
+    ids = vals = None
+    if not empty:
+        ids = torch.randint(0, C * cs, (B, H, K), generator=g).int()
+        ids[..., ::5] = -1
+        ids[0, 0, :cs] = torch.arange(cs, dtype=torch.int32) + cs  # chunk 1 entirely attended
+        vals = torch.randn(B, H, K, D, generator=g)
+    kw = dict(chunk_size=cs, tail_chunk=tail, scale=D ** -0.5)
+    ref_out, ref_lse = tail_estimate_tokens(q, lm, sel, v_sum, ids, vals, **kw)
+    out, lse = native.shadowkv_tail(q, lm, sel, v_sum, ids, vals, **kw)
+    assert torch.allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    nothing = torch.zeros(B, H, C, dtype=torch.bool)  # no chunk left: zeros and -inf, as the reference
+    out0, lse0 = native.shadowkv_tail(q, lm, nothing, v_sum, ids, vals, **kw)
+    assert torch.equal(out0, torch.zeros_like(out0)) and bool(torch.isneginf(lse0).all())
+    assert bool(torch.isneginf(tail_estimate_tokens(q, lm, nothing, v_sum, ids, vals, **kw)[1]).all())
+    with pytest.raises(ValueError, match="shadowkv_tail needs fp32 CPU"):
+        native.shadowkv_tail(q.double(), lm, sel, v_sum, ids, vals, **kw)
