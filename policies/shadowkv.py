@@ -171,9 +171,9 @@ class ShadowKVPolicy(Policy):
     ``full``'s 29 8k niah_single needles (only #36, which exact top-k loses too; #46, lost by the
     rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
     ``full``'s bytes on the device, 102.3% [95.6-109.9%] of ``full`` over 128 4k niah_multivalue
-    samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.65x ``full`` (0.66x without
-    the residual, whose correction is one compiled pass on fp32 CPU; BENCHMARKS "Session 35 (CPU)",
-    "Session 36"). On an H200 its batch-8 step took 2.4x that of the same selection without it
+    samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.72x ``full`` (0.73x without
+    the residual; its correction and the tail estimate are compiled calls on fp32 CPU; BENCHMARKS
+    "Session 35 (CPU)", "Session 36"). On an H200 its batch-8 step took 2.4x that of the same selection without it
     (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
     is not enough: 26 of the 29 8k needles.
 
