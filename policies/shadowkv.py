@@ -172,9 +172,9 @@ class ShadowKVPolicy(Policy):
     rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
     ``full``'s bytes on the device, 102.3% [95.6-109.9%] of ``full`` over 128 4k niah_multivalue
     samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.72x ``full`` (0.73x without
-    the residual; its correction and the tail estimate are compiled calls on fp32 CPU; BENCHMARKS
-    "Session 35 (CPU)", "Session 36"). On an H200 its batch-8 step took 2.4x that of the same selection without it
-    (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
+    the residual; on fp32 CPU the correction and the tokens' tail estimate are compiled calls;
+    BENCHMARKS "Session 35 (CPU)", "Session 36"). On an H200 its batch-8 step took 2.4x that of
+    the same selection without it (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
     is not enough: 26 of the 29 8k needles.
 
     ``svd="query"`` (default ``"plain"``, the paper's): the SVD minimises the error of the scores
