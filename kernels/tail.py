@@ -288,7 +288,10 @@ def landmark_tail_estimate(q: torch.Tensor, landmarks: torch.Tensor, keep: torch
     landmarks : torch.Tensor
         ``(B, H_kv, C, D)`` mean post-RoPE key of each chunk.
     keep : torch.Tensor
-        bool ``(B, H_kv, C)``: the chunks the estimate stands for (not attended exactly).
+        bool ``(B, H_kv, C)``: the chunks the estimate stands for (not attended exactly); or float
+        weights in [0, 1], the share of each chunk's tokens it stands for (``select="tokens"``):
+        a group's key is then the weighted mean of its landmarks, and it stands for
+        ``chunk_size * sum(weights)`` tokens.
     v_sum : torch.Tensor
         fp32 ``(B, H_kv, N, D)``, ``N = ceil((C + offset) / group)``: value sums of each group's kept chunks.
 
@@ -310,7 +313,9 @@ def landmark_tail_estimate(q: torch.Tensor, landmarks: torch.Tensor, keep: torch
     pad = (offset, N * group - C - offset)
     kept = F.pad(keep.float(), pad).view(B, H, N, group).sum(-1)  # (B, H_kv, N) kept chunks per group
     k_sum = F.pad(landmarks.float() * keep[..., None], (0, 0) + pad).view(B, H, N, group, D).sum(3)
-    k_mean = k_sum / kept.clamp(min=1)[..., None]
+    # a group keeps its mean key however little of it is left (with ``select="tokens"`` a chunk counts
+    # for the fraction of its tokens not attended, so ``kept`` can be under 1): divide by ``kept``
+    k_mean = k_sum / torch.where(kept > 0, kept, torch.ones_like(kept))[..., None]
     n = kept * chunk_size
     return _chunk_attention(q, k_mean, v_sum.float() / n.clamp(min=1)[..., None], n, scale)
 

@@ -306,7 +306,7 @@ int kvp_add_residual(const float *keys, const uint8_t *table, int64_t N, int64_t
 /* `tail_estimate_tokens` then `landmark_tail_estimate` (kvpress/policies/_shadowkv_select.py,
  * kvpress/kernels/tail.py) for one decode query per head: chunk c of (b, h) stands for
  * w = sel * (1 - taken / cs) of its cs tokens (taken: the attended token ids in it); chunks fall in
- * groups g = (c + off) / m of N; group g has kept = sum w, key k_sum / max(kept, 1) with k_sum the
+ * groups g = (c + off) / m of N; group g has kept = sum w, key k_sum / kept (1 if 0) with k_sum the
  * w-weighted sum of its landmarks, n = kept * cs tokens and value (v_sum[g] - the attended tokens'
  * values in it) / max(n, 1); each query head attends the groups with logits q.k * scale + log
  * max(n, 1), groups with n < 0.5 left out. out (B, Hq, D), lse (B, Hq): zeros / -inf when none is
@@ -353,7 +353,7 @@ int kvp_shadowkv_tail(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t 
                     s += w[c];
                     if (w[c] != 0.0f) axpy(kg, w[c], lmh + c * D, D);
                 }
-                float kd = s > 1.0f ? s : 1.0f, n = s * (float)cs, nd = n > 1.0f ? n : 1.0f;
+                float kd = s > 0.0f ? s : 1.0f, n = s * (float)cs, nd = n > 1.0f ? n : 1.0f;
                 cnt[g] = n;
                 for (int64_t d = 0; d < D; ++d) {
                     kg[d] /= kd;

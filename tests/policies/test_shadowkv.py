@@ -500,6 +500,66 @@ def test_token_tail_subtracts_the_attended_tokens():
         torch.testing.assert_close(out[0, 2 * h], expect, atol=1e-5, rtol=1e-5)
 
 
+def _token_tail_by_loops(q, landmarks, selectable, v, ids, *, cs, tail_chunk, scale):
+    """`tail_estimate_tokens` written token by token: group ``g`` of ``tail_chunk // cs`` chunks
+    (aligned to the end) stands for its selectable tokens not in ``ids``, with key the mean of
+    its chunks' landmarks weighted by the tokens each has left and value those tokens' mean."""
+    B, H, C, D = landmarks.shape
+    m = tail_chunk // cs
+    N = -(-C // m)
+    off = N * m - C
+    out = torch.zeros(B, q.shape[1], D)
+    G = q.shape[1] // H
+    for b in range(B):
+        for h in range(H):
+            attended = set(int(i) for i in ids[b, h] if i >= 0)
+            keys, vals, ns = [], [], []
+            for g in range(N):
+                chunks = [c for c in range(g * m - off, (g + 1) * m - off) if 0 <= c < C and selectable[b, h, c]]
+                left = [(c, t) for c in chunks for t in range(cs) if c * cs + t not in attended]
+                if not left:
+                    continue
+                w = {c: sum(1 for cc, _ in left if cc == c) for c in chunks}
+                keys.append(sum(w[c] * landmarks[b, h, c] for c in chunks) / len(left))
+                vals.append(torch.stack([v[b, h, c, t] for c, t in left]).mean(0))
+                ns.append(len(left))
+            for i in range(G):
+                if not ns:
+                    continue
+                logits = torch.stack([scale * q[b, h * G + i] @ k for k in keys]) + torch.tensor(ns).float().log()
+                out[b, h * G + i] = torch.softmax(logits, 0) @ torch.stack(vals)
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_token_tail_keeps_a_group_mean_key_when_under_a_chunk_is_left(compiled):
+    """A group with fewer tokens left than one chunk holds (``select="tokens"``: its chunks count
+    for their unattended tokens) keeps the mean of its landmarks as its key (until session 37 it
+    was divided by one chunk instead, shrinking it), in the torch code and the compiled twin."""
+    from kvpress.kernels import native
+    from kvpress.policies._shadowkv_select import tail_estimate_tokens, tail_value_sums
+
+    if compiled and not native.available():
+        pytest.skip("native library not built")
+    gen = torch.Generator().manual_seed(3)
+    B, H, C, cs, D, tail = 1, 2, 10, 4, 8, 16
+    v = torch.randn(B, H, C, cs, D, generator=gen)
+    landmarks = 3 * torch.randn(B, H, C, D, generator=gen)
+    selectable = torch.ones(B, H, C, dtype=torch.bool)
+    selectable[:, :, 4:7] = False  # group 1 (chunks 2-5 with the offset of 2) keeps chunks 2 and 3
+    ids = torch.full((B, H, 12), -1, dtype=torch.int32)
+    ids[0, 0, :7] = torch.tensor([8, 9, 10, 11, 12, 13, 14])  # chunk 2 all, chunk 3 all but token 15
+    ids[0, 1, :3] = torch.tensor([13, 14, 15])  # chunk 3 all but token 12: group 1 keeps 1 + 1/4 chunks
+    ids[0, 1, 3:5] = torch.tensor([36, 37])  # and chunk 9, in the last group, half
+    vals = v.view(B, H, C * cs, D)[0][torch.arange(H)[:, None], ids[0].clamp(min=0).long()][None] * (ids >= 0)[..., None]
+    q = torch.randn(B, 4, D, generator=gen)
+    kw = dict(chunk_size=cs, tail_chunk=tail, scale=0.5)
+    estimate = native.shadowkv_tail if compiled else tail_estimate_tokens
+    out, _ = estimate(q, landmarks, selectable, tail_value_sums(v, selectable, tail), ids, vals, **kw)
+    expect = _token_tail_by_loops(q, landmarks, selectable, v, ids, cs=cs, tail_chunk=tail, scale=0.5)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tail_chunk", [0, 16])
 def test_token_selection_keeps_the_budget_and_equals_full_when_it_covers(model, tail_chunk):
     """Generating past several folds (60 tokens, folds of 24 from the 40th on) under token selection."""
