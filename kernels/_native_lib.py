@@ -31,8 +31,9 @@ import torch
 CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))  # compiled together into one library
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-# KVP_ABI_VERSION of csrc/kvp.h (7: kvp_shadowkv_select takes `tokens`; 8: kvp_add_residual, kvp_shadowkv_tail)
-ABI_VERSION = 8
+# KVP_ABI_VERSION of csrc/kvp.h (7: kvp_shadowkv_select takes `tokens`; 8: kvp_add_residual, kvp_shadowkv_tail;
+# 9: kvp_merge_states)
+ABI_VERSION = 9
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build
@@ -58,6 +59,7 @@ _SIGNATURES = {
                              _I64, _I64, _F32, _INT, _INT, _P, _P], _INT),
     "kvp_attend_rows": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _F32, _P, _P], _INT),
     "kvp_add_residual": ([_P, _P, _I64, _I64, _I64, _INT, _I64, _P], _INT),
+    "kvp_merge_states": ([_P, _P, _P, _P, _I64, _I64, _P, _P], _INT),
     "kvp_shadowkv_tail": ([_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _F32,
                            _P, _P], _INT),
 }

@@ -26,6 +26,9 @@ bytes it reads. The C kernels of ``csrc/`` do a whole step per (row, KV head) in
   dequantized residual row (`kvpress.policies._shadowkv_store.add_residual`'s math), one pass;
 - `attend_rows` -- exact attention over a few row sets (a prefix of rows per (row, KV head) each)
   under one softmax: ``sparse_decode`` of each set merged by ``merge_states``, in one call;
+- `merge_states` -- two attention states over disjoint token sets merged into one
+  (`kvpress.kernels.merge.torch_merge_states`' math), for ``shadowkv``'s tail estimate in its
+  compiled step (one call instead of ~25 small torch operators);
 - `gear_key_extra` / `gear_value_extra` -- ``gear``'s low-rank error (per-chunk right factors,
   token-aligned left factors), exact outliers and sink corrections, added to scores / outputs.
 
@@ -299,6 +302,27 @@ def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size:
                          f"fit (bits 2 / 4 / 8, group_size dividing head_dim into at most 64 groups, "
                          f"W = D * bits / 8 + 4 * D / group_size; code {rc})")
     return out
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kvpress.kernels.merge_states` of fp32 CPU states (``out`` (..., D), ``lse`` (...); ``-inf``
+    marks an empty part) in one call; `kvpress.kernels.merge.torch_merge_states` is the reference.
+    Returns new fp32 ``out`` and ``lse``."""
+    lib = _lib()
+    if (not _fp32_cpu(out_a, lse_a, out_b, lse_b) or out_a.shape != out_b.shape or lse_a.shape != lse_b.shape
+            or out_a.dim() == 0 or out_a.shape[:-1] != lse_a.shape):
+        raise ValueError(f"merge_states needs fp32 CPU out (..., D) and lse (...) of matching shapes, got out "
+                         f"{tuple(out_a.shape)} {out_a.dtype} / {tuple(out_b.shape)} {out_b.dtype}, lse "
+                         f"{tuple(lse_a.shape)} {lse_a.dtype} / {tuple(lse_b.shape)} {lse_b.dtype}")
+    oa, ob, la, lb = (t.contiguous() for t in (out_a, out_b, lse_a, lse_b))
+    out, lse = torch.empty_like(oa), torch.empty_like(la)
+    D = oa.shape[-1]
+    rc = lib.kvp_merge_states(oa.data_ptr(), la.data_ptr(), ob.data_ptr(), lb.data_ptr(), la.numel(), D,
+                              out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise ValueError(f"kvp_merge_states refused out {tuple(oa.shape)} (code {rc})")
+    return out, lse
 
 
 def shadowkv_tail(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,

@@ -304,7 +304,10 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
                 estimate = native.shadowkv_tail
             o, l = estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
                             chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
-            out, lse = merge_states(out, lse, o.to(out.dtype), l)
+            if compiled and out.dtype == torch.float32:
+                out, lse = native.merge_states(out, lse, o, l)  # (torch: `merge_states`, the reference)
+            else:
+                out, lse = merge_states(out, lse, o.to(out.dtype), l)
         attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
         self.max_attended = max(self.max_attended, attended + self.gen_len)
         return out[:, :, None]

@@ -20,7 +20,8 @@
  *
  * Files: this header (the helpers the hot loops of several files need inlined, and the internal
  * functions they share); common.c (ABI version, thread cap, top-k selection); sparse.c (Double
- * Sparsity's selection, sparse decode attention, attention over row sets); quant.c (the readers of
+ * Sparsity's selection, sparse decode attention, attention over row sets, merging two attention
+ * states); quant.c (the readers of
  * packed low-bit K/V); quant_attend.c (GEAR's corrections, a whole quantized decode step);
  * shadowkv.c (ShadowKV's chunk selection). Only the kvp_* entry points are exported: the shared
  * internals are KVP_HIDDEN.
@@ -39,7 +40,7 @@
 #include <omp.h>
 #endif
 
-#define KVP_ABI_VERSION 8
+#define KVP_ABI_VERSION 9
 
 /* internal functions shared between the files: kept out of the library's exported symbols */
 #define KVP_HIDDEN __attribute__((visibility("hidden")))

@@ -298,3 +298,30 @@ int kvp_attend_rows(const float *q, int64_t B, int64_t Hq, int64_t H, int64_t D,
     }
     return rc;
 }
+
+/* ------------------------------------------------------------------ merging two attention states */
+
+/* `merge_states` (kvpress/kernels/merge.py, `torch_merge_states` the reference) for R rows of D:
+ * the attention over the union of two disjoint token sets from each set's normalised output
+ * (oa, ob: R x D) and natural log-sum-exp (la, lb: R; -inf marks an empty set, whose output is
+ * ignored even if NaN). out (R x D; may be oa or ob) and lse (R; may be la or lb): zeros / -inf
+ * where both sets are empty. One pass, no threads (R is B * Hq: a few rows). 0, or -1 for bad shapes. */
+int kvp_merge_states(const float *oa, const float *la, const float *ob, const float *lb, int64_t R, int64_t D,
+                     float *out, float *lse) {
+    if (R < 0 || D <= 0) return -1;
+    for (int64_t r = 0; r < R; ++r) {
+        float a = la[r], b = lb[r], m = a > b ? a : b;
+        if (m == -INFINITY) m = 0.0f;  /* both empty: shift by 0, as the reference */
+        float wa = expf(a - m), wb = expf(b - m), total = wa + wb;
+        int empty = total == 0.0f;
+        float denom = empty ? 1.0f : total, sa = wa / denom, sb = wb / denom;
+        const float *xa = oa + r * D, *xb = ob + r * D;
+        float *o = out + r * D;
+        for (int64_t d = 0; d < D; ++d) {
+            float ca = wa > 0.0f ? xa[d] * sa : 0.0f, cb = wb > 0.0f ? xb[d] * sb : 0.0f;
+            o[d] = ca + cb;
+        }
+        lse[r] = empty ? -INFINITY : m + logf(denom);
+    }
+    return 0;
+}

@@ -277,3 +277,27 @@ def test_shadowkv_tail_equals_tail_estimate_tokens(B, H, G, C, D, cs, tail, K, e
     assert bool(torch.isneginf(tail_estimate_tokens(q, lm, nothing, v_sum, ids, vals, **kw)[1]).all())
     with pytest.raises(ValueError, match="shadowkv_tail needs fp32 CPU"):
         native.shadowkv_tail(q.double(), lm, sel, v_sum, ids, vals, **kw)
+
+
+def test_merge_states_equals_the_torch_reference():
+    """Compiled `merge_states` = `torch_merge_states`: finite parts, one part empty (its output
+    NaN garbage, ignored), both empty (zeros, -inf), parts far apart in scale; bad input refused."""
+    from kvpress.kernels.merge import torch_merge_states
+
+    g = torch.Generator().manual_seed(5)
+    oa, ob = torch.randn(2, 9, 64, generator=g), torch.randn(2, 9, 64, generator=g)
+    la, lb = 4 * torch.randn(2, 9, generator=g), 4 * torch.randn(2, 9, generator=g)
+    la[0, 0], oa[0, 0] = float("-inf"), float("nan")  # a empty
+    lb[0, 1], ob[0, 1] = float("-inf"), float("nan")  # b empty
+    la[1, 2] = lb[1, 2] = float("-inf")  # both empty
+    la[1, 3], lb[1, 3] = 80.0, -80.0  # b negligible
+    out, lse = native.merge_states(oa, la, ob, lb)
+    ref_out, ref_lse = torch_merge_states(oa, la, ob, lb)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[1, 2], torch.zeros(64)) and lse[1, 2] == float("-inf")
+    with pytest.raises(ValueError, match="merge_states needs fp32 CPU"):
+        native.merge_states(oa.double(), la, ob, lb)
+    with pytest.raises(ValueError, match="matching shapes"):
+        native.merge_states(oa, la[:, :4], ob, lb)
