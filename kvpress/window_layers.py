@@ -104,6 +104,7 @@ class SinkWindowLayer(RecordingLayer):
         self._held_from = 0
         self._held_k = self._held_v = None
         self._rows_row_start = None  # while one group of rows runs alone (`_only_rows`): its row_start
+        self._full_index = None  # (key, SparseIndex) of `_every_slot_index`
 
     @property
     def row_start(self):
@@ -120,6 +121,15 @@ class SinkWindowLayer(RecordingLayer):
     def _row_start(self, batch, device):
         row_start = self.row_start
         return torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start
+
+    def _every_slot_index(self, batch: int, kv_heads: int) -> SparseIndex:
+        """The dense index of every slot: the same at every full step, so built once per batch
+        size and device (a decode step then builds no index tensors)."""
+        key = (batch, kv_heads, self.k.shape[2], self.k.device)
+        if self._full_index is None or self._full_index[0] != key:
+            self._full_index = key, slot_index(self.pos.new_ones(batch, self.k.shape[2], dtype=torch.bool), kv_heads,
+                                               all_visible=True)
+        return self._full_index[1]
 
     def _visible_pos(self, row_start):
         """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
@@ -305,12 +315,18 @@ class SinkWindowLayer(RecordingLayer):
         batch, heads, n_new, dim = k_new.shape
         if self.tail is not None:
             self._evict_to_tail(k_new, v_new)
-        keep = min(n_new, self.window)
-        idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
-        slots = self.sinks + idx % self.window
-        self.k[:, :, slots] = k_new[:, :, n_new - keep :]
-        self.v[:, :, slots] = v_new[:, :, n_new - keep :]
-        self.pos[:, slots] = idx
+        if n_new == 1:  # a decode step: its slot is known on the host (one copy each, no index tensors)
+            slot = self.sinks + self.seen % self.window
+            self.k[:, :, slot] = k_new[:, :, 0]
+            self.v[:, :, slot] = v_new[:, :, 0]
+            self.pos[:, slot].fill_(self.seen)
+        else:
+            keep = min(n_new, self.window)
+            idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
+            slots = self.sinks + idx % self.window
+            self.k[:, :, slots] = k_new[:, :, n_new - keep :]
+            self.v[:, :, slots] = v_new[:, :, n_new - keep :]
+            self.pos[:, slots] = idx
         if self.sinks:
             # a row's sink is among the new tokens only while seen < its row_start + sinks; decided
             # on the host (no device sync per layer and step)
@@ -352,16 +368,19 @@ class SinkWindowLayer(RecordingLayer):
         """One new token: write it into its ring slot, then attend over the slots in place."""
         self._write(k_new, v_new, row_start)
         q_pos = self.seen
-        pos = self._visible_pos(row_start)
-        visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)  # (B, slots)
         batch, h_q, _, dim = q.shape
         h_kv = self.k.shape[1]
+        # without padding every slot is visible once the sinks and the window are full
+        full = self.row_start is None and q_pos >= self.sinks + self.window - 1
+        if not self.rerotate and full:
+            index = self._every_slot_index(batch, h_kv)
+        else:
+            pos = self._visible_pos(row_start)
+            visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
+            index = None if self.rerotate else slot_index(visible, h_kv)
         if not self.rerotate:
             # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
-            # without padding every slot is visible once the sinks and the window are full
-            full = self.row_start is None and q_pos >= self.sinks + self.window - 1
-            out, lse = sparse_decode(q[:, :, 0], self.k, self.v, slot_index(visible, h_kv, all_visible=full),
-                                     scale=scaling, validate_index=False)
+            out, lse = sparse_decode(q[:, :, 0], self.k, self.v, index, scale=scaling, validate_index=False)
             if self.tail is not None and self.tail.chunks:
                 t_out, t_lse = chunk_attention(q[:, :, 0], *self.tail.means(), scale=scaling)
                 out, _ = merge_states(out, lse, t_out.to(out.dtype), t_lse)
