@@ -19,3 +19,26 @@ def test_counts_ops_per_step_and_a_sparse_policy_issues_more_than_full(capsys):
     out = capsys.readouterr().out
     assert 0 < full < sparse
     assert "ops in one decode step of" in out and "by file:" in out and "_shadowkv" in out
+
+
+def test_a_full_window_decode_step_builds_no_index(capsys):
+    """Once its sinks and window are full, a `streaming` / `window` decode step writes its slot by
+    a host index and reuses one dense index (session 37): a few ops per layer beyond `full`'s
+    (before, ~50 per layer: the slot, visibility and index tensors rebuilt every step)."""
+    layers = 4  # random-tiny
+    full = count_step_ops.main(["full", "--model", "random-tiny", "--length", "96"])
+    for spec in ["streaming:sink_tokens=4:window_size=28", "window:window_size=32"]:
+        ops = count_step_ops.main([spec, "--model", "random-tiny", "--length", "96"])
+        assert ops - full <= 20 * layers, (spec, ops, full)
+    assert "index.py" not in capsys.readouterr().out
+
+
+def test_merge_states_cpu_script_times_both(capsys):
+    import merge_states_cpu
+    from kvpress.kernels import native
+
+    if not native.available():
+        pytest.skip("native library not built")
+    merge_states_cpu.main(["--iters", "3"])
+    out = capsys.readouterr().out
+    assert "(1, 9, 64)" in out and "(8, 32, 128)" in out
