@@ -170,10 +170,12 @@ class ShadowKVPolicy(Policy):
     ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` at budget 256 it keeps 28 of
     ``full``'s 29 8k niah_single needles (only #36, which exact top-k loses too; #46, lost by the
     rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
-    ``full``'s bytes on the device, 102.3% [95.6-109.9%] of ``full`` over 128 4k niah_multivalue
-    samples and 32 of 32 4k niah_single needles; CPU decode at 8k 0.72x ``full`` (0.73x without
-    the residual; on fp32 CPU the correction and the tokens' tail estimate are compiled calls;
-    BENCHMARKS "Session 35 (CPU)", "Session 36"). On an H200 its batch-8 step took 2.4x that of
+    ``full``'s bytes on the device, 100.3% [94.1-107.1%] of ``full`` over 128 4k niah_multivalue
+    samples (session 37, after the token tail estimate stopped shrinking a group with under one
+    chunk left; 102.3% before) and 32 of 32 4k niah_single needles; CPU decode at 8k 0.65-0.72x
+    ``full`` (0.67-0.73x without the residual in the same runs; on fp32 CPU the correction, the
+    tokens' tail estimate and its merge are compiled calls; BENCHMARKS "Session 35 (CPU)",
+    "Session 36", "Session 37 (CPU)"). On an H200 its batch-8 step took 2.4x that of
     the same selection without it (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
     is not enough: 26 of the 29 8k needles.
 
