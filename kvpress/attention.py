@@ -47,28 +47,29 @@ def whole_cache_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalin
                        row_start: torch.Tensor | None, *, backend: str = "auto") -> torch.Tensor:
     """One query per head ``q [B, H_q, 1, D]`` over every cached token ``k, v [B, H_kv, T, D]``
     (rows start at ``row_start``) through ``kvpress.kernels.sparse_decode``; returns ``[B, H_q, 1, D]``."""
-    out, _ = kernels.sparse_decode(q[:, :, 0], k, v, _whole_cache_index(k, row_start, q.device), scale=scaling,
+    out, _ = kernels.sparse_decode(q[:, :, 0], k, v, whole_cache_index(k, row_start, q.device), scale=scaling,
                                    backend=backend, validate_index=False)
     return out[:, :, None]
 
 
-_WHOLE_INDEX: dict = {}  # key -> (row_start, index) of the current step's `_whole_cache_index`
+_WHOLE_INDEX: dict = {}  # key -> (row_start, index) of `whole_cache_index`, the latest few
 
 
-def _whole_cache_index(k: torch.Tensor, row_start: torch.Tensor | None, device) -> SparseIndex:
-    """The dense index of ``k``'s every token from ``row_start`` on. Every layer of a decode step
-    asks for one of a few (one per KV head count: ``duo``'s layers keep different numbers of
-    retrieval heads), so they are kept until the cache length changes and handed out again (about
-    ten small ops, i.e. launches on a GPU, per layer and step saved). Keyed by the shapes, the
-    device and ``row_start`` (the tensor itself, held so that its id cannot be reused, and its
-    version, which an in-place change bumps)."""
+def whole_cache_index(k: torch.Tensor, row_start: torch.Tensor | None, device) -> SparseIndex:
+    """The dense `SparseIndex` of every token of ``k [B, H_kv, T, D]`` from ``row_start`` on.
+
+    Every layer of a decode step asks for one of a few (one per KV head count and length: ``duo``'s
+    layers keep different numbers of retrieval heads, a full window layer asks for its slots), so
+    the latest 16 are kept and handed out again: about ten small ops, i.e. launches on a GPU, per
+    layer and step saved. Keyed by the shapes, the device and ``row_start`` (the tensor itself,
+    held so that its id cannot be reused, and its version, which an in-place change bumps)."""
     batch, heads, t_k, _ = k.shape
     key = (batch, heads, t_k, str(device), None if row_start is None else (id(row_start), row_start._version))
     hit = _WHOLE_INDEX.get(key)
     if hit is not None:
         return hit[1]
-    if len(_WHOLE_INDEX) >= 16 or any(other[2] != t_k for other in list(_WHOLE_INDEX)):
-        _WHOLE_INDEX.clear()  # a new step (or another model): the earlier ones are done with
+    if len(_WHOLE_INDEX) >= 16:
+        _WHOLE_INDEX.clear()  # older steps' lengths, other models: done with
     lens = torch.full((batch,), t_k, dtype=torch.int32, device=device)
     index = SparseIndex.dense(lens, heads, seq_starts=row_start, capacity=t_k)
     _WHOLE_INDEX[key] = (row_start, index)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention
+from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention, whole_cache_index
 from .cache import RecordingLayer
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
@@ -104,7 +104,6 @@ class SinkWindowLayer(RecordingLayer):
         self._held_from = 0
         self._held_k = self._held_v = None
         self._rows_row_start = None  # while one group of rows runs alone (`_only_rows`): its row_start
-        self._full_index = None  # (key, SparseIndex) of `_every_slot_index`
 
     @property
     def row_start(self):
@@ -121,15 +120,6 @@ class SinkWindowLayer(RecordingLayer):
     def _row_start(self, batch, device):
         row_start = self.row_start
         return torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start
-
-    def _every_slot_index(self, batch: int, kv_heads: int) -> SparseIndex:
-        """The dense index of every slot: the same at every full step, so built once per batch
-        size and device (a decode step then builds no index tensors)."""
-        key = (batch, kv_heads, self.k.shape[2], self.k.device)
-        if self._full_index is None or self._full_index[0] != key:
-            self._full_index = key, slot_index(self.pos.new_ones(batch, self.k.shape[2], dtype=torch.bool), kv_heads,
-                                               all_visible=True)
-        return self._full_index[1]
 
     def _visible_pos(self, row_start):
         """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
@@ -372,8 +362,8 @@ class SinkWindowLayer(RecordingLayer):
         h_kv = self.k.shape[1]
         # without padding every slot is visible once the sinks and the window are full
         full = self.row_start is None and q_pos >= self.sinks + self.window - 1
-        if not self.rerotate and full:
-            index = self._every_slot_index(batch, h_kv)
+        if not self.rerotate and full:  # the dense index over every slot, shared with other layers and steps
+            index = whole_cache_index(self.k, None, q.device)
         else:
             pos = self._visible_pos(row_start)
             visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)

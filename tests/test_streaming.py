@@ -108,18 +108,27 @@ def test_streaming_prefill_cost_is_bounded_by_the_window(llama):
 
 
 def test_decode_decides_visibility_and_sink_writes_on_the_host(llama, monkeypatch):
-    """Decode steps pick the dense index and skip the sink writes from host-side counters (no
-    device sync per layer and step); the choices must match what the slots say."""
+    """Decode steps pick the dense index over every slot and skip the sink writes from host-side
+    counters (no device sync per layer and step); the choices must match what the slots say."""
     import kvpress.window_layers as layers
 
-    calls = []
-    real_slot_index = layers.slot_index
+    calls, dense = [], []
+    real_whole, real_decode = layers.whole_cache_index, layers.SinkWindowLayer._decode
 
-    def spy(visible, kv_heads, all_visible=False):
-        calls.append((bool(visible.all()), all_visible))
-        return real_slot_index(visible, kv_heads, all_visible)
+    def whole_spy(*args, **kwargs):
+        dense.append(True)
+        return real_whole(*args, **kwargs)
 
-    monkeypatch.setattr(layers, "slot_index", spy)
+    def decode_spy(self, q, k_new, v_new, scaling, row_start):
+        dense.clear()
+        out = real_decode(self, q, k_new, v_new, scaling, row_start)
+        pos = self._visible_pos(row_start)  # what the slots say, for this step's query position
+        visible = (pos >= 0) & (self.seen - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
+        calls.append((bool(visible.all()), bool(dense)))
+        return out
+
+    monkeypatch.setattr(layers, "whole_cache_index", whole_spy)
+    monkeypatch.setattr(layers.SinkWindowLayer, "_decode", decode_spy)
     policy = kvpress.get_policy("streaming", sink_tokens=3, window_size=5)
     run(llama, policy, random_ids(2), new=12)  # the sinks fill during decode, then the window
     assert calls and all(vis == host for vis, host in calls)
