@@ -329,3 +329,48 @@ def _row_start_from_mask(mask, batch, new_tokens):
     if mask.dim() != 2 or mask.shape != (batch, new_tokens):
         raise ValueError(f"kvpress needs a 2D attention mask of shape ({batch}, {new_tokens}); got {tuple(mask.shape)}")
     return left_padding(mask)
+
+
+OBSERVE_NAME = "kvpress_observe"
+
+
+@contextlib.contextmanager
+def observed_attention(model, observe) -> Iterator[ModelAdapter]:
+    """Run ``model`` without a cache inside the block, showing every attention call to ``observe``.
+
+    ``observe(layer_idx, query, key)`` receives what the model hands its attention function:
+    post-RoPE queries [B, H_q, T, D] and keys [B, H_kv, T, D], after whatever the family does
+    before (q/k norms, fused projections, multipliers). Each layer then attends as kvpress does
+    without a cache (causal; the model's window in a layer it slides), which equals the model's
+    own attention (``tests/test_adapters.py``). For calibrations that need the model's real q and
+    k (``kvpress calibrate double_sparsity``). Forwards must not use a cache or padding; the
+    attention implementation is restored on exit.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    adapter = get_adapter(model)
+    if model in _SESSIONS_BY_MODEL:
+        raise RuntimeError("observed_attention inside kvpress.apply on the same model is not supported")
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if key.shape[2] != query.shape[2]:
+            raise RuntimeError("observed_attention runs forwards without a cache (use_cache=False)")
+        observe(module.layer_idx, query, key)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        window = adapter.sliding_window(module.layer_idx)
+        if window is None:
+            out = dense_causal_attention(query, key, value, scale, q_start=0, row_start=None)
+        else:
+            out = sliding_causal_attention(query, key, value, scale, window=window, row_start=None)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(OBSERVE_NAME, attention)
+    AttentionMaskInterface.register(OBSERVE_NAME, _no_mask)
+    attn_before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(OBSERVE_NAME)
+        yield adapter
+    finally:
+        if model.config._attn_implementation != attn_before:
+            model.set_attn_implementation(attn_before)

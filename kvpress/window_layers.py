@@ -7,6 +7,7 @@ exact sliding window of a model's own sliding-window layers.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -143,7 +144,7 @@ class SinkWindowLayer(RecordingLayer):
             out = streaming_attention(
                 q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
                 q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.window,
-                sink_query_fn=self.cache.adapter.rotate if self.rerotate else None,
+                sink_query_fn=functools.partial(self.cache.adapter.rotate, layer_idx=self.layer_idx) if self.rerotate else None,
             )
             self._write(k_new, v_new, row_start)
         self.seen += n_new
@@ -378,7 +379,7 @@ class SinkWindowLayer(RecordingLayer):
         # Sink slots are scored with the query rotated to its in-cache slot (see streaming_attention).
         q_real = (q_pos - row_start).to(torch.float32)  # (B,)
         shift = (q_real.clamp(max=self.sinks + self.window - 1) - q_real).view(batch, 1, 1)
-        q_sink = self.cache.adapter.rotate(q, shift)
+        q_sink = self.cache.adapter.rotate(q, shift, self.layer_idx)
         qg = q.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)  # (B, H_kv, G, D)
         qs = q_sink.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)
         keys = self.k.to(torch.float32)

@@ -39,6 +39,7 @@ import torch
 
 from kvpress.adapters import get_adapter
 from kvpress.calibration import load_artifact, model_metadata, save_artifact
+from kvpress.patching import observed_attention
 
 POLICY = "double_sparsity"
 VERSION = 1
@@ -82,10 +83,11 @@ def calibrate(model, token_ids: torch.Tensor, *, seq_len: int = 1024,
               progress: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """Rank the channels of every KV head of ``model`` on ``token_ids``.
 
-    The model runs plain (no kvpress policy, no cache) over consecutive ``seq_len`` chunks; a
-    forward hook on every attention module recomputes that layer's q/k projections from its
-    input and rotates them with the model's RoPE (through the adapter), so no forward is
-    replaced. Hooks are removed before returning.
+    The model runs without a cache over consecutive ``seq_len`` chunks, its attention function
+    observed (:func:`kvpress.patching.observed_attention`): every layer's statistic is taken from
+    the post-RoPE queries and keys the model itself attends with -- after its q/k norms (Qwen3,
+    OLMo 2, Gemma 3) or fused projections (Phi-3) -- and the attention implementation is
+    restored before returning.
 
     Parameters
     ----------
@@ -102,31 +104,19 @@ def calibrate(model, token_ids: torch.Tensor, *, seq_len: int = 1024,
     dict with ``importance`` fp32 [L, H_kv, D] (:func:`channel_importance`, averaged over the
     chunks) and ``channel_rank`` int16 [L, H_kv, D].
     """
-    adapter = get_adapter(model)
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} is out of range; allowed: seq_len >= 2")
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     chunks = [ids[i:i + seq_len] for i in range(0, ids.numel(), seq_len) if ids.numel() - i >= 2]
     if not chunks:
         raise ValueError("calibration needs at least 2 tokens")
-    L, H, H_kv, D = adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim
-    total = torch.zeros(L, H_kv, D, dtype=torch.float64)
-    handles = []
+    adapter = get_adapter(model)
+    total = torch.zeros(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, dtype=torch.float64)
 
-    def make_hook(layer_idx, module):
-        def hook(mod, args, kwargs, output):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)  # (1, T, hidden)
-            t = hidden.shape[1]
-            q = mod.q_proj(hidden).view(1, t, H, D).transpose(1, 2)  # (1, H, T, D)
-            k = mod.k_proj(hidden).view(1, t, H_kv, D).transpose(1, 2)  # (1, H_kv, T, D)
-            pos = torch.arange(t, device=hidden.device)[None, None, :]
-            q, k = adapter.rotate(q, pos), adapter.rotate(k, pos)
-            total[layer_idx] += channel_importance(q[0], k[0]).double().cpu()
-        return hook
+    def observe(layer_idx, q, k):  # post-RoPE q (1, H, T, D), k (1, H_kv, T, D), as the model attends
+        total[layer_idx] += channel_importance(q[0].float(), k[0].float()).double().cpu()
 
-    try:
-        for i, module in enumerate(adapter.attention_modules()):
-            handles.append(module.register_forward_hook(make_hook(i, module), with_kwargs=True))
+    with observed_attention(model, observe):
         start = time.perf_counter()
         for n, chunk in enumerate(chunks):
             model(input_ids=chunk[None].to(model.device), use_cache=False)
@@ -134,9 +124,6 @@ def calibrate(model, token_ids: torch.Tensor, *, seq_len: int = 1024,
             if progress is not None:
                 progress(f"calibrate double_sparsity: chunk {n + 1}/{len(chunks)} ({t} tokens) "
                          f"{time.perf_counter() - start:.1f}s")
-    finally:
-        for h in handles:
-            h.remove()
     importance = (total / len(chunks)).float()
     return {"importance": importance, "channel_rank": rank_channels(importance)}
 

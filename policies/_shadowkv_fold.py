@@ -70,7 +70,7 @@ class FoldedChunks:
         cs, dev = p.chunk_size, k.device
         nf, start, C0 = f // cs, self.n_chunks * cs, self.n_chunks
         pos = start + torch.arange(f, device=dev)[None, :] - self.rope_start[:, None]  # (B, f) RoPE positions
-        k_pre = adapter.invert_rope(k, pos[:, None, :]).float().permute(0, 2, 1, 3).reshape(B, f, H * D)
+        k_pre = adapter.invert_rope(k, pos[:, None, :], self.layer_idx).float().permute(0, 2, 1, 3).reshape(B, f, H * D)
         if self.factor is None:  # no chunks yet (every prompt fit the budget): empty entries for the prompt's
             rank = min(default_rank(H * D) if p.rank is None else p.rank, H * D)
             self.factor = k.new_zeros(B, start, rank)

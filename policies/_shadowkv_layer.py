@@ -195,7 +195,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         if self.max_selectable:
             self.landmarks, self.selectable = landmarks, selectable
             # Pre-RoPE keys (exact inverse rotation), padding zeroed.
-            k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :])  # (B, H, T_pad, D)
+            k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :], self.layer_idx)  # (B, H, T_pad, D)
             k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
             rank = default_rank(H * D) if p.rank is None else p.rank
             self.factor, self.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype, self.key_weight)
@@ -319,7 +319,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
 
     def _rope_inv_freq(self, device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
-            self._inv_freq = self.cache.adapter.inv_freq(device)
+            self._inv_freq = self.cache.adapter.inv_freq(device, self.layer_idx)
         return self._inv_freq
 
     # ------------------------------------------------------------------ crop

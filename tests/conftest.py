@@ -11,7 +11,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 # every family kvpress.adapters supports; the contract tests run each policy on each
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "olmo2", "gemma", "gemma3_text", "granite")
+FAMILIES = ("llama", "qwen2", "qwen2_moe", "mistral", "mixtral", "ministral", "qwen3", "qwen3_moe", "olmo", "olmo2",
+            "olmo3", "gemma", "gemma3_text", "granite", "granitemoe", "phi3", "arcee", "seed_oss", "smollm3")
+# families whose config.layer_types default to a sliding pattern (set per test instead)
+LAYER_TYPE_FAMILIES = ("gemma3_text", "olmo3", "ministral")
 
 
 @pytest.fixture
@@ -33,13 +36,19 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
         pad_token_id=0, bos_token_id=1, eos_token_id=255,
     )
-    if family == "mistral":
-        kwargs["sliding_window"] = None  # the default 4096-token window is refused (full attention only)
-    if family in ("qwen2", "qwen3", "qwen3_moe"):
+    if family in ("mistral", "mixtral", "phi3"):
+        kwargs["sliding_window"] = None  # a window in every layer is refused (full attention only)
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
         kwargs["use_sliding_window"] = False
-    if family == "qwen3_moe":
+    if family in ("qwen2_moe", "qwen3_moe"):
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    if family == "gemma3_text":  # its default pattern slides 5 of every 6 layers: all of 2
+    if family == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = 32
+    if family in ("mixtral", "granitemoe"):
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2)
+    if family == "smollm3":  # its NoPE layers (every fourth by default): layer 1 of 2 here
+        kwargs["no_rope_layers"] = [1] * (layers - 1) + [0]
+    if family in LAYER_TYPE_FAMILIES:  # their default patterns slide most layers (Gemma 3: 5 of 6): all of 2
         kwargs["layer_types"] = ["full_attention"] * layers
     kwargs.update(config)
     torch.manual_seed(seed)
@@ -51,7 +60,7 @@ def tiny_model(family: str = "llama", *, layers: int = 2, heads: int = 4, kv_hea
 # the contract tests also run on a GQA group above the compiled kernels' 8 (Qwen3-235B has 16):
 # the torch paths take any group, "auto" falls back to them; and on models whose last layer
 # slides (an 8-token window, shorter than the test prompts): the policy runs layers 0-1 only
-CONTRACT_MODELS = FAMILIES + ("llama-g16", "qwen2-sliding", "gemma3_text-sliding")
+CONTRACT_MODELS = FAMILIES + ("llama-g16", "qwen2-sliding", "gemma3_text-sliding", "olmo3-sliding")
 
 
 def contract_model(name: str, seed: int = 0):
@@ -65,9 +74,12 @@ def contract_model(name: str, seed: int = 0):
 
 def sliding_model(family: str = "qwen2", *, layers: int = 3, full_layers: int = 2, window: int = 8, seed: int = 0):
     """A tiny model whose layers from ``full_layers`` on attend a sliding window of ``window`` tokens."""
-    if family == "gemma3_text":  # per-layer types (and a local RoPE base for the sliding ones)
-        types = ["full_attention"] * full_layers + ["sliding_attention"] * (layers - full_layers)
+    types = ["full_attention"] * full_layers + ["sliding_attention"] * (layers - full_layers)
+    if family in LAYER_TYPE_FAMILIES:  # per-layer types (and Gemma 3's local RoPE base for the sliding ones)
         return tiny_model(family, layers=layers, seed=seed, sliding_window=window, layer_types=types)
+    if family == "qwen2_moe":  # its own max_window_layers rule slides every other layer below it: types given
+        return tiny_model(family, layers=layers, seed=seed, use_sliding_window=True, sliding_window=window,
+                          layer_types=types)
     return tiny_model(family, layers=layers, seed=seed, use_sliding_window=True, sliding_window=window,
                       max_window_layers=full_layers)
 

@@ -59,6 +59,8 @@ def test_full_under_apply_equals_the_unpatched_model(family):
 
 @pytest.mark.parametrize("family, overrides", [
     ("mistral", dict(sliding_window=4096)),  # Mistral v0.1's config: every layer slides
+    ("mixtral", dict(sliding_window=4096)),
+    ("phi3", dict(sliding_window=2047, pad_token_id=0)),  # Phi-3-mini-4k's window
     ("qwen3", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)),
 ])
 def test_models_whose_every_layer_slides_are_refused(family, overrides):
@@ -76,7 +78,7 @@ def test_models_whose_every_layer_slides_are_refused(family, overrides):
     assert model.config.to_dict() == before  # refused before anything was patched
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "qwen3", "gemma3_text", "olmo3", "ministral"])
 def test_sliding_window_layers_run_as_the_model_runs_them(family):
     """Layers the model limits to a window keep that window exactly under any policy: ``full``
     equals the unpatched model on prompts longer than the window (left-padded batch, with and
@@ -138,6 +140,42 @@ def test_policies_that_name_layers_respect_sliding_ones():
     assert mask.tolist() == [[False, True], [False, True], [True, True]]
 
 
+@pytest.mark.parametrize("family, overrides, match", [
+    ("phi3", dict(partial_rotary_factor=0.5), r"partial RoPE \(partial_rotary_factor=0.5: 8 of head_dim 16"),
+    ("stablelm", dict(), "family 'stablelm' is not supported; supported families: llama, mistral"),
+])
+def test_layouts_the_policies_cannot_rotate_are_refused(family, overrides, match):
+    """RoPE over part of the head (Phi-4-mini; StableLM, not a supported family either) would make the adapter's rotation -- ShadowKV's
+    pre-RoPE keys, StreamingLLM's re-rotated sinks -- wrong: refused before anything is patched."""
+    model = tiny_model(family, **overrides)
+    with pytest.raises(ValueError, match=match):
+        with kvpress.apply(model, kvpress.get_policy("full")):
+            pass
+    assert model.base_model.layers[0].self_attn.forward.__func__ is type(model.base_model.layers[0].self_attn).forward
+
+
+def test_nope_layers_rotate_by_the_identity(monkeypatch):
+    """SmolLM3 leaves RoPE out of some layers: the adapter finds them, and its rotation there is the
+    identity, as the model's own keys show (layer 0 is the NoPE one here, so both runs see its input)."""
+    model = tiny_model("smollm3", seed=3, no_rope_layers=[0, 1])
+    adapter = kvpress.get_adapter(model)
+    assert adapter.nope_layers == (0,) and not adapter.has_rope(0) and adapter.has_rope(1)
+    ids = random_ids(40, seed=1)
+    with torch.no_grad():
+        post = _cached_keys(model, ids)[0]
+        modeling = importlib.import_module(type(adapter.attention_modules()[0]).__module__)
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, *args, **kwargs: (q, k))
+        pre = _cached_keys(model, ids)[0]
+    pos = torch.arange(40)[None, None, :]
+    torch.testing.assert_close(post, pre, atol=0, rtol=0)
+    torch.testing.assert_close(adapter.rotate(pre, pos, 0), post, atol=0, rtol=0)
+    torch.testing.assert_close(adapter.invert_rope(post, pos, 0), pre, atol=0, rtol=0)
+    assert not torch.allclose(adapter.rotate(pre, pos, 1), post, atol=1e-3)  # a RoPE layer's rotation is not
+    assert not adapter.inv_freq("cpu", 0).any() and adapter.inv_freq("cpu", 1).any()
+    with pytest.raises(ValueError, match="no layer of this model applies RoPE"):
+        kvpress.get_adapter(tiny_model("smollm3", no_rope_layers=[0, 0]))
+
+
 def test_attention_logit_soft_capping_is_refused():
     model = tiny_model("gemma3_text", attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="soft-capping .*attn_logit_softcapping=50.0"):
@@ -153,3 +191,27 @@ def test_gemma3_policies_rotate_with_the_full_attention_layers_rope():
     adapter = kvpress.get_adapter(model)
     assert not torch.equal(rotary.full_attention_inv_freq, rotary.sliding_attention_inv_freq)
     assert torch.equal(adapter.inv_freq("cpu"), rotary.full_attention_inv_freq)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "phi3", "gemma3_text-sliding"])
+def test_observed_attention_sees_what_the_model_attends_with(family):
+    """``observed_attention`` shows each layer's post-RoPE q and k -- after q/k norms (Qwen3, OLMo 2),
+    fused projections (Phi-3) -- and attends as the model does: same logits, same keys the model
+    caches, the attention implementation restored on exit."""
+    from kvpress.patching import observed_attention
+
+    model = contract_model(family, seed=7)
+    ids = random_ids(30, seed=5)
+    seen = {}
+    with torch.no_grad():
+        ref = model(ids, use_cache=True)
+        with observed_attention(model, lambda i, q, k: seen.__setitem__(i, (q.clone(), k.clone()))) as adapter:
+            logits = model(ids, use_cache=False).logits
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=0)
+    assert sorted(seen) == list(range(adapter.num_layers))
+    for i, layer in enumerate(ref.past_key_values.layers):
+        q, k = seen[i]
+        assert q.shape == (1, adapter.num_heads, 30, adapter.head_dim)
+        kept = layer.keys.shape[2]  # a sliding layer caches only its window's last tokens
+        torch.testing.assert_close(k[:, :, 30 - kept:], layer.keys, atol=1e-6, rtol=0)

@@ -39,6 +39,8 @@ def cache_model(request):
 
 def greedy(model, ids, policy=None, **kwargs):
     kw = dict(max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True, output_scores=True, **kwargs)
+    if kw.get("num_beams", 1) == 1:  # no EOS: a random model that picks its EOS would end a run early
+        kw.setdefault("eos_token_id", [])
     with torch.no_grad():
         if policy is None:
             return model.generate(ids, **kw)

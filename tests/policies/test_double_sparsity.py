@@ -310,7 +310,7 @@ def test_calibration_ranks_the_channels_that_carry_qk():
     assert out["importance"].shape == (1, 2, 16) and out["channel_rank"].dtype == torch.int16
     for kv, chans in loud.items():
         assert set(out["channel_rank"][0, kv, :2].tolist()) == set(chans)
-    assert not m.base_model.layers[0].self_attn._forward_hooks  # hooks removed
+    assert m.config._attn_implementation == "sdpa"  # the observed attention is put back
 
 
 # ----------------------------------------------------------------------------- SmolLM2
@@ -368,3 +368,18 @@ def test_hot_path_scores_equal_label_scores(model, artifact, reduction):
     got = layer._candidate_scores(q, 0.25, lo, hi)
     want = label_scores(q, layer.label_view()[:, :, lo:hi], layer.channels, scale=0.25, reduction=reduction)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_calibration_ranks_channels_after_the_q_k_norms():
+    """Qwen3 normalises q and k per head before RoPE: a channel the norms' weights make loud is what
+    q . k spreads over, so calibration (which reads the q / k the model attends with) ranks it first."""
+    m = tiny_model("qwen3", layers=1, heads=4, kv_heads=2, seed=3)
+    attn = kvpress.get_adapter(m).attention_modules()[0]
+    with torch.no_grad():
+        for c in (6, 14):  # a RoPE pair: c and c + D/2
+            attn.q_norm.weight[c] *= 8
+            attn.k_norm.weight[c] *= 8
+    ids = torch.randint(3, 250, (64,), generator=torch.Generator().manual_seed(0))
+    out = calib.calibrate(m, ids, seq_len=32)
+    for kv in range(2):
+        assert set(out["channel_rank"][0, kv, :2].tolist()) == {6, 14}
