@@ -194,6 +194,7 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
         self._validated = False
         self._prompt_q = None  # (last queries, scaling, prompt length) of a recorded prompt forward
         self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
+        self._deficit = None  # (kept, filled, max(filled - kept)): see _max_deficit
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
@@ -391,27 +392,41 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
         p = self.policy
         B, H, _, D = k_new.shape
         position = self.seen
+        deficit = self._max_deficit()
         if self.filled < p.budget:  # still growing: every row appends at slot `filled`
             if self.filled == self.k.shape[2]:
                 self._grow(min(p.budget, self.filled + _GROW))
             slot = torch.full((B, H), self.filled, dtype=torch.long, device=k_new.device)
             self.filled += 1
+            self.kept = self.kept + 1
         else:
             leaving = position - p.window_size
             if leaving >= self.prompt_len:  # a generated token leaves the recent window: replace it
-                victim = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H)
+                slot = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H)
             else:  # too few tokens generated yet: drop each head's lowest-scored prompt token
-                victim = self.score.argmin(-1)  # (B, H)
-            # a shorter row fills the free slot just before its tokens instead
-            free = (self.filled - self.kept - 1)[:, None].expand(B, H)
-            slot = torch.where((self.kept >= self.filled)[:, None], victim, free)
-        self.kept = (self.kept + 1).clamp(max=self.filled)
-        index = slot[:, :, None, None].expand(B, H, 1, D)
-        self.k.scatter_(2, index, k_new)
-        self.v.scatter_(2, index, v_new)
-        self.pos.scatter_(2, index[..., 0], torch.full((B, H, 1), position, dtype=torch.long, device=k_new.device))
-        self.score.scatter_(2, index[..., 0], torch.full((B, H, 1), float("inf"), device=k_new.device))
+                slot = self.score.argmin(-1)  # (B, H)
+            if deficit:  # a shorter row fills the free slot just before its tokens instead
+                free = (self.filled - self.kept - 1)[:, None].expand(B, H)
+                slot = torch.where((self.kept >= self.filled)[:, None], slot, free)
+                self.kept = (self.kept + 1).clamp(max=self.filled)
+                deficit -= 1
+        self._deficit = (self.kept, self.filled, deficit)
+        index = slot[:, :, None]  # (B, H, 1)
+        rows = index[..., None].expand(B, H, 1, D)
+        self.k.scatter_(2, rows, k_new)
+        self.v.scatter_(2, rows, v_new)
+        self.pos.scatter_(2, index, position)
+        self.score.scatter_(2, index, float("inf"))
         self.seen += 1
+
+    def _max_deficit(self) -> int:
+        """Free slots of the emptiest row, ``max(filled - kept)`` (0 without padding): read from the
+        device once per ``kept`` tensor set elsewhere (a prompt, a turn, a crop, a reorder), then
+        kept on the host by :meth:`_store`, so a decode step never waits on the device for it."""
+        known = self._deficit
+        if known is None or known[0] is not self.kept or known[1] != self.filled:
+            known = self._deficit = (self.kept, self.filled, int((self.filled - self.kept).max()))
+        return known[2]
 
     def _index(self) -> SparseIndex:
         """Dense index over the used slots, shared by every layer of the step (same layout)."""

@@ -33,6 +33,15 @@ def test_a_full_window_decode_step_builds_no_index(capsys):
     assert "index.py" not in capsys.readouterr().out
 
 
+def test_a_snapkv_eviction_step_is_a_few_ops_per_layer():
+    """A full `snapkv` row evicts by one argmin and four scatters; its free-slot bookkeeping for
+    padded rows is skipped on the host (session 38; before, ~31 ops per layer beyond `full`'s)."""
+    layers = 4  # random-tiny
+    full = count_step_ops.main(["full", "--model", "random-tiny", "--length", "96"])
+    ops = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96"])
+    assert ops - full <= 20 * layers, (ops, full)
+
+
 def test_merge_states_cpu_script_times_both(capsys):
     import merge_states_cpu
     from kvpress.kernels import native
