@@ -132,10 +132,12 @@ class SinkWindowLayer(RecordingLayer):
         batch, _, n_new, _ = k_new.shape
         if self.k is None:
             self._allocate(k_new, v_new)
-        row_start = self._row_start(batch, k_new.device)
         if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
-            out = self._decode(q, k_new, v_new, scaling, row_start)
-        elif self.dense_prefill and self.verifies_as_steps(n_new):
+            out = self._decode(q, k_new, v_new, scaling)
+            self.seen += n_new
+            return out
+        row_start = self._row_start(batch, k_new.device)
+        if self.dense_prefill and self.verifies_as_steps(n_new):
             # (a dense-prefill chunk would let its queries see its earlier tokens beyond the window)
             return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         elif self.dense_prefill:
@@ -302,7 +304,8 @@ class SinkWindowLayer(RecordingLayer):
 
     def _write(self, k_new, v_new, row_start) -> None:
         """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,
-        each row's sink tokens into its sink slots."""
+        each row's sink tokens into its sink slots (``row_start`` None: the rows' own, made only if
+        a sink is among the new tokens)."""
         batch, heads, n_new, dim = k_new.shape
         if self.tail is not None:
             self._evict_to_tail(k_new, v_new)
@@ -322,6 +325,8 @@ class SinkWindowLayer(RecordingLayer):
             # a row's sink is among the new tokens only while seen < its row_start + sinks; decided
             # on the host (no device sync per layer and step)
             if self.seen < self.cache.max_row_start + self.sinks:
+                if row_start is None:
+                    row_start = self._row_start(batch, k_new.device)
                 local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
                 fresh = (local >= 0) & (local < n_new)
                 src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
@@ -355,9 +360,9 @@ class SinkWindowLayer(RecordingLayer):
         v_ev = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         self.tail.append(k_ev, v_ev, lo, self.row_start)
 
-    def _decode(self, q, k_new, v_new, scaling, row_start):
+    def _decode(self, q, k_new, v_new, scaling):
         """One new token: write it into its ring slot, then attend over the slots in place."""
-        self._write(k_new, v_new, row_start)
+        self._write(k_new, v_new, None)
         q_pos = self.seen
         batch, h_q, _, dim = q.shape
         h_kv = self.k.shape[1]
@@ -366,6 +371,7 @@ class SinkWindowLayer(RecordingLayer):
         if not self.rerotate and full:  # the dense index over every slot, shared with other layers and steps
             index = whole_cache_index(self.k, None, q.device)
         else:
+            row_start = self._row_start(batch, q.device)
             pos = self._visible_pos(row_start)
             visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
             index = None if self.rerotate else slot_index(visible, h_kv)

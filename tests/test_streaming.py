@@ -119,10 +119,10 @@ def test_decode_decides_visibility_and_sink_writes_on_the_host(llama, monkeypatc
         dense.append(True)
         return real_whole(*args, **kwargs)
 
-    def decode_spy(self, q, k_new, v_new, scaling, row_start):
+    def decode_spy(self, q, k_new, v_new, scaling):
         dense.clear()
-        out = real_decode(self, q, k_new, v_new, scaling, row_start)
-        pos = self._visible_pos(row_start)  # what the slots say, for this step's query position
+        out = real_decode(self, q, k_new, v_new, scaling)
+        pos = self._visible_pos(self._row_start(q.shape[0], q.device))  # what the slots say, for this step's query
         visible = (pos >= 0) & (self.seen - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
         calls.append((bool(visible.all()), bool(dense)))
         return out
