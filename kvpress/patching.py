@@ -13,7 +13,9 @@ Integration points are transformers' own, and nothing is patched at import time:
 * and its ``_prefill`` wrapped the same way: with ``generate(prefill_chunk_size=N)`` the prompt's
   forwards run inside :meth:`PolicyCache.prompt`, so the cache ends as after one forward;
 * and ``generate`` itself, to end the past recording assisted decoding leaves on in the cache it
-  returns (:meth:`PolicyCache.end_past_recording`).
+  returns (:meth:`PolicyCache.end_past_recording`);
+* and ``init_continuous_batching`` (behind ``generate_batch``), refused with a clear error: its
+  paged cache is not a policy's.
 
 Attention modules are mapped to their session in a weak dictionary, so the attention function
 finds the cache of the forward in flight without touching transformers' objects.
@@ -152,7 +154,8 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     modules = adapter.attention_modules()
     wrappers = {"_prepare_cache_for_generation": lambda f: _policy_cache_for_generate(session, f),
                 "_prefill": _prompt_for_prefill,
-                "generate": lambda f: _generate_ends_recording(session, f)}
+                "generate": lambda f: _generate_ends_recording(session, f),
+                "init_continuous_batching": _no_continuous_batching}
     own_before = {name: vars(model)[name] for name in wrappers if name in vars(model)}
     try:
         for name, wrap in wrappers.items():
@@ -209,6 +212,19 @@ def _generate_ends_recording(session: _Session, generate):
                 cache.end_past_recording()
 
     return wrapped
+
+
+def _no_continuous_batching(init):
+    """transformers' continuous batching (``generate_batch``, ``init_continuous_batching``) runs its
+    own paged cache and attention: refused inside ``apply`` rather than run without the policy."""
+
+    def refused(*args, **kwargs):
+        raise NotImplementedError(
+            "continuous batching (generate_batch / init_continuous_batching) keeps its own paged KV cache, "
+            "which kvpress policies do not manage; inside kvpress.apply use model.generate (left-padded "
+            "batches are supported), or leave the block to use continuous batching without a policy")
+
+    return refused
 
 
 def _prompt_for_prefill(prefill):

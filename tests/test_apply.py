@@ -74,6 +74,17 @@ def test_prefilled_foreign_cache_is_refused(llama):
             llama(ids[:, :1], past_key_values=dyn, use_cache=True)
 
 
+def test_continuous_batching_is_refused_inside_apply_and_works_after(llama):
+    """``generate_batch`` keeps its own paged cache: inside ``apply`` it is refused (not run without
+    the policy); after the block the model's own entry point is back (not run here: ~18 s on CPU)."""
+    ids = random_ids(12)[0].tolist()
+    with kvpress.apply(llama, kvpress.get_policy("streaming", sink_tokens=2, window_size=8)):
+        with pytest.raises(NotImplementedError, match="continuous batching .* inside kvpress.apply use model.generate"):
+            llama.generate_batch([ids], max_new_tokens=2, progress_bar=False, warmup=False)
+    assert "init_continuous_batching" not in vars(llama) and llama.config._attn_implementation == "sdpa"
+    assert llama.init_continuous_batching.__func__ is type(llama).init_continuous_batching
+
+
 def test_right_padding_is_refused(llama):
     ids = random_ids(10, batch=2)
     mask = torch.ones(2, 10, dtype=torch.long)
