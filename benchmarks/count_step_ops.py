@@ -1,6 +1,6 @@
 """Torch ops one decode step issues per layer, by the source line that issues them (no GPU needed).
 
-    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--cuda-path]
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path]
 
 On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
 the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("spec", help="policy spec, e.g. shadowkv:budget=1120:rank=48:backend=triton")
     parser.add_argument("--model", default="random-llama3-8b-1l", help="a kvpress.evals.models name")
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1, help="rows (a step whose ops grow with it loops over rows)")
     parser.add_argument("--cuda-path", action="store_true", help="take CUDA-only routes (needs TRITON_INTERPRET=1)")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         import kvpress.policies._shadowkv_step as step
         step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
     model, _ = load_eval_model(args.model, device="cpu")
-    ids = torch.randint(3, model.config.vocab_size - 1, (1, args.length), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, model.config.vocab_size - 1, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     name, overrides = kvpress.parse_policy_spec(args.spec)
     T = args.length
     with torch.no_grad(), kvpress.apply(model, kvpress.get_policy(name, **overrides)):
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
 
         def step(i):
             return model(nxt, **cache_kwargs(model, cache), use_cache=True,
-                         position_ids=torch.tensor([[T + i]])).logits[:, -1:].argmax(-1)
+                         position_ids=torch.full((args.batch, 1), T + i)).logits[:, -1:].argmax(-1)
 
         for i in range(2):
             nxt = step(i)

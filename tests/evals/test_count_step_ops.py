@@ -21,6 +21,15 @@ def test_counts_ops_per_step_and_a_sparse_policy_issues_more_than_full(capsys):
     assert "ops in one decode step of" in out and "by file:" in out and "_shadowkv" in out
 
 
+def test_batch_rows_issue_no_more_ops_than_one_row():
+    """``--batch``: a step whose op count grew with the rows would loop over them on the host
+    (session 38 checked ShadowKV's residual this way: the same count at batch 1 and 8)."""
+    one = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96"])
+    three = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96",
+                                 "--batch", "3"])
+    assert one == three > 0
+
+
 def test_a_full_window_decode_step_builds_no_index(capsys):
     """Once its sinks and window are full, a `streaming` / `window` decode step writes its slot by
     a host index and reuses one dense index (session 37): a few ops per layer beyond `full`'s
