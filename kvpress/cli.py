@@ -1,6 +1,7 @@
 """The ``kvpress`` command line.
 
-Subcommands: ``policies`` (the registry), ``generate`` (one prompt under one policy), ``demo``
+Subcommands: ``policies`` (the registry), ``check`` (is a model supported; from its config only),
+``generate`` (one prompt under one policy), ``demo``
 (the README's main job: every policy side by side on a ~4k-token retrieval prompt). Other
 modules add their subcommands in :data:`SUBCOMMANDS`.
 """
@@ -74,6 +75,55 @@ def cmd_demo(args) -> int:
                     prefill_chunk_size=args.prefill_chunk_size)
 
 
+def _config_model(name: str):
+    """A model of ``name``'s config with no weights (meta device): a local folder, a config.json, a
+    hub id in the local cache, or a kvpress alias (loaded as usual)."""
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvpress.models import MODEL_ALIASES, load_model
+
+    if name.lower() in MODEL_ALIASES:
+        return load_model(name)[0]
+    path = os.path.dirname(name) if name.endswith(".json") else name
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def cmd_check(args) -> int:
+    import kvpress
+
+    try:
+        model = _config_model(args.model)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"{args.model}: cannot read its config: {exc}", file=sys.stderr)
+        return 2
+    try:
+        adapter = kvpress.get_adapter(model)
+    except ValueError as exc:
+        print(f"{args.model}: not supported: {exc}")
+        return 1
+    policy_layers = adapter.policy_layers
+    print(f"{args.model}: supported ({adapter.family}); {adapter.num_layers} layers, {adapter.num_heads} query / "
+          f"{adapter.num_kv_heads} KV heads, head_dim {adapter.head_dim}")
+    slides = [i for i in range(adapter.num_layers) if adapter.sliding_window(i) is not None]
+    print(f"  policy layers: {len(policy_layers)} of {adapter.num_layers}"
+          + (f" (layers {slides} keep the model's own window)" if slides else ""))
+    if adapter.nope_layers:
+        print(f"  layers without RoPE: {list(adapter.nope_layers)}")
+    for name in kvpress.list_policies():
+        try:
+            kvpress.get_policy(name).check_model(adapter)
+            verdict = "ready"
+        except (ValueError, FileNotFoundError) as exc:
+            verdict = str(exc).splitlines()[0]
+        print(f"  {name:<16} {verdict}")
+    return 0
+
+
 def _add_prefill_chunk_arg(p):
     p.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
                    help="feed the prompt in forwards of N tokens (bounds the prefill's activations)")
@@ -92,6 +142,11 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policies", help="list registered policies")
     p.add_argument("-v", "--verbose", action="store_true", help="also print each policy's default config")
     p.set_defaults(func=cmd_policies)
+
+    p = sub.add_parser("check", help="is a model supported, and which policies run on it as configured "
+                                     "(reads its config only: no weights are loaded)")
+    p.add_argument("model", help="a local model folder or config.json, a cached hub id, or 'smollm2'")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("generate", help="generate from a prompt file under a policy")
     p.add_argument("--model", default="smollm2", help="'smollm2', a local HF directory or a hub id")

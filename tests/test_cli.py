@@ -14,6 +14,29 @@ def test_policies_lists_every_registered_policy(capsys):
         assert kvpress.policy_class(name).description in out
 
 
+def test_check_reads_a_config_and_says_what_runs(tmp_path, capsys):
+    """``kvpress check``: from a config alone (no weights), whether the model is supported, its
+    policy layers, NoPE layers, and per policy "ready" or the error that policy gives."""
+    from conftest import tiny_model
+    from transformers import GPT2Config
+
+    tiny_model("smollm3", head_dim=32).config.save_pretrained(tmp_path / "smollm3")
+    tiny_model("phi3", partial_rotary_factor=0.5).config.save_pretrained(tmp_path / "phi3")
+    GPT2Config(n_layer=1, n_head=2, n_embd=16).save_pretrained(tmp_path / "gpt2")
+    assert cli.main(["check", str(tmp_path / "smollm3" / "config.json")]) == 0
+    out = capsys.readouterr().out
+    assert "supported (smollm3); 2 layers, 4 query / 2 KV heads, head_dim 32" in out
+    assert "policy layers: 2 of 2" in out and "layers without RoPE: [1]" in out
+    assert "  streaming        ready" in out and "  kivi             ready" in out
+    assert "run `kvpress calibrate double_sparsity" in out  # no shipped artifact for this model
+    assert cli.main(["check", str(tmp_path / "phi3")]) == 1
+    assert "not supported: partial RoPE (partial_rotary_factor=0.5" in capsys.readouterr().out
+    assert cli.main(["check", str(tmp_path / "gpt2")]) == 1
+    assert "model family 'gpt2' is not supported; supported families: llama" in capsys.readouterr().out
+    assert cli.main(["check", str(tmp_path / "missing")]) == 2
+    assert "cannot read its config" in capsys.readouterr().err
+
+
 def test_generate_rejects_bad_policy_input_before_loading(tmp_path, capsys, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("model must not load")
