@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 import weakref
 from typing import Iterator
 
@@ -193,6 +194,11 @@ def _policy_cache_for_generate(session: _Session, prepare):
             past = model_kwargs.get(key)
             if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
                 model_kwargs[key] = _session_cache(session)
+                asked = getattr(generation_config, "cache_implementation", None)
+                if asked not in (None, "dynamic"):
+                    warnings.warn(f"generate(cache_implementation={asked!r}) runs with the kvpress policy's cache "
+                                  f"instead ({session.policy.name}); the requested cache is not used inside "
+                                  "kvpress.apply", UserWarning, stacklevel=4)
         return out
 
     return wrapped

@@ -6,6 +6,7 @@ import torch
 import kvpress
 
 from conftest import random_ids, tiny_model
+from kvpress.compat import output_cache
 
 
 def test_forward_with_use_cache_gets_policy_cache_and_equals_unpatched(llama):
@@ -83,6 +84,16 @@ def test_continuous_batching_is_refused_inside_apply_and_works_after(llama):
             llama.generate_batch([ids], max_new_tokens=2, progress_bar=False, warmup=False)
     assert "init_continuous_batching" not in vars(llama) and llama.config._attn_implementation == "sdpa"
     assert llama.init_continuous_batching.__func__ is type(llama).init_continuous_batching
+
+
+@pytest.mark.parametrize("implementation", ["static", "offloaded"])
+def test_a_requested_cache_implementation_is_replaced_with_a_warning(llama, implementation):
+    ids = random_ids(12)
+    with torch.no_grad(), kvpress.apply(llama, kvpress.get_policy("window", window_size=8)):
+        with pytest.warns(UserWarning, match=f"cache_implementation='{implementation}'.* policy's cache instead"):
+            out = llama.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation=implementation,
+                                 return_dict_in_generate=True)
+    assert isinstance(output_cache(out), kvpress.PolicyCache)
 
 
 def test_right_padding_is_refused(llama):
