@@ -5,7 +5,8 @@
 On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
 the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
 random-weight Llama-3-8B-shaped model (``--model``), in one decode step after two warm ones, with a
-TorchDispatchMode. ``--cuda-path`` takes the routes a CUDA run takes where they are CPU-only
+TorchDispatchMode (a Triton launch under TRITON_INTERPRET=1 counts once, as ``launch``, not as the
+interpreter's own ops). ``--cuda-path`` takes the routes a CUDA run takes where they are CPU-only
 here (ShadowKV's one-launch `attend_rows`); with ``backend=triton`` in SPEC and
 TRITON_INTERPRET=1 the Triton kernels run interpreted (their launchers' ops counted, the
 interpreter's own not). Printed: the total, the commonest ops, the lines issuing the most, and
@@ -26,19 +27,56 @@ from kvpress.evals.models import load_eval_model
 
 
 class CountOps(TorchDispatchMode):
-    """Counts every op dispatched, and the innermost kvpress source line that issued it."""
+    """Counts every op dispatched, and the innermost kvpress source line that issued it.
+
+    Under TRITON_INTERPRET=1 a Triton launch runs on the CPU through torch ops of the interpreter's
+    own (copies of its arguments): those are not counted; each launch counts once, as ``launch``
+    (one kernel launch on a GPU)."""
 
     def __init__(self):
         super().__init__()
         self.ops, self.sites = collections.Counter(), collections.Counter()
+        self.in_launch = 0
+        self._run = None
+
+    def __enter__(self):
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+        except ImportError:  # no Triton: nothing interpreted
+            return super().__enter__()
+        counter, run = self, InterpretedFunction.run
+        self._run = (InterpretedFunction, run)
+
+        def counted_run(fn, *args, **kwargs):
+            if kwargs.get("warmup"):
+                return run(fn, *args, **kwargs)
+            counter._count("launch")
+            counter.in_launch += 1
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                counter.in_launch -= 1
+
+        InterpretedFunction.run = counted_run
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._run is not None:
+            cls, run = self._run
+            cls.run = run
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
+        if not self.in_launch:
+            self._count(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str) -> None:
+        self.ops[name] += 1
         ours = [f for f in traceback.extract_stack() if "/kvpress/" in f.filename or "/policies/" in f.filename
                 or "/kernels/" in f.filename]
         site = "(model)" if not ours else f"{ours[-1].filename.split('/')[-1]}:{ours[-1].lineno} {ours[-1].line[:60]}"
         self.sites[site] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main(argv=None) -> int:
@@ -71,7 +109,9 @@ def main(argv=None) -> int:
         with counter:
             nxt = step(2)
     layers = model.config.num_hidden_layers
-    print(f"{args.spec}: {sum(counter.ops.values())} ops in one decode step of {layers} layer(s)")
+    launches = counter.ops.get("launch", 0)
+    print(f"{args.spec}: {sum(counter.ops.values())} ops in one decode step of {layers} layer(s)"
+          + (f" ({launches} of them Triton launches)" if launches else ""))
     print("commonest:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common(20)))
     for site, n in counter.sites.most_common(args.top):
         print(f"{n:5d}  {site}")
