@@ -110,11 +110,7 @@ class ModelAdapter:
         layer without RoPE (``layer_idx`` in ``nope_layers``) they are zeros: every rotation by
         them is the identity, which is what that layer's keys had.
         """
-        rotary = self.base_model.rotary_emb
-        inv_freq = getattr(rotary, "full_attention_inv_freq", None)
-        if inv_freq is None:
-            inv_freq = rotary.inv_freq
-        inv_freq = inv_freq.detach().to(device=device, dtype=torch.float32)
+        inv_freq = _full_attention_inv_freq(self.base_model.rotary_emb).detach().to(device=device, dtype=torch.float32)
         return inv_freq if self.has_rope(layer_idx) else torch.zeros_like(inv_freq)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, layer_idx: int | None = None) -> torch.Tensor:
@@ -190,9 +186,7 @@ def get_adapter(model) -> ModelAdapter:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(_STATIC_ROPE_TYPES)}")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    rotary = base.rotary_emb
-    inv_freq = getattr(rotary, "full_attention_inv_freq", None)
-    inv_freq = getattr(rotary, "inv_freq", None) if inv_freq is None else inv_freq
+    inv_freq = _full_attention_inv_freq(base.rotary_emb)
     if inv_freq is None or 2 * inv_freq.shape[-1] != head_dim:
         rotated = "unknown" if inv_freq is None else 2 * inv_freq.shape[-1]
         raise ValueError(f"partial RoPE (partial_rotary_factor={_partial_rotary_factor(config)}: {rotated} of head_dim "
@@ -248,6 +242,13 @@ def _sliding_windows(model) -> tuple[int | None, ...]:
             raise ValueError(f"layer {i} has sliding_window={window!r}; expected a positive token count")
         out.append(window)
     return tuple(out)
+
+
+def _full_attention_inv_freq(rotary) -> torch.Tensor | None:
+    """The RoPE inverse frequencies of the full-attention layers (Gemma 3 keeps a second set for its
+    sliding layers), or None for a rotary module kvpress does not know."""
+    inv_freq = getattr(rotary, "full_attention_inv_freq", None)
+    return getattr(rotary, "inv_freq", None) if inv_freq is None else inv_freq
 
 
 def _partial_rotary_factor(config) -> float:
