@@ -94,6 +94,8 @@ def _config_model(name: str):
 
 
 def cmd_check(args) -> int:
+    import torch
+
     import kvpress
 
     try:
@@ -114,6 +116,15 @@ def cmd_check(args) -> int:
           + (f" (layers {slides} keep the model's own window)" if slides else ""))
     if adapter.nope_layers:
         print(f"  layers without RoPE: {list(adapter.nope_layers)}")
+    length = args.length or getattr(model.config, "max_position_embeddings", None)
+    if length:
+        dtype = getattr(model.config, "dtype", None) or model.dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        per_layer = [length if adapter.sliding_window(i) is None else min(length, adapter.sliding_window(i))
+                     for i in range(adapter.num_layers)]
+        dense = 2 * sum(per_layer) * adapter.num_kv_heads * adapter.head_dim * torch.finfo(dtype).bits // 8
+        print(f"  the model's own KV cache at {length} tokens in {str(dtype).removeprefix('torch.')}: "
+              f"{dense / 2**20:.1f} MiB per sequence")
     for name in kvpress.list_policies():
         try:
             kvpress.get_policy(name).check_model(adapter)
@@ -146,6 +157,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="is a model supported, and which policies run on it as configured "
                                      "(reads its config only: no weights are loaded)")
     p.add_argument("model", help="a local model folder or config.json, a cached hub id, or 'smollm2'")
+    p.add_argument("--length", type=int, default=None,
+                   help="tokens for the KV-cache size line (default: the config's max_position_embeddings)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("generate", help="generate from a prompt file under a policy")

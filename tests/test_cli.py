@@ -27,6 +27,8 @@ def test_check_reads_a_config_and_says_what_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "supported (smollm3); 2 layers, 4 query / 2 KV heads, head_dim 32" in out
     assert "policy layers: 2 of 2" in out and "layers without RoPE: [1]" in out
+    # K and V, 2 layers, 2 KV heads of 32 fp32 channels, 4096 positions (the tiny config's maximum)
+    assert f"KV cache at 4096 tokens in float32: {2 * 2 * 4096 * 2 * 32 * 4 / 2**20:.1f} MiB per sequence" in out
     assert "  streaming        ready" in out and "  kivi             ready" in out
     assert "run `kvpress calibrate double_sparsity" in out  # no shipped artifact for this model
     assert cli.main(["check", str(tmp_path / "phi3")]) == 1
