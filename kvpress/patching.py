@@ -88,16 +88,39 @@ def kvpress_attention(module, query, key, value, attention_mask, scaling=None, d
     if cache is None:  # use_cache=False: plain causal attention, no policy state to keep
         row_start = session.row_start
         row_start = None if row_start is None else row_start.to(query.device)
-        window = session.adapter.sliding_window(module.layer_idx)
-        if window is None:
-            out = dense_causal_attention(query, key, value, scaling, q_start=0, row_start=row_start)
-        else:  # a layer the model slides: its window, as with a cache
-            out = sliding_causal_attention(query, key, value, scaling, window=window, row_start=row_start)
+        out = _attend_without_cache(session.adapter, module.layer_idx, query, key, value, scaling, row_start)
     else:
         layer = cache.layers[module.layer_idx]
         k_new, v_new = layer.take_pending()
         out = layer.attend(query, k_new, v_new, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_without_cache(adapter: ModelAdapter, layer_idx: int, query, key, value, scaling, row_start):
+    """A forward without a cache: causal attention, or the model's window in a layer it slides."""
+    window = adapter.sliding_window(layer_idx)
+    if window is None:
+        return dense_causal_attention(query, key, value, scaling, q_start=0, row_start=row_start)
+    return sliding_causal_attention(query, key, value, scaling, window=window, row_start=row_start)
+
+
+@contextlib.contextmanager
+def selected_attention(model, name: str, attention) -> Iterator[None]:
+    """Run ``model`` with ``attention`` registered with transformers' ``AttentionInterface`` under
+    ``name`` (and no mask built for it: it makes its own) inside the block; the model's attention
+    implementation is restored on exit, also after an exception."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _no_mask)
+    attn_before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(name)
+        yield
+    finally:
+        if model.config._attn_implementation != attn_before:
+            model.set_attn_implementation(attn_before)
 
 
 def make_cache(model, policy: Policy) -> PolicyCache:
@@ -368,9 +391,6 @@ def observed_attention(model, observe) -> Iterator[ModelAdapter]:
     k (``kvpress calibrate double_sparsity``). Forwards must not use a cache or padding; the
     attention implementation is restored on exit.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     adapter = get_adapter(model)
     if model in _SESSIONS_BY_MODEL:
         raise RuntimeError("observed_attention inside kvpress.apply on the same model is not supported")
@@ -380,19 +400,8 @@ def observed_attention(model, observe) -> Iterator[ModelAdapter]:
             raise RuntimeError("observed_attention runs forwards without a cache (use_cache=False)")
         observe(module.layer_idx, query, key)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        window = adapter.sliding_window(module.layer_idx)
-        if window is None:
-            out = dense_causal_attention(query, key, value, scale, q_start=0, row_start=None)
-        else:
-            out = sliding_causal_attention(query, key, value, scale, window=window, row_start=None)
+        out = _attend_without_cache(adapter, module.layer_idx, query, key, value, scale, None)
         return out.transpose(1, 2).contiguous(), None
 
-    AttentionInterface.register(OBSERVE_NAME, attention)
-    AttentionMaskInterface.register(OBSERVE_NAME, _no_mask)
-    attn_before = model.config._attn_implementation
-    try:
-        model.set_attn_implementation(OBSERVE_NAME)
+    with selected_attention(model, OBSERVE_NAME, attention):
         yield adapter
-    finally:
-        if model.config._attn_implementation != attn_before:
-            model.set_attn_implementation(attn_before)

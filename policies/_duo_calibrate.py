@@ -230,10 +230,6 @@ class GatedAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args, **kwargs):
-    return None  # GatedAttention builds its own masks
-
-
 def _final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     return model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (1, T, hidden)
 
@@ -276,29 +272,23 @@ def gated_attention(model, logits: torch.Tensor, sink_tokens: int, window_size: 
     The model's weights are frozen for the block; its attention implementation, the weights'
     ``requires_grad`` flags and train/eval mode are restored on exit (also after an exception).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     from kvpress.adapters import get_adapter
+    from kvpress.patching import selected_attention
 
     adapter = get_adapter(model)
     expected = (adapter.num_layers, adapter.num_kv_heads)
     if tuple(logits.shape) != expected:
         raise ValueError(f"gate logits have shape {tuple(logits.shape)}; this model needs {expected} [layers, KV heads]")
     attention = GatedAttention(logits, adapter.group_size, sink_tokens, window_size, adapter.sliding_windows)
-    AttentionInterface.register(ATTN_NAME, attention)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
-    attn_before = model.config._attn_implementation
     grad_before = {name: p.requires_grad for name, p in model.named_parameters()}
     was_training = model.training
     try:
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        model.set_attn_implementation(ATTN_NAME)
-        yield attention
+        with selected_attention(model, ATTN_NAME, attention):
+            yield attention
     finally:
-        model.set_attn_implementation(attn_before)
         for name, p in model.named_parameters():
             p.requires_grad_(grad_before[name])
         model.train(was_training)
