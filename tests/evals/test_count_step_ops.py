@@ -77,3 +77,13 @@ def test_merge_states_cpu_script_times_both(capsys):
     merge_states_cpu.main(["--iters", "3"])
     out = capsys.readouterr().out
     assert "(1, 9, 64)" in out and "(8, 32, 128)" in out
+
+
+def test_policy_outputs_compares_two_runs(tmp_path, capsys):
+    import policy_outputs
+
+    first, second = tmp_path / "a.pt", tmp_path / "b.pt"
+    assert policy_outputs.main(["window:window_size=8", str(first), "--budgets", "8,8,8,8"]) == 0
+    assert policy_outputs.main(["window:window_size=8", str(second), "--budgets", "8,8,8,8", "--compare", str(first)]) == 0
+    assert capsys.readouterr().out.count("tokens equal, max score difference 0") == 4
+    assert policy_outputs.main(["full", str(second), "--budgets", "8,8,8,8", "--compare", str(first)]) == 1
