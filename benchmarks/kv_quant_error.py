@@ -22,6 +22,11 @@ Schemes are ``+``-joined parts; without a part, keys are 4-bit per channel in gr
 ``kpre``  keys quantized before RoPE (KVQuant, arXiv 2401.18079), rotated after
 ``kout``  dense-and-sparse keys: the 20 entries of each 32-token group that lie furthest from their
           channel's median kept exact (about 1% of the entries, KVQuant's share)
+``kch8``  the 8 key channels of each KV head with the largest expected score error (mean squared query
+          channel over the prompt's queries times the channel's mean squared group range) at 8 bits
+``kds8``  the 8 key channels the shipped Double Sparsity artifact ranks first at 8 bits
+``krot``  keys and queries rotated by the Hadamard matrix (post-RoPE; scores unchanged) before the
+          keys are quantized per channel
 ``vnorm``  ``zipcache``'s value normaliser: each channel divided by the square root of its largest magnitude
 ``vrot``  values rotated by the Hadamard matrix before quantization, rotated back after
           (``rotate_values=True``, `kvpress.policies._rotation.value_basis`)
@@ -38,11 +43,13 @@ from kvpress.evals.tasks import get_task
 from kvpress.evals.tasks.base import build_input_ids
 from kvpress.kernels.quant import (dequantize_per_channel, dequantize_per_token, quantize_per_channel,
                                    quantize_per_token)
+from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._rotation import value_basis
 
 from _projections import prompt_projections, rotate
 
-PARTS = ("ksink", "k8", "v8", "kexact", "vexact", "kpre", "kout", "vnorm", "vrot")
+PARTS = ("ksink", "k8", "v8", "kexact", "vexact", "kpre", "kout", "kch8", "kds8", "krot", "vnorm", "vrot")
+WIDE_CHANNELS = 8
 KEY_GROUP = 32
 SINKS = 4
 OUTLIERS = 20
@@ -60,10 +67,25 @@ def per_token(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
     return dequantize_per_token(codes, scale, zero, bits, group)[0]
 
 
-def quant_keys(k_pre: torch.Tensor, k: torch.Tensor, parts: set, cos, sin) -> torch.Tensor:
-    """Post-RoPE keys (H, T, D) as the scheme gives them back; ``k_pre`` the same keys before RoPE."""
+def wide_channels(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per KV head, the ``WIDE_CHANNELS`` key channels whose 4-bit error moves scores most: mean
+    squared query channel (post-RoPE queries ``q`` (H_q, T, D)) times mean squared range of the
+    channel over its quantization groups (post-RoPE keys ``k`` (H, T', D)); (H, WIDE_CHANNELS)."""
+    H, T, D = k.shape
+    g = k[:, : T // KEY_GROUP * KEY_GROUP].reshape(H, -1, KEY_GROUP, D)
+    spread = (g.amax(2) - g.amin(2)).pow(2).mean(1)  # (H, D)
+    q_sq = q.pow(2).reshape(H, -1, q.shape[1], D).mean((1, 2))
+    return (q_sq * spread).topk(WIDE_CHANNELS, -1).indices
+
+
+def quant_keys(k_pre: torch.Tensor, k: torch.Tensor, parts: set, cos, sin, wide=None) -> torch.Tensor:
+    """Post-RoPE keys (H, T, D) as the scheme gives them back; ``k_pre`` the same keys before RoPE;
+    ``wide`` (H, n) channels kept at 8 bits."""
     if "kexact" in parts:
         return k
+    if "krot" in parts:  # q.k = (qH).(kH): quantize kH, hand back (kH)~ H^T
+        basis = value_basis(k.shape[-1], k.device)
+        return quant_keys(k_pre, k @ basis, parts - {"krot", "kpre"}, cos, sin, wide) @ basis.T
     x = (k_pre if "kpre" in parts else k).clone()
     H, T, D = x.shape
     groups = x.reshape(H, T // KEY_GROUP, KEY_GROUP, D)
@@ -77,7 +99,11 @@ def quant_keys(k_pre: torch.Tensor, k: torch.Tensor, parts: set, cos, sin) -> to
     if "ksink" in parts:
         keep[:, :SINKS] = True
     x = torch.where(keep, median, x)  # kept entries do not stretch their group's range
-    x = torch.where(keep, exact, per_channel(x, 8 if "k8" in parts else 4))
+    coded = per_channel(x, 8 if "k8" in parts else 4)
+    if wide is not None:
+        idx = wide[:, None, :].expand(H, T, wide.shape[1])
+        coded.scatter_(2, idx, per_channel(x, 8).gather(2, idx))
+    x = torch.where(keep, exact, coded)
     return rotate(x, cos, sin) if "kpre" in parts else x
 
 
@@ -95,7 +121,7 @@ def quant_values(v: torch.Tensor, parts: set, group: int) -> torch.Tensor:
 
 
 def quant_error(model, input_ids: torch.Tensor, schemes: list[str], queries: int, window: int,
-                value_group: int) -> dict[str, tuple[float, float]]:
+                value_group: int, ds_rank=None) -> dict[str, tuple[float, float]]:
     """``{scheme: (tv, out)}`` averaged over the layers for one prompt."""
     cfg = model.config
     H_q, H = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -120,8 +146,13 @@ def quant_error(model, input_ids: torch.Tensor, schemes: list[str], queries: int
         p0, o0 = attention(k, v)
         for scheme in schemes:
             parts = set(scheme.split("+")) - {"base"}
+            wide = None
+            if "kch8" in parts:
+                wide = wide_channels(rotate(q, cos, sin), k[:, :n])
+            elif "kds8" in parts:
+                wide = ds_rank[i, :, :WIDE_CHANNELS]
             kq, vq = k.clone(), v.clone()
-            kq[:, :n] = quant_keys(k_pre[:, :n], k[:, :n], parts, cos[:n], sin[:n])
+            kq[:, :n] = quant_keys(k_pre[:, :n], k[:, :n], parts, cos[:n], sin[:n], wide)
             vq[:, :n] = quant_values(v[:, :n], parts, value_group)
             p, o = attention(kq, vq)
             totals[scheme][0] += 0.5 * (p - p0).abs().sum(-1).mean().item() / layers
@@ -149,11 +180,18 @@ def main(argv=None) -> dict:
             raise SystemExit(f"unknown scheme part(s) {sorted(bad)}; allowed: base, {', '.join(PARTS)}")
     ids_list = [int(s) for s in args.samples.split(",")]
     model, tokenizer = load_eval_model(args.model)
+    ds_rank = None
+    if any("kds8" in s.split("+") for s in schemes):
+        from kvpress.adapters import get_adapter
+        from kvpress.registry import get_policy
+        adapter = get_adapter(model)
+        policy = get_policy("double_sparsity")
+        ds_rank = calib.load(policy.artifact_path(adapter), adapter)
     samples = get_task(args.task).generate(tokenizer, args.length, args.n_samples, args.seed)
     mean = {s: [0.0, 0.0] for s in schemes}
     for sid in ids_list:
         ids = torch.tensor([build_input_ids(tokenizer, samples[sid])])
-        for s, (tv, out) in quant_error(model, ids, schemes, args.queries, args.window, args.value_group).items():
+        for s, (tv, out) in quant_error(model, ids, schemes, args.queries, args.window, args.value_group, ds_rank).items():
             mean[s][0] += tv / len(ids_list)
             mean[s][1] += out / len(ids_list)
     print(f"{args.task} at {args.length} tokens, samples {args.samples}; attention of the last {args.queries} "

@@ -32,8 +32,8 @@ CSRC = pathlib.Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))  # compiled together into one library
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # KVP_ABI_VERSION of csrc/kvp.h (7: kvp_shadowkv_select takes `tokens`; 8: kvp_add_residual, kvp_shadowkv_tail;
-# 9: kvp_merge_states)
-ABI_VERSION = 9
+# 9: kvp_merge_states; 10: kvp_segment's refined key channels)
+ABI_VERSION = 10
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11")
 _SERIAL = tuple("-fopenmp-simd" if f == "-fopenmp" else f for f in FLAGS)  # no OpenMP runtime: one thread
 # tried in order, so a compiler without -march=native or without OpenMP still gets a build

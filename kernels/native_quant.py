@@ -96,7 +96,8 @@ class _Segment(ctypes.Structure):
         [(name, _I64) for name in ("kc_sb", "kc_sh", "ks_sb", "ks_sh", "vc_sb", "vc_sh", "vs_sb", "vs_sh",
                                    "n", "bits", "G", "Gv")] + \
         [("starts", _P), ("st_sb", _I64), ("st_sh", _I64), ("vmul", _P), ("vm_sb", _I64), ("vm_sh", _I64),
-         ("gear", _P)]
+         ("gear", _P), ("rc", _P), ("rs", _P), ("ridx", _P)] + \
+        [(name, _I64) for name in ("rc_sb", "rc_sh", "rs_sb", "rs_sh", "ri_sb", "ri_sh", "R")]
 
 
 class _Gear(ctypes.Structure):
@@ -196,6 +197,9 @@ class PackedSegment:
         not attended (left padding).
     value_scale : fp16 (B, H, D) or None: a per-channel factor on this segment's values.
     gear : `GearParts` or None: GEAR's corrections to this store.
+    refine : ``(codes, scale, channels)`` or None: refined key channels
+        (`kvpress.kernels.quant.quantize_refined_keys`): second codes uint8 (B, H, >=n, R * bits / 8),
+        fp16 scales (B, H, >=n / group_size, R), channel ids int64 (B, H, R); ``bits <= 4``.
     """
 
     k: tuple
@@ -206,6 +210,7 @@ class PackedSegment:
     starts: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
     gear: GearParts | None = None
+    refine: tuple | None = None
 
 
 def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None, *,
@@ -266,6 +271,21 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
             gx = seg.gear.struct(B, H, D, n, G, Gv, keep)
             keep.append(gx)
             fields["gear"] = ctypes.addressof(gx)
+        if seg.refine is not None:
+            rc, rs, ridx = seg.refine
+            R = ridx.shape[-1]
+            if not (rc.dtype == torch.uint8 and rs.dtype == torch.float16 and ridx.dtype == torch.int64
+                    and rc.shape[:2] == rs.shape[:2] == ridx.shape[:2] == (B, H) and int(seg.bits) <= 4
+                    and rc.shape[2] >= n and rc.shape[3] * 8 == R * int(seg.bits) and rs.shape[2] >= n // max(G, 1)
+                    and rs.shape[3] == R and rc.stride(3) == 1 and rc.stride(2) == rc.shape[3] and rs.stride(3) == 1
+                    and rs.stride(2) == R and ridx.stride(2) == 1 and 0 < R <= D
+                    and bool(((ridx >= 0) & (ridx < D)).all())):
+                raise ValueError(f"quant_attend: a segment's refined key channels must be uint8 codes (B, H, >=n, "
+                                 f"R * bits / 8), fp16 scales (B, H, >=n / G, R) with dense rows and int64 channel "
+                                 f"ids (B, H, R) in [0, {D}), bits <= 4")
+            fields.update(rc=rc.data_ptr(), rs=rs.data_ptr(), ridx=ridx.data_ptr(), rc_sb=rc.stride(0),
+                          rc_sh=rc.stride(1), rs_sb=rs.stride(0), rs_sh=rs.stride(1), ri_sb=ridx.stride(0),
+                          ri_sh=ridx.stride(1), R=R)
         for name, value in fields.items():
             setattr(st, name, value)
     out = torch.empty(B, H, M, D, dtype=torch.float32)

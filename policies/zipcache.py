@@ -10,7 +10,7 @@ from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
-                                   token_quant_values)
+                                   quantize_refined_keys, token_quant_values, unpack_codes)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
@@ -60,7 +60,21 @@ class ZipCachePolicy(Policy):
     ``benchmarks/answer_kl.py``), perplexity 29.125 against 29.135; the 2/4-bit default loses
     with it (perplexity 30.54 against 30.22; BENCHMARKS "Session 33 (CPU)"). Off by default.
 
-    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
+    ``refine_key_channels`` (default 0: off; a multiple of 8, at most head_dim, ``bits_low <= 4``)
+    gives that many key channels of each KV head in the low-precision store twice the bits: the
+    channels whose rounding error moves the probes' scores most (mean squared probe query channel
+    times the channel's mean squared group range, chosen at the first flush, as the value
+    normaliser). Each is quantized at ``2 * bits_low`` bits and split into the ordinary codes
+    (its high bits, readable by every reader of the format) and a second packed code with its own
+    fp16 scale (`kvpress.kernels.quant.quantize_refined_keys`), which the native CPU decode step
+    reads in the same call. Mixed precision across key
+    channels is this library's addition, not the paper's: on SmolLM2 a few key channels carry most
+    of the score error of 4-bit keys (``benchmarks/kv_quant_error.py``, ``kch8``), and
+    refining them brings the 4-bit setting's answers closer to ``full``'s than the salient-token
+    or value-group settings of equal cost (BENCHMARKS "Session 39 (CPU)"). The fused GPU kernel
+    does not read the second codes yet: with it on, CUDA decode runs the torch path.
+
+    Assisted decoding (``crop``):    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
     join them again. The prompt's random probes are drawn anew for each prompt length, so a
     recorded prompt forward keeps the queries every prompt shorter by up to 64 tokens would
@@ -89,6 +103,7 @@ class ZipCachePolicy(Policy):
     probe_random: int = 16
     seed: int = 0
     rotate_values: bool = False
+    refine_key_channels: int = 0
     backend: str = "auto"
 
     name = "zipcache"
@@ -113,9 +128,17 @@ class ZipCachePolicy(Policy):
             raise ValueError(f"flush_size={self.flush_size} must be a multiple of group_size={self.group_size}")
         check_int("probe_recent", self.probe_recent, 1)
         check_int("probe_random", self.probe_random, 0)
+        check_int("refine_key_channels", self.refine_key_channels, 0)
+        if self.refine_key_channels % 8:
+            raise ValueError(f"refine_key_channels={self.refine_key_channels} must be a multiple of 8 "
+                             "(0 = off; their second codes are packed whole bytes)")
+        if self.refine_key_channels and self.bits_low > 4:
+            raise ValueError(f"refine_key_channels needs bits_low <= 4 (refined channels take 2 * bits_low bits, "
+                             f"at most 8), got bits_low={self.bits_low}")
 
     def check_model(self, adapter):
         check_quant_config(self.bits_low, self.value_group_size, adapter.head_dim)
+        check_int("refine_key_channels", self.refine_key_channels, 0, adapter.head_dim)
 
     def make_layer(self, cache, layer_idx):
         return ZipCacheLayer(cache, layer_idx, self)
@@ -132,17 +155,28 @@ class _Store:
     padding tokens (``pad`` per (row, head), int32 (B, H)) always come first: they precede every
     real token in sequence order and a flush never mixes orders across stores."""
 
-    def __init__(self, bits: int, group_size: int, value_group_size: int, backend: str = "auto"):
+    def __init__(self, bits: int, group_size: int, value_group_size: int, backend: str = "auto", refine: int = 0):
         self.bits, self.group_size, self.value_group_size = bits, group_size, value_group_size
         self.backend = backend  # the packed-code reader (kvpress.kernels.quant.READ_BACKENDS)
+        self.refine = refine  # key channels per KV head at 2 * bits (ZipCachePolicy.refine_key_channels)
+        self.ridx = None  # long (B, H, refine): those channels, chosen at the store's first flush
         self.n = 0
-        self.t = dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz"))
+        self.t = dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz") + (("rc", "rs") if refine else ()))
         self.pad = None
+
+    @property
+    def refined(self) -> bool:
+        return self.ridx is not None
 
     def add(self, k, v, pad_count):
         """k, v (B, H, m, D) with m a multiple of ``group_size``; v already channel-normalised."""
         g = self.group_size
-        kc, ks, kz = quantize_per_channel(k, self.bits, g)
+        if self.refined:
+            kc, ks, kz, rc, rs = quantize_refined_keys(k, self.bits, g, self.ridx)
+            self.t["rc"] = append_tokens(self.t["rc"], self.n, rc)
+            self.t["rs"] = append_tokens(self.t["rs"], self.n // g, rs, grow=max(1, 256 // g))
+        else:
+            kc, ks, kz = quantize_per_channel(k, self.bits, g)
         vc, vs, vz = quantize_per_token(v, self.bits, self.value_group_size)
         for name, x in zip(("kc", "vc", "vs", "vz"), (kc, vc, vs, vz)):
             self.t[name] = append_tokens(self.t[name], self.n, x)
@@ -157,18 +191,37 @@ class _Store:
         return ((t["kc"][:, :, :n], t["ks"][:, :, : n // g], t["kz"][:, :, : n // g]),
                 (t["vc"][:, :, :n], t["vs"][:, :, :n], t["vz"][:, :, :n]))
 
+    def refine_views(self):
+        """``(codes, scale, channels)`` of the refined key channels' second codes, or None."""
+        if not self.refined:
+            return None
+        n, g = self.n, self.group_size
+        return self.t["rc"][:, :, :n], self.t["rs"][:, :, : n // g], self.ridx
+
+    def refinement(self) -> torch.Tensor:
+        """The refined channels' second codes as key corrections, fp32 (B, H, n, refine)."""
+        n, g, b = self.n, self.group_size, self.bits
+        c = unpack_codes(self.t["rc"][:, :, :n], b).float()  # (B, H, n, R)
+        B, H, _, R = c.shape
+        return (c.view(B, H, n // g, g, R) * self.t["rs"][:, :, : n // g, None].float()).view(B, H, n, R)
+
     def scores(self, q):
         """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
         n = self.n
         s = channel_quant_scores(q, *self.views()[0], self.bits, self.group_size, backend=self.backend)
+        if self.refined:
+            qr = q.gather(3, self.ridx[:, :, None, :].expand(-1, -1, q.shape[2], -1))  # (B, H, M, R)
+            s = s + qr @ self.refinement().transpose(-1, -2)
         pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
         return s.masked_fill(pad[:, :, None], float("-inf"))
 
     def dequantized(self):
         """The store's keys and normalised values, fp32 (B, H, n, D) each."""
         (kc, ks, kz), (vc, vs, vz) = self.views()
-        return (dequantize_per_channel(kc, ks, kz, self.bits, self.group_size),
-                dequantize_per_token(vc, vs, vz, self.bits, self.value_group_size))
+        k = dequantize_per_channel(kc, ks, kz, self.bits, self.group_size)
+        if self.refined:
+            k.scatter_add_(3, self.ridx[:, :, None, :].expand(-1, -1, self.n, -1), self.refinement())
+        return k, dequantize_per_token(vc, vs, vz, self.bits, self.value_group_size)
 
     def output(self, p):
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
@@ -192,7 +245,8 @@ class ZipCacheLayer(QuantWindowLayer):
                          rotate_values=policy.rotate_values)
         self.p = policy
         self.hi = _Store(policy.bits_high, policy.group_size, policy.value_group_size, policy.backend)
-        self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend)
+        self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend,
+                         policy.refine_key_channels)
         self.vn = None
         self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = None
         self._scaling = 1.0
@@ -330,10 +384,24 @@ class ZipCacheLayer(QuantWindowLayer):
 
     def _flush_state(self):
         clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        return self.hi.n, clone(self.hi.pad), self.lo.n, clone(self.lo.pad), self.vn
+        return self.hi.n, clone(self.hi.pad), self.lo.n, clone(self.lo.pad), self.vn, self.lo.ridx
 
     def _unflush(self, state) -> None:
-        self.hi.n, self.hi.pad, self.lo.n, self.lo.pad, self.vn = state
+        self.hi.n, self.hi.pad, self.lo.n, self.lo.pad, self.vn, self.lo.ridx = state
+
+    def refine_channels(self, k: torch.Tensor) -> torch.Tensor:
+        """The ``refine_key_channels`` key channels of each KV head whose coarse codes would move
+        the probes' scores most, long (B, H, R): mean squared probe query channel (over the
+        probes and the KV head's query heads; 1 without probes) times the channel's mean squared
+        range over the token groups of keys ``k`` (B, H, n, D) -- the variance of a code's
+        rounding error is proportional to the squared range of its group."""
+        B, H, n, D = k.shape
+        g = self.p.group_size
+        kg = k.float().view(B, H, n // g, g, D)
+        spread = (kg.amax(3) - kg.amin(3)).pow(2).mean(2)  # (B, H, D)
+        if self.probe_q is not None:
+            spread = spread * self.probe_q.float().pow(2).view(B, H, -1, D).mean(2)
+        return spread.topk(self.p.refine_key_channels, dim=-1).indices.sort(-1).values
 
     def _flush(self, k, v, start):
         B, H, n, D = k.shape
@@ -342,6 +410,8 @@ class ZipCacheLayer(QuantWindowLayer):
         if self.vn is None:
             vabs = v.float().abs().amax(2)  # (B, H, D)
             self.vn = torch.where(vabs > 0, vabs.sqrt(), torch.ones_like(vabs)).half()
+        if self.lo.refine and self.lo.ridx is None:  # fixed at the first flush, as the normaliser
+            self.lo.ridx = self.refine_channels(k)
         v_norm = v.float() / self.vn.float()[:, :, None]
         # the high store tracks salient_ratio of everything flushed so far, in whole key groups
         target = int(self.p.salient_ratio * (start + n) / g + 0.5) * g
@@ -361,12 +431,13 @@ class ZipCacheLayer(QuantWindowLayer):
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
     def _attend(self, q, k_new, v_new, scaling):
-        if self.fused_step_ok(q, k_new, self.decode_backend):
+        # the fused GPU kernel does not read refined key channels' second codes: the torch path does
+        if not self.lo.refined and self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
         if self.native_step_ok(q, k_new, self.p.backend, [st.views() for st in stores]):
             segments = [native.PackedSegment(*st.views(), st.bits, st.group_size, st.value_group_size, starts=st.pad,
-                                             value_scale=self.vn) for st in stores]
+                                             value_scale=self.vn, refine=st.refine_views()) for st in stores]
             return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
         return super()._attend(q, k_new, v_new, scaling)
 
@@ -446,7 +517,7 @@ class ZipCacheLayer(QuantWindowLayer):
         self.probe_q, self.probe_lse = sel(self.probe_q), sel(self.probe_lse)
         for store in (self.hi, self.lo):
             store.t = {k: sel(v) for k, v in store.t.items()}
-            store.pad = sel(store.pad)
+            store.pad, store.ridx = sel(store.pad), sel(store.ridx)
 
     def _quant_tensors(self):
         out = {"vn": self.vn, "probe_q": self.probe_q, "probe_lse": self.probe_lse, "probe_pos": self.probe_pos,
@@ -454,4 +525,6 @@ class ZipCacheLayer(QuantWindowLayer):
         for prefix, s in (("hi", self.hi), ("lo", self.lo)):
             out.update({f"{prefix}_{k}": v for k, v in s.t.items()})
             out[f"{prefix}_pad"] = s.pad
+        if self.lo.refine:
+            out["lo_ridx"] = self.lo.ridx
         return out

@@ -14,7 +14,7 @@ POLICIES = tuple(kvpress.list_policies())
 # Options that change how a policy stores its state run the contract too: "policy+field" is the
 # policy's example with that boolean field on.
 # a policy's example with fields set: "+flag" sets a bool field, "+field=N" an int one
-VARIANTS = ("kivi+rotate_values", "zipcache+rotate_values", "shadowkv+residual_bits=4")
+VARIANTS = ("kivi+rotate_values", "zipcache+rotate_values", "zipcache+refine_key_channels=8", "shadowkv+residual_bits=4")
 PROMPT = 48
 NEW = 6
 

@@ -40,7 +40,7 @@
 #include <omp.h>
 #endif
 
-#define KVP_ABI_VERSION 9
+#define KVP_ABI_VERSION 10
 
 /* internal functions shared between the files: kept out of the library's exported symbols */
 #define KVP_HIDDEN __attribute__((visibility("hidden")))

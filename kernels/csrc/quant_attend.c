@@ -208,7 +208,10 @@ int kvp_gear_extra(int values, const float *in, int64_t B, int64_t H, int64_t M,
  * scales / zero points (B, H, >=n, D / Gv)); element strides for the batch and head dims. Tokens
  * before starts[b * st_sb + h * st_sh] are not attended (starts NULL: all are); vmul, when not
  * NULL, is an fp16 (B, H, D) per-channel factor on the segment's values (ZipCache's normaliser);
- * gear, when not NULL, GEAR's corrections to this store (value groups of Gv channels). */
+ * gear, when not NULL, GEAR's corrections to this store (value groups of Gv channels). rc, when not
+ * NULL, refined key channels (ZipCache's refine_key_channels): R channels per (row, KV head), ids
+ * ridx (B, H, R) int64, whose second codes rc (B, H, >=n, R * bits / 8) with fp16 scales rs
+ * (B, H, >=n / G, R) add code * scale to the key channel (no zero point). */
 typedef struct {
     const uint8_t *kc;
     const uint16_t *ks, *kz;
@@ -221,7 +224,29 @@ typedef struct {
     const uint16_t *vmul;
     int64_t vm_sb, vm_sh;
     const kvp_gear *gear;
+    const uint8_t *rc;
+    const uint16_t *rs;
+    const int64_t *ridx;
+    int64_t rc_sb, rc_sh, rs_sb, rs_sh, ri_sb, ri_sh, R;
 } kvp_segment;
+
+/* Adds the refined channels' second codes to the scores sc (M rows of stride ld) of tokens [t0, t1). */
+static void refine_span(const kvp_segment *g, int64_t b, int64_t h, const float *qh, int64_t M, int64_t D,
+                        int64_t t0, int64_t t1, float *sc, int64_t ld) {
+    const int64_t R = g->R, bits = g->bits, row = R * bits / 8, mask = (1 << bits) - 1;
+    const uint8_t *c = g->rc + b * g->rc_sb + h * g->rc_sh;
+    const uint16_t *s = g->rs + b * g->rs_sb + h * g->rs_sh;
+    const int64_t *ix = g->ridx + b * g->ri_sb + h * g->ri_sh;
+    for (int64_t r = 0; r < R; ++r) {
+        float qm[8];
+        for (int64_t m = 0; m < M; ++m) qm[m] = qh[m * D + ix[r]];
+        const int64_t byte = r * bits / 8, shift = (r * bits) % 8;
+        for (int64_t t = t0; t < t1; ++t) {
+            float v = (float)((c[t * row + byte] >> shift) & mask) * h2f(s[(t / g->G) * R + r]);
+            for (int64_t m = 0; m < M; ++m) sc[m * ld + t - t0] += qm[m] * v;
+        }
+    }
+}
 
 enum { MAX_SEGMENTS = 8 };
 
@@ -242,7 +267,8 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
     for (int64_t i = 0; i < nseg; ++i) {
         const kvp_segment *g = seg + i;
         if (!(g->bits == 2 || g->bits == 4 || g->bits == 8) || g->G <= 0 || g->Gv <= 0 || g->n < 0 || g->n % g->G
-            || D % g->Gv || (D * g->bits) % 8 || (g->gear && !gear_ok(g->gear, g->n))) return -1;
+            || D % g->Gv || (D * g->bits) % 8 || (g->gear && !gear_ok(g->gear, g->n))
+            || (g->rc && (g->R <= 0 || g->R > D || (g->R * g->bits) % 8 || g->bits > 4 || !g->rs || !g->ridx))) return -1;
         int64_t S = span_len(g->G), vs = values_scratch(D, g->Gv);
         if (g->gear && gear_scratch(g->gear, M, D, g->Gv) > vs) vs = gear_scratch(g->gear, M, D, g->Gv);
         per_bh += (g->n + S - 1) / S;
@@ -288,6 +314,7 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                 scores_span(qh, M, D, g->kc + b * g->kc_sb + h * g->kc_sh, g->ks + b * g->ks_sb + h * g->ks_sh,
                             g->kz + b * g->ks_sb + h * g->ks_sh, t0, t1, (int)bits, g->G, sc, t1 - t0, qs);
                 if (g->gear) gear_key_span(g->gear, b, h, qh, M, D, g->G, g->n, t0, t1, sc, t1 - t0, vscr, &rc);
+                if (g->rc) refine_span(g, b, h, qh, M, D, t0, t1, sc, t1 - t0);
                 int64_t lo = n0 - t0, len = t1 - n0;
                 for (int64_t m = 0; m < M; ++m) {
                     float *r = sc + m * (t1 - t0) + lo, x = -INFINITY, tot = 0.0f;

@@ -140,3 +140,32 @@ def test_bad_input_errors():
     from kvpress.kernels.triton_quant import triton_quant_decode
     with pytest.raises(ValueError, match="CUDA"):
         triton_quant_decode(torch.randn(1, 2, 64), *kq_, *vq_, bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_refined_keys_are_the_double_width_quantizer_on_their_channels(bits):
+    """`quantize_refined_keys`: the refined channels read back (coarse codes + second codes) as
+    the ``2 * bits`` quantizer gives them, the others as the ordinary ``bits`` one; the coarse
+    part alone is a valid per-channel store that every reader takes unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 64, 32, generator=gen) * torch.linspace(0.1, 6, 32)
+    ch = torch.stack([torch.randperm(32, generator=gen)[:8] for _ in range(6)]).view(2, 3, 8)
+    codes, scale, zero, fine, f_scale = kq.quantize_refined_keys(x, bits, 16, ch)
+    assert codes.shape == (2, 3, 64, 32 * bits // 8) and fine.shape == (2, 3, 64, 8 * bits // 8)
+    assert f_scale.shape == (2, 3, 4, 8) and f_scale.dtype == torch.float16
+    coarse = dequantize_per_channel(codes, scale, zero, bits, 16)
+    fine_k = (unpack_codes(fine, bits).float().view(2, 3, 4, 16, 8) * f_scale.float()[:, :, :, None]).view(2, 3, 64, 8)
+    got = coarse.scatter_add(3, ch[:, :, None].expand(-1, -1, 64, -1), fine_k)
+    plain = dequantize_per_channel(*quantize_per_channel(x, bits, 16), bits, 16)
+    wide = dequantize_per_channel(*quantize_per_channel(x, 2 * bits, 16), 2 * bits, 16)
+    is_refined = torch.zeros(2, 3, 1, 32, dtype=torch.bool).scatter_(3, ch[:, :, None], True).expand_as(x)
+    torch.testing.assert_close(got[is_refined], wide[is_refined], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[~is_refined], plain[~is_refined], atol=0, rtol=0)
+    assert (got - x)[is_refined].abs().max() < (plain - x)[is_refined].abs().max() / 4
+    q = torch.randn(2, 3, 5, 32, generator=gen)  # the coarse store through the ordinary score reader
+    torch.testing.assert_close(kq.channel_quant_scores(q, codes, scale, zero, bits, 16, backend="torch"),
+                               q @ coarse.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="bits=8 is not allowed; allowed: 2, 4"):
+        kq.quantize_refined_keys(x, 8, 16, ch)
+    with pytest.raises(ValueError, match="R \\* bits % 8 == 0"):
+        kq.quantize_refined_keys(x, 4, 16, ch[..., :3])

@@ -8,6 +8,7 @@ import torch
 import kvpress
 from kvpress.attention import dense_causal_attention
 from kvpress.kernels import dequantize_per_channel
+from kvpress.stats import tensor_bytes
 
 from conftest import random_ids
 
@@ -296,6 +297,7 @@ def _two_rows(padded: bool):
 
 @pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("kivi", {"bits": 2, "sink_tokens": 0}),
                                             ("kivi", {"rotate_values": True}), ("zipcache", {}),
+                                            ("zipcache", {"refine_key_channels": 8}),
                                             ("zipcache", {"rotate_values": True}), ("gear", {})])
 @pytest.mark.parametrize("padded", [False, True])
 def test_native_reader_decodes_like_the_torch_path(llama, name, overrides, padded, monkeypatch):
@@ -317,6 +319,8 @@ def test_native_reader_decodes_like_the_torch_path(llama, name, overrides, padde
     assert out.past_key_values.layers[0].n_quant > 0  # the packed store was read
     assert calls  # decode steps ran as one call
     assert all((seg.gear is not None) == (name == "gear") for segs in calls for seg in segs)
+    if overrides.get("refine_key_channels"):  # the low store's second codes are read in the same call
+        assert any(seg.refine is not None for segs in calls for seg in segs)
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -377,7 +381,7 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
 
 
 @pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("kivi", {"rotate_values": True}),
-                                            ("gear", {}), ("zipcache", {})])
+                                            ("gear", {}), ("zipcache", {}), ("zipcache", {"refine_key_channels": 8})])
 @pytest.mark.parametrize("padded", [False, True])
 def test_dequantized_store_is_what_attention_reads(llama, name, overrides, padded):
     """`_dequantize_into` (long forwards' transient copy) holds what the packed readers compute:
@@ -426,3 +430,59 @@ def test_gear_torch_reads_do_not_depend_on_pass_sizes(llama, monkeypatch):
         got.append((layer._quant_scores(q, 1.0), layer._quant_output(prob)))
     torch.testing.assert_close(got[0][0], got[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[0][1], got[1][1], atol=1e-5, rtol=1e-5)
+
+
+def test_zipcache_refined_key_channels(llama):
+    """``refine_key_channels``: the low store's key channels with the largest probe-weighted
+    ranges get a second code (2 * bits_low bits there). A planted channel -- wide keys that the
+    queries weigh heavily -- is chosen in every head, its keys come back 16x finer, the scores the
+    decode step reads match the dequantized store, and the bits grow by what the codes cost."""
+    kw = dict(group_size=8, value_group_size=8, residual_length=8, flush_size=8, salient_ratio=0.0,
+              probe_recent=8, probe_random=8, bits_low=4)
+    gen = torch.Generator().manual_seed(2)
+    T = 128
+    q = torch.randn(1, 4, T, 16, generator=gen)
+    k = torch.randn(1, 2, T, 16, generator=gen)
+    q[..., 5] *= 4
+    k[..., 5] *= 6  # channel 5: wide keys, loud queries
+    layers = {}
+    for r in (0, 8):
+        layer = kvpress.make_cache(llama, kvpress.get_policy("zipcache", refine_key_channels=r, **kw)).layers[0]
+        layer.update(k, torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(4)))
+        layer.attend(q, *layer.take_pending(), 0.25)
+        layers[r] = layer
+    plain, refined = layers[0], layers[8]
+    n = refined.lo.n
+    assert n == plain.lo.n == refined.n_quant >= 96 and plain.lo.ridx is None
+    assert refined.lo.ridx.shape == (1, 2, 8) and (refined.lo.ridx == 5).any(-1).all()
+    k_plain, k_ref = plain.lo.dequantized()[0], refined.lo.dequantized()[0]
+    err = lambda x: (x[..., 5] - k[:, :, :n, 5]).abs().max().item()  # noqa: E731
+    assert err(k_ref) < err(k_plain) / 8, (err(k_ref), err(k_plain))
+    other = torch.ones(16, dtype=torch.bool)
+    other[refined.lo.ridx[0, 0]] = False  # a channel head 0 did not refine reads as before
+    torch.testing.assert_close(k_ref[0, 0][:, other], k_plain[0, 0][:, other], atol=0, rtol=0)
+    qs = torch.randn(1, 2, 3, 16, generator=gen)
+    torch.testing.assert_close(refined.lo.scores(qs), qs @ k_ref.transpose(-1, -2), atol=1e-4, rtol=1e-4)
+    extra = tensor_bytes([refined.lo.t["rc"], refined.lo.t["rs"], refined.lo.ridx])
+    assert extra > 0
+    assert kvpress.cache_stats(refined.cache).resident_bytes == kvpress.cache_stats(plain.cache).resident_bytes + extra
+
+
+@pytest.mark.parametrize("overrides, limit", [(dict(bits_low=4, bits_high=8, salient_ratio=0.0625), 5.5),
+                                              (dict(bits_low=4, bits_high=8, salient_ratio=0.0625, refine_key_channels=16), 6.0)])
+def test_zipcache_4bit_bits_at_8k(overrides, limit):
+    """The 4-bit setting of the quality runs and its refined variant: 16 of 64 key channels at 8
+    bits add 4 * 16 / 64 bits per key and an fp16 scale per 32 tokens, about half a bit per element."""
+    stats = _bits(kvpress.get_policy("zipcache", **overrides))
+    assert stats.tokens == 8192 and limit - 0.5 < stats.bits_per_element <= limit, stats
+
+
+def test_zipcache_refine_bad_input(llama):
+    with pytest.raises(ValueError, match="refine_key_channels=4 must be a multiple of 8"):
+        kvpress.get_policy("zipcache", refine_key_channels=4)
+    with pytest.raises(ValueError, match="refine_key_channels needs bits_low <= 4"):
+        kvpress.get_policy("zipcache", bits_low=8, bits_high=8, refine_key_channels=8)
+    with pytest.raises(ValueError, match="refine_key_channels"):
+        with kvpress.apply(llama, kvpress.get_policy("zipcache", value_group_size=8, refine_key_channels=24)):
+            pass
+    assert llama.config._attn_implementation == "sdpa"
