@@ -228,6 +228,22 @@ def dequantize_per_channel(codes, scale, zero, bits: int, group_size: int) -> to
     return (c * scale.float()[:, :, :, None] + zero.float()[:, :, :, None]).reshape(B, H, T, D)
 
 
+def dequantize_refinement(codes, scale, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 (B, H, T, R): the refined key channels' corrections from :func:`quantize_refined_keys`'
+    ``fine_codes`` / ``fine_scale`` (``code * scale``, no zero point)."""
+    c = unpack_codes(codes, bits).float()  # (B, H, T, R)
+    B, H, T, R = c.shape
+    return (c.view(B, H, T // group_size, group_size, R) * scale[:, :, : T // group_size, None].float()).view(B, H, T, R)
+
+
+def refined_scores(q: torch.Tensor, refine, bits: int, group_size: int) -> torch.Tensor:
+    """The refined channels' share of ``q @ k^T``: q fp32 (B, H, M, D); ``refine`` = ``(fine_codes,
+    fine_scale, channels)`` of T tokens (:func:`quantize_refined_keys`). fp32 (B, H, M, T)."""
+    codes, scale, channels = refine
+    qr = q.gather(3, channels[:, :, None, :].expand(-1, -1, q.shape[2], -1))  # (B, H, M, R)
+    return qr @ dequantize_refinement(codes, scale, bits, group_size).transpose(-1, -2)
+
+
 def dequantize_per_token(codes, scale, zero, bits: int, group_size: int) -> torch.Tensor:
     """fp32 (B, H, T, D) from :func:`quantize_per_token` output (reference / tests only)."""
     c = unpack_codes(codes, bits).float()
@@ -423,7 +439,8 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
 
 
 # ----------------------------------------------------------------------------- fused decode
-def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, value_group_size=None):
+def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, group_size, value_group_size=None,
+                  refine=None):
     """Validate a packed decode call; returns (B, H_q, H_kv, T, D, value group size resolved)."""
     value_group_size = group_size if value_group_size is None else value_group_size
     check_quant_config(bits, group_size)  # keys are grouped over tokens: any head_dim
@@ -446,6 +463,15 @@ def _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits, g
     if v_scale.shape != (B, H_kv, T, D // value_group_size) or v_zero.shape != v_scale.shape:
         raise ValueError(f"v_scale / v_zero must be (B, H_kv, T, D/value_group_size) = "
                          f"{(B, H_kv, T, D // value_group_size)}")
+    if refine is not None:
+        rc, rs, ch = refine
+        R = ch.shape[-1] if ch.dim() == 3 else -1
+        if (bits > 4 or ch.dtype != torch.int64 or ch.shape[:2] != (B, H_kv) or not 0 < R <= D
+                or rc.dtype != torch.uint8 or rc.shape != (B, H_kv, T, R * bits // 8) or (R * bits) % 8
+                or rs.dtype != torch.float16 or rs.shape != (B, H_kv, T // group_size, R)):
+            raise ValueError(f"refine must be (fine_codes uint8 (B, H_kv, T, R * bits / 8), fine_scale fp16 "
+                             f"(B, H_kv, T / group_size, R), channels int64 (B, H_kv, R)) with 0 < R <= {D}, "
+                             f"R * bits % 8 == 0 and bits <= 4 (kvpress.kernels.quant.quantize_refined_keys)")
     return B, H_q, H_kv, T, D, value_group_size
 
 
@@ -459,13 +485,17 @@ def _finish(scores: torch.Tensor, seq_starts) -> tuple[torch.Tensor, torch.Tenso
 
 
 def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                           seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
+                           seq_starts=None, scale: float | None = None, value_group_size: int | None = None,
+                           refine=None):
     """Dequantize everything to fp32, then plain softmax attention: the definition of
     :func:`quant_decode` (tests only; it materialises the cache)."""
     B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                         bits, group_size, value_group_size)
+                                                         bits, group_size, value_group_size, refine)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     k = dequantize_per_channel(k_codes, k_scale, k_zero, bits, group_size)
+    if refine is not None:
+        k.scatter_add_(3, refine[2][:, :, None, :].expand(-1, -1, T, -1),
+                       dequantize_refinement(refine[0], refine[1], bits, group_size))
     v = dequantize_per_token(v_codes, v_scale, v_zero, bits, value_group_size)
     qg = q.float().view(B, H_kv, H_q // H_kv, D)
     p, lse = _finish(qg @ k.transpose(-1, -2) * scale, seq_starts)
@@ -473,13 +503,16 @@ def reference_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 
 
 def torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
-                       seq_starts=None, scale: float | None = None, value_group_size: int | None = None):
+                       seq_starts=None, scale: float | None = None, value_group_size: int | None = None,
+                       refine=None):
     """Torch implementation of :func:`quant_decode` (chunked, no dequantized cache)."""
     B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                         bits, group_size, value_group_size)
+                                                         bits, group_size, value_group_size, refine)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     qg = q.float().view(B, H_kv, H_q // H_kv, D) * scale
     s = channel_quant_scores(qg, k_codes, k_scale, k_zero, bits, group_size)
+    if refine is not None:
+        s = s + refined_scores(qg, refine, bits, group_size)
     p, lse = _finish(s, seq_starts)
     out = token_quant_values(p, v_codes, v_scale, v_zero, bits, value_group_size)
     return out.view(B, H_q, D).to(q.dtype), lse.view(B, H_q)
@@ -490,7 +523,7 @@ QUANT_BACKENDS = ("auto", "triton", "torch")
 
 def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
                  seq_starts: torch.Tensor | None = None, scale: float | None = None, backend: str = "auto",
-                 value_group_size: int | None = None):
+                 value_group_size: int | None = None, refine=None):
     """One decode step of attention over a KIVI-format packed cache, dequantizing inside the loop.
 
     Parameters
@@ -508,6 +541,9 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
     scale : float, default ``D ** -0.5``.
     backend : "auto" (triton on CUDA when importable, for the head dims and GQA groups (<= 16) it
         takes), "triton", or "torch".
+    refine : ``(fine_codes, fine_scale, channels)`` or None: refined key channels whose second
+        codes add to the keys (:func:`quantize_refined_keys`; ``bits <= 4``; triton takes a
+        power-of-two channel count).
 
     Returns
     -------
@@ -524,14 +560,16 @@ def quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits:
         if q.is_cuda and triton_available():
             from .triton_quant import TRITON_QUANT_HEAD_DIMS
 
-            if q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= MAX_GROUP:
+            R = 0 if refine is None else refine[2].shape[-1]
+            if (q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] // max(1, k_codes.shape[1]) <= MAX_GROUP
+                    and not R & (R - 1)):  # refined channels: a power-of-two count
                 backend = "triton"
     if backend == "triton":
         from .triton_quant import triton_quant_decode
 
         return triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
                                    group_size=group_size, seq_starts=seq_starts, scale=scale,
-                                   value_group_size=value_group_size)
+                                   value_group_size=value_group_size, refine=refine)
     return torch_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bits=bits,
                               group_size=group_size, seq_starts=seq_starts, scale=scale,
-                              value_group_size=value_group_size)
+                              value_group_size=value_group_size, refine=refine)

@@ -48,11 +48,11 @@ def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: 
 
 def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
                         seq_starts=None, scale: float | None = None, num_splits: int | None = None,
-                        value_group_size: int | None = None):
+                        value_group_size: int | None = None, refine=None):
     """Triton implementation of :func:`kvpress.kernels.quant.quant_decode` (same arguments and
     results); ``num_splits`` overrides the split-K count (tests use it to cover the merge)."""
     B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                                         bits, group_size, value_group_size)
+                                                         bits, group_size, value_group_size, refine)
     if D not in TRITON_QUANT_HEAD_DIMS:
         raise ValueError(f"triton quant_decode supports head_dim in {TRITON_QUANT_HEAD_DIMS}, got {D}; use backend='torch'")
     if H_q // H_kv > MAX_GROUP:
@@ -86,8 +86,13 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     out_part = torch.empty(B, H_q, splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
     starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
+    R = 0 if refine is None else refine[2].shape[-1]
+    if R and (R & (R - 1) or refine[0].stride(-1) != 1 or refine[1].stride(-1) != 1 or refine[2].stride(-1) != 1):
+        raise ValueError(f"triton quant_decode reads a power-of-two count of refined key channels with contiguous "
+                         f"last dims, got {R}; use backend='torch'")
+    rc, rs, ridx = refine if R else (k_codes, k_scale, starts)  # dummy pointers when off
     kern._quant_decode_split_kernel[(B, H_kv, splits)](
-        qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part,
+        qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part, rc, rs, ridx,
         qc.stride(0), qc.stride(1),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
@@ -95,6 +100,8 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
+        *(rc.stride(0), rc.stride(1), rc.stride(2), rs.stride(0), rs.stride(1), rs.stride(2), ridx.stride(0),
+          ridx.stride(1) if R else 0),
         scale * 1.4426950408889634, T, per_split * block_n,
         GROUP=H_q // H_kv, BLOCK_G=max(16, _next_pow2(H_q // H_kv)), BLOCK_N=block_n, HEAD_DIM=D,
         BITS=bits, GROUP_SIZE=group_size, VALUE_GROUP_SIZE=value_group_size, HAS_STARTS=seq_starts is not None,
@@ -102,7 +109,8 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         DT=tl.float32 if qc.dtype == torch.float32 else tl.float16,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
         EARLY_LOADS=EARLY_LOADS, FP32_SCALES=FP32_SCALES,
-        PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), num_warps=warps, num_stages=NUM_STAGES,
+        PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), REFINE=R, num_warps=warps,
+        num_stages=NUM_STAGES,
     )
     dec._merge_splits_kernel[(B, H_q)](
         out_part, lse_part, out, lse,

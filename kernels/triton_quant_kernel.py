@@ -84,7 +84,7 @@ def _unpack_codes(packed, BITS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: t
 
 @triton.jit
 def _quant_decode_split_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, SEQ_STARTS, OUT_PART, LSE_PART,
+    Q, KC, KS, KZ, VC, VS, VZ, SEQ_STARTS, OUT_PART, LSE_PART, RC, RS, RIDX,
     stride_qb, stride_qh,
     stride_kcb, stride_kch, stride_kct,
     stride_ksb, stride_ksh, stride_ksg,
@@ -92,11 +92,12 @@ def _quant_decode_split_kernel(
     stride_vsb, stride_vsh, stride_vst,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
+    stride_rcb, stride_rch, stride_rct, stride_rsb, stride_rsh, stride_rsg, stride_rib, stride_rih,
     scale_log2, seq_len, tokens_per_split,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, VALUE_GROUP_SIZE: tl.constexpr, HAS_STARTS: tl.constexpr,
     DT: tl.constexpr, DOT_PRECISION: tl.constexpr, EARLY_LOADS: tl.constexpr = True, FP32_SCALES: tl.constexpr = True,
-    PTX_CODES: tl.constexpr = False,
+    PTX_CODES: tl.constexpr = False, REFINE: tl.constexpr = 0,
 ):
     """One (row, KV head, split): online softmax over tokens [split * tokens_per_split, ...),
     dequantizing each K/V tile in registers (keys per channel in groups of GROUP_SIZE tokens,
@@ -125,7 +126,13 @@ def _quant_decode_split_kernel(
     on an H200 (BENCHMARKS "Session 30"). The tile loads
     are pipelined through shared memory (``cp.async``) by Triton when the strides are multiples
     of 16 (what a launch specializes on); 2-bit takes as long as 4-bit, so the loop is bound by
-    its per-element work and latency, not by the bytes it reads."""
+    its per-element work and latency, not by the bytes it reads.
+
+    ``REFINE`` > 0 (a power of two): that many refined key channels per (row, KV head)
+    (``kvpress.kernels.quant.quantize_refined_keys``): channel ids ``RIDX`` (B, H, REFINE), second
+    codes ``RC`` (B, H, T, REFINE * BITS / 8) and fp16 scales ``RS`` (B, H, T / GROUP_SIZE, REFINE),
+    no zero point; each tile adds ``q[ids] . (code * scale)`` to its scores, elementwise (too few
+    channels for a dot), with integer unpacking."""
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -152,6 +159,16 @@ def _quant_decode_split_kernel(
     SD: tl.constexpr = tl.float32 if FP32_SCALES else DT  # where the query and scales are held
     q = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None],
                 other=0.0).to(SD)  # (BLOCK_G, D)
+
+    if REFINE > 0:  # the refined channels' query entries, once
+        RBYTES: tl.constexpr = REFINE // PER
+        offs_r = tl.arange(0, REFINE)
+        offs_rbyte = tl.arange(0, RBYTES)
+        ridx = tl.load(RIDX + b * stride_rib + hk * stride_rih + offs_r)
+        q_ref = tl.load(Q + b * stride_qb + q_rows[:, None] * stride_qh + ridx[None, :], mask=g_mask[:, None],
+                        other=0.0).to(tl.float32)  # (BLOCK_G, REFINE)
+        rc_base = RC + b * stride_rcb + hk * stride_rch
+        rs_base = RS + b * stride_rsb + hk * stride_rsh
 
     kc_base = KC + b * stride_kcb + hk * stride_kch
     ks_base = KS + b * stride_ksb + hk * stride_ksh
@@ -186,6 +203,14 @@ def _quant_decode_split_kernel(
             kz = tl.reshape(tl.broadcast_to(kz[:, None, :], (TG, GROUP_SIZE, HEAD_DIM)), (BLOCK_N, HEAD_DIM))
         k = (_unpack_codes(kb, BITS, BLOCK_N, HEAD_DIM, DT, PTX_CODES) * ks.to(DT) + kz.to(DT)).to(DT)  # (BLOCK_N, D)
         qk = tl.dot(q.to(DT), tl.trans(k), input_precision=DOT_PRECISION)
+        if REFINE > 0:
+            rb = tl.load(rc_base + tt[:, None] * stride_rct + offs_rbyte[None, :], mask=in_range[:, None], other=0)
+            rsc = tl.load(rs_base + grp[:, None].to(tl.int64) * stride_rsg + offs_r[None, :], mask=g_ok,
+                          other=0.0).to(tl.float32)  # (TG, REFINE)
+            if TG > 1:
+                rsc = tl.reshape(tl.broadcast_to(rsc[:, None, :], (TG, GROUP_SIZE, REFINE)), (BLOCK_N, REFINE))
+            kr = _unpack_codes(rb, BITS, BLOCK_N, REFINE, tl.float32, False) * rsc  # (BLOCK_N, REFINE)
+            qk += tl.sum(q_ref[:, None, :] * kr[None, :, :], 2)
         qk = tl.where(valid[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -10,7 +10,8 @@ from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
-                                   quantize_refined_keys, token_quant_values, unpack_codes)
+                                   dequantize_refinement, quantize_refined_keys, refined_scores,
+                                   token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens
@@ -72,7 +73,7 @@ class ZipCachePolicy(Policy):
     of the score error of 4-bit keys (``benchmarks/kv_quant_error.py``, ``kch8``), and
     refining them brings the 4-bit setting's answers closer to ``full``'s than the salient-token
     or value-group settings of equal cost (BENCHMARKS "Session 39 (CPU)"). The fused GPU kernel
-    does not read the second codes yet: with it on, CUDA decode runs the torch path.
+    reads them too (tested under the Triton interpreter, not yet run on a GPU).
 
     Assisted decoding (``crop``):    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
@@ -198,20 +199,13 @@ class _Store:
         n, g = self.n, self.group_size
         return self.t["rc"][:, :, :n], self.t["rs"][:, :, : n // g], self.ridx
 
-    def refinement(self) -> torch.Tensor:
-        """The refined channels' second codes as key corrections, fp32 (B, H, n, refine)."""
-        n, g, b = self.n, self.group_size, self.bits
-        c = unpack_codes(self.t["rc"][:, :, :n], b).float()  # (B, H, n, R)
-        B, H, _, R = c.shape
-        return (c.view(B, H, n // g, g, R) * self.t["rs"][:, :, : n // g, None].float()).view(B, H, n, R)
 
     def scores(self, q):
         """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
         n = self.n
         s = channel_quant_scores(q, *self.views()[0], self.bits, self.group_size, backend=self.backend)
         if self.refined:
-            qr = q.gather(3, self.ridx[:, :, None, :].expand(-1, -1, q.shape[2], -1))  # (B, H, M, R)
-            s = s + qr @ self.refinement().transpose(-1, -2)
+            s = s + refined_scores(q, self.refine_views(), self.bits, self.group_size)
         pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
         return s.masked_fill(pad[:, :, None], float("-inf"))
 
@@ -220,7 +214,9 @@ class _Store:
         (kc, ks, kz), (vc, vs, vz) = self.views()
         k = dequantize_per_channel(kc, ks, kz, self.bits, self.group_size)
         if self.refined:
-            k.scatter_add_(3, self.ridx[:, :, None, :].expand(-1, -1, self.n, -1), self.refinement())
+            rc, rs, ridx = self.refine_views()
+            k.scatter_add_(3, ridx[:, :, None, :].expand(-1, -1, self.n, -1),
+                           dequantize_refinement(rc, rs, self.bits, self.group_size))
         return k, dequantize_per_token(vc, vs, vz, self.bits, self.value_group_size)
 
     def output(self, p):
@@ -431,8 +427,7 @@ class ZipCacheLayer(QuantWindowLayer):
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
     def _attend(self, q, k_new, v_new, scaling):
-        # the fused GPU kernel does not read refined key channels' second codes: the torch path does
-        if not self.lo.refined and self.fused_step_ok(q, k_new, self.decode_backend):
+        if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
         if self.native_step_ok(q, k_new, self.p.backend, [st.views() for st in stores]):
@@ -460,7 +455,7 @@ class ZipCacheLayer(QuantWindowLayer):
                 (kc, ks, kz), (vc, vs, vz) = st.views()
                 o, l = quant_decode(q[:, :, 0], kc, ks, kz, vc, vs, vz, bits=st.bits, group_size=st.group_size,
                                     seq_starts=st.pad[:, 0], scale=scaling, backend=self.decode_backend,
-                                    value_group_size=st.value_group_size)
+                                    value_group_size=st.value_group_size, refine=st.refine_views())
                 out, lse = merge_states(out, lse, o.float() * vn, l)
         self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
         self._maybe_flush()

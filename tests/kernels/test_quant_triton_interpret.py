@@ -25,6 +25,9 @@ DECODE = [
     (1, 2, 16, 128, 64, 4, 32, [0], 2),  # GQA group 16 (one 16-row tile), 12 (padded to 16)
     (2, 1, 12, 96, 128, 2, 32, [0, 30], None),
 ]
+# (B, H_kv, G, T, D, bits, group, starts, splits, refined channels): the refined keys' second codes
+REFINED = [(1, 2, 3, 96, 64, 4, 16, None, 2, 8), (2, 1, 4, 128, 128, 2, 32, [0, 40], None, 16),
+           (1, 1, 2, 64, 64, 4, 64, None, None, 64)]
 PACK = [(1, 2, 64, 64, b, g, pc) for b in (2, 4, 8) for g, pc in ((32, True), (16, False))] + \
        [(2, 1, 37, 128, 4, 32, False), (1, 1, 128, 128, 2, 128, True)]
 
@@ -35,7 +38,25 @@ def _run_cases():
     from kvpress.kernels import quant as kq
     from kvpress.kernels.triton_quant import triton_quant_decode, triton_quantize_pack
 
-    results = {"decode": [], "pack": []}
+    results = {"decode": [], "pack": [], "refined": []}
+    for B, H, G, T, D, bits, group, starts, splits, R in REFINED:
+        gen = torch.Generator().manual_seed(T + R)
+        k, v, q = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen), \
+            torch.randn(B, H * G, D, generator=gen)
+        k[..., ::5] *= 6
+        ch = torch.stack([torch.randperm(D, generator=gen)[:R] for _ in range(B * H)]).view(B, H, R)
+        kc, ks, kz, rc, rs = kq.quantize_refined_keys(k, bits, group, ch)
+        vc = kq.quantize_per_token(v, bits, group if D % group == 0 else 32)
+        st = None if starts is None else torch.tensor(starts)
+        kw = dict(bits=bits, group_size=group, seq_starts=st, value_group_size=group if D % group == 0 else 32,
+                  refine=(rc, rs, ch))
+        ref, ref_lse = kq.reference_quant_decode(q, kc, ks, kz, *vc, **kw)
+        plain, _ = kq.reference_quant_decode(q, kc, ks, kz, *vc, **{**kw, "refine": None})
+        out, lse = triton_quant_decode(q, kc, ks, kz, *vc, num_splits=splits, **kw)
+        tout, _ = kq.torch_quant_decode(q, kc, ks, kz, *vc, **kw)
+        results["refined"].append({"out_err": (out - ref).abs().max().item(), "lse_err": (lse - ref_lse).abs().max().item(),
+                                   "torch_err": (tout - ref).abs().max().item(),
+                                   "refine_moves": (plain - ref).abs().max().item()})
     for B, H, G, T, D, bits, group, starts, splits in DECODE:
         group, vgroup = group if isinstance(group, tuple) else (group, None)
         gen = torch.Generator().manual_seed(T + G)
@@ -68,6 +89,8 @@ def _run_cases():
     results["zipcache"] = _zipcache_layer_case()
     results["zipcache_padded"] = _zipcache_layer_case(row_start=(0, 70))
     results["zipcache_8bit"] = _zipcache_layer_case(bits_high=8, bits_low=4)
+    results["zipcache_refine"] = _zipcache_layer_case(bits_high=8, bits_low=4, refine=16)
+    results["zipcache_refine_padded"] = _zipcache_layer_case(row_start=(0, 70), refine=8)
     return results
 
 
@@ -98,7 +121,7 @@ def _forms_case():
     return errs
 
 
-def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2):
+def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2, refine=0):
     """The zipcache layer's fused decode path (the kernel on each store + the window + merge) vs
     its torch path; with ``row_start`` a left-padded batch of two rows."""
     import torch
@@ -111,7 +134,7 @@ def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2):
     model = LlamaForCausalLM(cfg).eval()
     policy = kvpress.get_policy("zipcache", bits_high=bits_high, bits_low=bits_low, group_size=16, value_group_size=32,
                                 residual_length=16, flush_size=16, salient_ratio=0.25, probe_recent=4,
-                                probe_random=4, backend="torch")
+                                probe_random=4, backend="torch", refine_key_channels=refine)
     B = 1 if row_start is None else len(row_start)
     gen = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(B, 4, 120, 64, generator=gen), torch.randn(B, 2, 120, 64, generator=gen), \
@@ -120,7 +143,7 @@ def _zipcache_layer_case(row_start=None, bits_high=4, bits_low=2):
     outs, layers, fused_steps = _fused_and_torch_paths(model, policy, q, k, v, 80, row_start)
     hi_same = torch.equal(layers[0].hi.t["kc"][:, :, : layers[0].hi.n], layers[1].hi.t["kc"][:, :, : layers[1].hi.n])
     return {"err": (outs[0] - outs[1]).abs().max().item(), "hi": layers[0].hi.n, "lo": layers[0].lo.n,
-            "fused_steps": fused_steps, "same_salient_store": hi_same,
+            "fused_steps": fused_steps, "same_salient_store": hi_same, "refined": layers[0].lo.refined,
             "pads": [layers[0].hi.pad[:, 0].tolist(), layers[0].lo.pad[:, 0].tolist()]}
 
 
@@ -229,12 +252,23 @@ if __name__ == "__main__":
     print(json.dumps(_run_cases()))
 
 
-@pytest.mark.parametrize("case", ["zipcache", "zipcache_padded", "zipcache_8bit"])
+@pytest.mark.parametrize("i", range(len(REFINED)), ids=[f"refined{c}" for c in REFINED])
+def test_fused_decode_reads_refined_key_channels(results, i):
+    """`quantize_refined_keys`' second codes in the fused kernel and the torch path, against the
+    reference that adds them to the dequantized keys (and they do move the output)."""
+    r = results["refined"][i]
+    assert r["out_err"] <= 2e-5 and r["lse_err"] <= 2e-5 and r["torch_err"] <= 1e-4, r
+    assert r["refine_moves"] > 1e-3, r
+
+
+@pytest.mark.parametrize("case", ["zipcache", "zipcache_padded", "zipcache_8bit", "zipcache_refine",
+                                  "zipcache_refine_padded"])
 def test_zipcache_layer_fused_path_matches_torch_path(results, case):
     """Both stores on the fused kernel, each with its own padding start, merged with the window; the
     probes it keeps pick the same salient tokens at the flushes between the steps."""
     r = results[case]
     assert r["fused_steps"] == 40 and r["hi"] > 0 and r["lo"] > 0 and r["same_salient_store"], r
     assert r["err"] <= 2e-5, r
+    assert r["refined"] == case.startswith("zipcache_refine"), r
     if case == "zipcache_padded":
         assert r["pads"][0][1] + r["pads"][1][1] == 70, r  # row 1's 70 padding tokens, split over the stores

@@ -93,6 +93,21 @@ def test_quant_kernels_compile_for_sm90(launches, bits, dtype, G, groups):
                                "_merge_splits_kernel"])
 
 
+@pytest.mark.parametrize("bits,dtype,R", [(4, torch.float16, 16), (2, torch.bfloat16, 8), (4, torch.bfloat16, 64)])
+def test_quant_decode_with_refined_keys_compiles_for_sm90(launches, bits, dtype, R):
+    """The fused kernel's refined-key-channel reads (zipcache's ``refine_key_channels``), PTX codes on."""
+    from kvpress.kernels.quant import quantize_per_token, quantize_refined_keys
+
+    B, H_kv, T, D, group = 1, 2, 256, 128, 32
+    x = torch.randn(B, H_kv, T, D)
+    ch = torch.stack([torch.randperm(D)[:R] for _ in range(B * H_kv)]).view(B, H_kv, R)
+    kc, ks, kz, rc, rs = quantize_refined_keys(x, bits, group, ch)
+    q = torch.randn(B, H_kv * 4, D, dtype=dtype)
+    triton_quant.triton_quant_decode(q, kc, ks, kz, *quantize_per_token(x, bits, group), bits=bits, group_size=group,
+                                     num_splits=2, refine=(rc, rs, ch))
+    _check_compiles(launches, ["_quant_decode_split_kernel", "_merge_splits_kernel"])
+
+
 @pytest.mark.parametrize("dtype,D,chunk", [(torch.bfloat16, 128, 8), (torch.float16, 64, 16)])
 def test_shadowkv_rebuild_compiles_for_sm90(launches, dtype, D, chunk):
     B, H_kv, T, R, K = 1, 2, 256, 48, 5
