@@ -230,20 +230,41 @@ typedef struct {
     int64_t rc_sb, rc_sh, rs_sb, rs_sh, ri_sb, ri_sh, R;
 } kvp_segment;
 
-/* Adds the refined channels' second codes to the scores sc (M rows of stride ld) of tokens [t0, t1). */
+enum { REFINE_MAX = 256, REFINE_TILE = 32 };
+
+/* Adds the refined channels' second codes to the scores sc (M rows of stride ld) of tokens [t0, t1).
+ * Tiles of up to REFINE_TILE tokens of one key group: the corrections unpacked channel-major, then
+ * each query row takes them channel by channel over the tile's tokens (contiguous, vectorised). */
 static void refine_span(const kvp_segment *g, int64_t b, int64_t h, const float *qh, int64_t M, int64_t D,
                         int64_t t0, int64_t t1, float *sc, int64_t ld) {
-    const int64_t R = g->R, bits = g->bits, row = R * bits / 8, mask = (1 << bits) - 1;
+    const int64_t R = g->R, bits = g->bits, per = 8 / bits, row = R / per, mask = (1 << bits) - 1;
     const uint8_t *c = g->rc + b * g->rc_sb + h * g->rc_sh;
     const uint16_t *s = g->rs + b * g->rs_sb + h * g->rs_sh;
     const int64_t *ix = g->ridx + b * g->ri_sb + h * g->ri_sh;
-    for (int64_t r = 0; r < R; ++r) {
-        float qm[8];
-        for (int64_t m = 0; m < M; ++m) qm[m] = qh[m * D + ix[r]];
-        const int64_t byte = r * bits / 8, shift = (r * bits) % 8;
-        for (int64_t t = t0; t < t1; ++t) {
-            float v = (float)((c[t * row + byte] >> shift) & mask) * h2f(s[(t / g->G) * R + r]);
-            for (int64_t m = 0; m < M; ++m) sc[m * ld + t - t0] += qm[m] * v;
+    float qr[8 * REFINE_MAX], sr[REFINE_MAX], kt[REFINE_MAX * REFINE_TILE];
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) qr[m * R + r] = qh[m * D + ix[r]];
+    for (int64_t t = t0; t < t1;) {
+        const int64_t grp = t / g->G, end = (grp + 1) * g->G < t1 ? (grp + 1) * g->G : t1;
+        for (int64_t r = 0; r < R; ++r) sr[r] = h2f(s[grp * R + r]);
+        for (; t < end;) {
+            const int64_t n = end - t < REFINE_TILE ? end - t : REFINE_TILE;
+            const uint8_t *ct = c + t * row;
+            for (int64_t j = 0; j < row; ++j)
+                for (int64_t k = 0; k < per; ++k) {
+                    const int64_t r = j * per + k, shift = k * bits;
+                    const float f = sr[r];
+                    float *kr = kt + r * REFINE_TILE;
+                    for (int64_t i = 0; i < n; ++i) kr[i] = (float)((ct[i * row + j] >> shift) & mask) * f;
+                }
+            for (int64_t m = 0; m < M; ++m) {
+                float *o = sc + m * ld + (t - t0);
+                for (int64_t r = 0; r < R; ++r) {
+                    const float w = qr[m * R + r], *kr = kt + r * REFINE_TILE;
+                    for (int64_t i = 0; i < n; ++i) o[i] += w * kr[i];
+                }
+            }
+            t += n;
         }
     }
 }
@@ -268,7 +289,7 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
         const kvp_segment *g = seg + i;
         if (!(g->bits == 2 || g->bits == 4 || g->bits == 8) || g->G <= 0 || g->Gv <= 0 || g->n < 0 || g->n % g->G
             || D % g->Gv || (D * g->bits) % 8 || (g->gear && !gear_ok(g->gear, g->n))
-            || (g->rc && (g->R <= 0 || g->R > D || (g->R * g->bits) % 8 || g->bits > 4 || !g->rs || !g->ridx))) return -1;
+            || (g->rc && (g->R <= 0 || g->R > D || g->R > REFINE_MAX || (g->R * g->bits) % 8 || g->bits > 4 || !g->rs || !g->ridx))) return -1;
         int64_t S = span_len(g->G), vs = values_scratch(D, g->Gv);
         if (g->gear && gear_scratch(g->gear, M, D, g->Gv) > vs) vs = gear_scratch(g->gear, M, D, g->Gv);
         per_bh += (g->n + S - 1) / S;
