@@ -67,15 +67,18 @@ class ZipCachePolicy(Policy):
     times the channel's mean squared group range, chosen at the first flush, as the value
     normaliser). Each is quantized at ``2 * bits_low`` bits and split into the ordinary codes
     (its high bits, readable by every reader of the format) and a second packed code with its own
-    fp16 scale (`kvpress.kernels.quant.quantize_refined_keys`), which the native CPU decode step
-    reads in the same call. Mixed precision across key
-    channels is this library's addition, not the paper's: on SmolLM2 a few key channels carry most
-    of the score error of 4-bit keys (``benchmarks/kv_quant_error.py``, ``kch8``), and
-    refining them brings the 4-bit setting's answers closer to ``full``'s than the salient-token
-    or value-group settings of equal cost (BENCHMARKS "Session 39 (CPU)"). The fused GPU kernel
-    reads them too (tested under the Triton interpreter, not yet run on a GPU).
+    fp16 scale (`kvpress.kernels.quant.quantize_refined_keys`); the torch path, the native CPU
+    decode step (in its one call) and the fused GPU kernel (tested under the Triton interpreter,
+    not yet run on a GPU) read both. Mixed precision across key channels is this library's
+    addition, not the paper's: on SmolLM2 an eighth of the key channels at 8 bits takes a third
+    of 4-bit keys' attention error off (``benchmarks/kv_quant_error.py``, ``kch8``), and along
+    ``full``'s 4k niah_multivalue answers ``bits_low=4, bits_high=8, salient_ratio=0.0625`` with 8
+    refined channels (5.67 bits) is half as far from ``full`` by teacher-forced KL (9.8e-4 against
+    1.7e-3 nats per step), with 16 (5.94 bits) 3.5x closer, where session 31's other ways to spend
+    a quarter bit (more salient tokens, finer value groups) were not closer at all
+    (``benchmarks/answer_kl.py``, BENCHMARKS "Session 39 (CPU)").
 
-    Assisted decoding (``crop``):    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
+    Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
     join them again. The prompt's random probes are drawn anew for each prompt length, so a
     recorded prompt forward keeps the queries every prompt shorter by up to 64 tokens would
@@ -198,7 +201,6 @@ class _Store:
             return None
         n, g = self.n, self.group_size
         return self.t["rc"][:, :, :n], self.t["rs"][:, :, : n // g], self.ridx
-
 
     def scores(self, q):
         """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
