@@ -30,6 +30,33 @@ def test_triton_quant_decode_error_within_2x_torch(dtype, B, H_kv, G, T, D, bits
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits, R", [(4, 8), (4, 16), (2, 32)])
+def test_triton_quant_decode_reads_refined_key_channels(dtype, bits, R):
+    """zipcache's ``refine_key_channels`` on the GPU: the fused kernel (PTX codes, fp16 tiles) adds
+    the second codes as the reference does, within 2x plain torch's error on the same keys."""
+    from kvpress.kernels.quant import dequantize_refinement, quantize_refined_keys
+
+    B, H_kv, G, T, D, group = 2, 8, 4, 4096, 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(R)
+    k = torch.randn(B, H_kv, T, D, device="cuda", generator=gen)
+    v = torch.randn(B, H_kv, T, D, device="cuda", generator=gen)
+    q = torch.randn(B, H_kv * G, D, device="cuda", generator=gen)
+    ch = torch.rand(B, H_kv, D, device="cuda", generator=gen).argsort(-1)[..., :R]
+    kc, ks, kz, rc, rs = quantize_refined_keys(k, bits, group, ch)
+    vq = quantize_per_token(v, bits, group)
+    ref, ref_lse = reference_quant_decode(q, kc, ks, kz, *vq, bits=bits, group_size=group, refine=(rc, rs, ch))
+    out, lse = quant_decode(q.to(dtype), kc, ks, kz, *vq, bits=bits, group_size=group, backend="triton",
+                            refine=(rc, rs, ch))
+    kd = dequantize_per_channel(kc, ks, kz, bits, group)
+    kd.scatter_add_(3, ch[:, :, None, :].expand(-1, -1, T, -1), dequantize_refinement(rc, rs, bits, group))
+    plain = F.scaled_dot_product_attention(q.to(dtype)[:, :, None], kd.to(dtype),
+                                           dequantize_per_token(*vq, bits, group).to(dtype), enable_gqa=True)[:, :, 0]
+    torch_err = (plain.float() - ref).abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 1e-4
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-3)
+
+
 def test_triton_quantize_pack_matches_torch():
     from kvpress.kernels.triton_quant import triton_quantize_pack
 
