@@ -67,7 +67,7 @@ class ZipCachePolicy(Policy):
     times the channel's mean squared group range, chosen at the first flush, as the value
     normaliser). Each is quantized at ``2 * bits_low`` bits and split into the ordinary codes
     (its high bits, readable by every reader of the format) and a second packed code with its own
-    fp16 scale (`kvpress.kernels.quant.quantize_refined_keys`); the torch path, the native CPU
+    fp16 scale (`kvpress.kernels.quant_refine.quantize_refined_keys`); the torch path, the native CPU
     decode step (in its one call) and the fused GPU kernel (tested under the Triton interpreter,
     not yet run on a GPU) read both. Mixed precision across key channels is this library's
     addition, not the paper's: on SmolLM2 an eighth of the key channels at 8 bits takes a third
