@@ -8,13 +8,11 @@ import torch
 from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
-from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
-                                   dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
-                                   dequantize_refinement, quantize_refined_keys, refined_scores,
-                                   token_quant_values)
+from kvpress.kernels.quant import READ_BACKENDS, check_quant_config, quant_decode
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens
+from ._quant import QuantWindowLayer
+from ._zipcache_store import _Store
 
 
 @register_policy
@@ -154,79 +152,6 @@ class ZipCachePolicy(Policy):
     def example(cls, adapter):
         return cls(group_size=8, value_group_size=8, residual_length=16, flush_size=8, probe_recent=4,
                    probe_random=4, salient_ratio=0.5)
-
-
-class _Store:
-    """Packed tokens of one precision, in flush order (sequence order within a flush): keys
-    per channel over groups of ``group_size`` store tokens, normalised values per token. Left
-    padding tokens (``pad`` per (row, head), int32 (B, H)) always come first: they precede every
-    real token in sequence order and a flush never mixes orders across stores."""
-
-    def __init__(self, bits: int, group_size: int, value_group_size: int, backend: str = "auto", refine: int = 0):
-        self.bits, self.group_size, self.value_group_size = bits, group_size, value_group_size
-        self.backend = backend  # the packed-code reader (kvpress.kernels.quant.READ_BACKENDS)
-        self.refine = refine  # key channels per KV head at 2 * bits (ZipCachePolicy.refine_key_channels)
-        self.ridx = None  # long (B, H, refine): those channels, chosen at the store's first flush
-        self.n = 0
-        self.t = dict.fromkeys(("kc", "ks", "kz", "vc", "vs", "vz") + (("rc", "rs") if refine else ()))
-        self.pad = None
-
-    @property
-    def refined(self) -> bool:
-        return self.ridx is not None
-
-    def add(self, k, v, pad_count):
-        """k, v (B, H, m, D) with m a multiple of ``group_size``; v already channel-normalised."""
-        g = self.group_size
-        if self.refined:
-            kc, ks, kz, rc, rs = quantize_refined_keys(k, self.bits, g, self.ridx)
-            self.t["rc"] = append_tokens(self.t["rc"], self.n, rc)
-            self.t["rs"] = append_tokens(self.t["rs"], self.n // g, rs, grow=max(1, 256 // g))
-        else:
-            kc, ks, kz = quantize_per_channel(k, self.bits, g)
-        vc, vs, vz = quantize_per_token(v, self.bits, self.value_group_size)
-        for name, x in zip(("kc", "vc", "vs", "vz"), (kc, vc, vs, vz)):
-            self.t[name] = append_tokens(self.t[name], self.n, x)
-        for name, x in zip(("ks", "kz"), (ks, kz)):
-            self.t[name] = append_tokens(self.t[name], self.n // g, x, grow=max(1, 256 // g))
-        self.pad = pad_count if self.pad is None else self.pad + pad_count
-        self.n += k.shape[2]
-
-    def views(self):
-        """``((kc, ks, kz), (vc, vs, vz))``: the store's tokens as views of its buffers."""
-        n, g, t = self.n, self.group_size, self.t
-        return ((t["kc"][:, :, :n], t["ks"][:, :, : n // g], t["kz"][:, :, : n // g]),
-                (t["vc"][:, :, :n], t["vs"][:, :, :n], t["vz"][:, :, :n]))
-
-    def refine_views(self):
-        """``(codes, scale, channels)`` of the refined key channels' second codes, or None."""
-        if not self.refined:
-            return None
-        n, g = self.n, self.group_size
-        return self.t["rc"][:, :, :n], self.t["rs"][:, :, : n // g], self.ridx
-
-    def scores(self, q):
-        """q (B, H, M, D) fp32, already scaled -> (B, H, M, n), -inf on padding."""
-        n = self.n
-        s = channel_quant_scores(q, *self.views()[0], self.bits, self.group_size, backend=self.backend)
-        if self.refined:
-            s = s + refined_scores(q, self.refine_views(), self.bits, self.group_size)
-        pad = torch.arange(n, device=q.device)[None, None, :] < self.pad[:, :, None]  # (B, H, n)
-        return s.masked_fill(pad[:, :, None], float("-inf"))
-
-    def dequantized(self):
-        """The store's keys and normalised values, fp32 (B, H, n, D) each."""
-        (kc, ks, kz), (vc, vs, vz) = self.views()
-        k = dequantize_per_channel(kc, ks, kz, self.bits, self.group_size)
-        if self.refined:
-            rc, rs, ridx = self.refine_views()
-            k.scatter_add_(3, ridx[:, :, None, :].expand(-1, -1, self.n, -1),
-                           dequantize_refinement(rc, rs, self.bits, self.group_size))
-        return k, dequantize_per_token(vc, vs, vz, self.bits, self.value_group_size)
-
-    def output(self, p):
-        """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
-        return token_quant_values(p, *self.views()[1], self.bits, self.value_group_size, backend=self.backend)
 
 
 class ZipCacheLayer(QuantWindowLayer):
