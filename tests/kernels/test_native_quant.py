@@ -318,6 +318,42 @@ def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scale
                             segments=[native.PackedSegment(k8, v8, 8, 32, 32, value_scale=vn.float())])
 
 
+@pytest.mark.parametrize("bits,R,G", [(4, 8, 32), (4, 16, 32), (4, 24, 16), (2, 8, 32), (2, 12, 8), (2, 64, 32)])
+def test_quant_attend_reads_refined_key_channels(bits, R, G, torch_threads):
+    """``zipcache``'s refined key channels in the native step: each head's R channels read with
+    their second codes (every byte width of a token's second code: 2 to 16 bytes), over a store
+    longer than one span with left padding inside it; the output is attention over the refined
+    dequantized keys, bitwise the same on one and on two threads."""
+    from kvpress.kernels.quant import dequantize_refinement, quantize_refined_keys
+    B, H, M, D, T, W = 2, 3, 3, 64, 1088, 5
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(B, H, T, D, generator=gen) * 2
+    k[..., 7] *= 8
+    v = torch.randn(B, H, T, D, generator=gen)
+    ch = torch.rand(B, H, D, generator=gen).argsort(-1)[..., :R].contiguous()
+    kc, ks, kz, rc, rs = quantize_refined_keys(k, bits, G, ch)
+    vq = quantize_per_token(v, bits, 32)
+    q = torch.randn(B, H, M, D, generator=gen) * 0.3
+    kw, vw = _spare(torch.randn(B, H, W, D, generator=gen)), _spare(torch.randn(B, H, W, D, generator=gen))
+    k_deq = dequantize_per_channel(kc, ks, kz, bits, G)
+    k_deq.scatter_add_(3, ch[:, :, None, :].expand(-1, -1, T, -1), dequantize_refinement(rc, rs, bits, G))
+    on_refined = lambda x: (x - k).gather(3, ch[:, :, None, :].expand(-1, -1, T, -1)).abs().amax()  # noqa: E731
+    assert on_refined(k_deq) < on_refined(dequantize_per_channel(*quantize_per_channel(k, bits, G), bits, G)) / 2
+    starts = torch.tensor([0, 530])
+    s = q @ torch.cat([k_deq, kw], 2).transpose(-1, -2)
+    s[1, :, :, :530] = float("-inf")
+    ref = torch.softmax(s, -1) @ torch.cat([dequantize_per_token(*vq, bits, 32), vw], 2)
+    seg = native.PackedSegment((_spare(kc), _spare(ks, 3), _spare(kz, 3)), vq, bits, G, 32, starts=starts,
+                               refine=(_spare(rc), _spare(rs, 3), ch))
+    runs = []
+    for n in (1, 2):
+        torch_threads(n)
+        runs.append(native.quant_attend(q, k_win=kw, v_win=vw, segments=[seg]))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    torch.testing.assert_close(runs[0][0], ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(runs[0][1], s.logsumexp(-1), atol=5e-5, rtol=1e-5)
+
+
 def test_quant_attend_refuses_a_segment_whose_parts_disagree():
     (kc, ks, kz), (vc, vs, vz) = _store(4, 64, 32, 32, B=1, H=2, T=64)
     kw = vw = torch.zeros(1, 2, 4, 64)
