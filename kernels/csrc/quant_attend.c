@@ -230,41 +230,66 @@ typedef struct {
     int64_t rc_sb, rc_sh, rs_sb, rs_sh, ri_sb, ri_sh, R;
 } kvp_segment;
 
-enum { REFINE_MAX = 256, REFINE_TILE = 32 };
+enum { REFINE_MAX = 256 };
+
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* acc[m] += the codes of the 8 lanes of v (n planes of `bits` bits, low first) times w[m * R + plane]. */
+static inline __attribute__((always_inline)) void refine_planes(f32x8 *acc, u32x8 v, int64_t n, int64_t bits,
+                                                                uint32_t mask, const float *w, int64_t R, int64_t M) {
+    for (int64_t k = 0; k < n; ++k) {
+        const f32x8 f = __builtin_convertvector((v >> (uint32_t)(k * bits)) & mask, f32x8);
+        for (int64_t m = 0; m < M; ++m) acc[m] += f * w[m * R + k];
+    }
+}
 
 /* Adds the refined channels' second codes to the scores sc (M rows of stride ld) of tokens [t0, t1).
- * Tiles of up to REFINE_TILE tokens of one key group: the corrections unpacked channel-major, then
- * each query row takes them channel by channel over the tile's tokens (contiguous, vectorised). */
+ * Per key group the query coefficients of the refined channels take the group's scales (w = q *
+ * scale, as scores_span folds its scales). Blocks of 8 tokens: one 4-byte word (or, for codes of
+ * other widths, one byte) of the 8 tokens' second codes in a vector, each of its planes converted
+ * once and taken by all M rows (8 token scores per vector, no horizontal sums). Groups are
+ * multiples of 8 tokens (checked by the caller). The word reading needs a little-endian CPU. */
 static void refine_span(const kvp_segment *g, int64_t b, int64_t h, const float *qh, int64_t M, int64_t D,
                         int64_t t0, int64_t t1, float *sc, int64_t ld) {
-    const int64_t R = g->R, bits = g->bits, per = 8 / bits, row = R / per, mask = (1 << bits) - 1;
+    const int64_t R = g->R, bits = g->bits, per = 8 / bits, row = R / per;
+    const uint32_t mask = (1u << bits) - 1;
     const uint8_t *c = g->rc + b * g->rc_sb + h * g->rc_sh;
     const uint16_t *s = g->rs + b * g->rs_sb + h * g->rs_sh;
     const int64_t *ix = g->ridx + b * g->ri_sb + h * g->ri_sh;
-    float qr[8 * REFINE_MAX], sr[REFINE_MAX], kt[REFINE_MAX * REFINE_TILE];
+    float qr[8 * REFINE_MAX], w[8 * REFINE_MAX];
     for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < R; ++r) qr[m * R + r] = qh[m * D + ix[r]];
     for (int64_t t = t0; t < t1;) {
         const int64_t grp = t / g->G, end = (grp + 1) * g->G < t1 ? (grp + 1) * g->G : t1;
-        for (int64_t r = 0; r < R; ++r) sr[r] = h2f(s[grp * R + r]);
-        for (; t < end;) {
-            const int64_t n = end - t < REFINE_TILE ? end - t : REFINE_TILE;
+        for (int64_t r = 0; r < R; ++r) {
+            const float f = h2f(s[grp * R + r]);
+            for (int64_t m = 0; m < M; ++m) w[m * R + r] = qr[m * R + r] * f;
+        }
+        for (; t + 8 <= end; t += 8) {
             const uint8_t *ct = c + t * row;
-            for (int64_t j = 0; j < row; ++j)
-                for (int64_t k = 0; k < per; ++k) {
-                    const int64_t r = j * per + k, shift = k * bits;
-                    const float f = sr[r];
-                    float *kr = kt + r * REFINE_TILE;
-                    for (int64_t i = 0; i < n; ++i) kr[i] = (float)((ct[i * row + j] >> shift) & mask) * f;
+            f32x8 acc[8];
+            for (int64_t m = 0; m < M; ++m) acc[m] = (f32x8){0};
+            if (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && row % 4 == 0) {  /* 4-byte words: 32 / bits codes each; 8 tokens of 4 bytes in one load */
+                for (int64_t wi = 0; wi < row / 4; ++wi) {
+                    u32x8 v;
+                    if (row == 4) memcpy(&v, ct, sizeof v);
+                    else
+                        for (int l = 0; l < 8; ++l) memcpy((uint32_t *)&v + l, ct + l * row + 4 * wi, 4);
+                    refine_planes(acc, v, 32 / bits, bits, mask, w + wi * (32 / bits), R, M);
                 }
-            for (int64_t m = 0; m < M; ++m) {
-                float *o = sc + m * ld + (t - t0);
-                for (int64_t r = 0; r < R; ++r) {
-                    const float w = qr[m * R + r], *kr = kt + r * REFINE_TILE;
-                    for (int64_t i = 0; i < n; ++i) o[i] += w * kr[i];
+            } else {
+                for (int64_t j = 0; j < row; ++j) {
+                    const u32x8 v = {ct[j], ct[row + j], ct[2 * row + j], ct[3 * row + j], ct[4 * row + j],
+                                     ct[5 * row + j], ct[6 * row + j], ct[7 * row + j]};
+                    refine_planes(acc, v, per, bits, mask, w + j * per, R, M);
                 }
             }
-            t += n;
+            for (int64_t m = 0; m < M; ++m) {
+                f32x8 o;
+                memcpy(&o, sc + m * ld + (t - t0), sizeof o);
+                o += acc[m];
+                memcpy(sc + m * ld + (t - t0), &o, sizeof o);
+            }
         }
     }
 }
@@ -278,7 +303,8 @@ enum { MAX_SEGMENTS = 8 };
  *
  * Split like flash-decoding: each piece (row, KV head, span of one segment's tokens, or the window)
  * keeps its own running max, sum of exponentials and unnormalised value sum; the pieces of a (row,
- * KV head) are merged in a fixed order. */
+ * KV head) are merged in a fixed order. Returns 0; -1 inputs it cannot read, -3 out of memory, -4 a
+ * GEAR outlier offset outside its group, -5 a refined key channel id outside [0, D). */
 int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
                      const kvp_segment *seg, int64_t nseg,
                      const float *kw, const float *vw, int64_t w_sb, int64_t w_sh, int64_t W, const int32_t *w_starts,
@@ -289,7 +315,13 @@ int kvp_quant_attend(const float *q, int64_t B, int64_t H, int64_t M, int64_t D,
         const kvp_segment *g = seg + i;
         if (!(g->bits == 2 || g->bits == 4 || g->bits == 8) || g->G <= 0 || g->Gv <= 0 || g->n < 0 || g->n % g->G
             || D % g->Gv || (D * g->bits) % 8 || (g->gear && !gear_ok(g->gear, g->n))
-            || (g->rc && (g->R <= 0 || g->R > D || g->R > REFINE_MAX || (g->R * g->bits) % 8 || g->bits > 4 || !g->rs || !g->ridx))) return -1;
+            || (g->rc && (g->R <= 0 || g->R > D || g->R > REFINE_MAX || g->G % 8 || (g->R * g->bits) % 8 || g->bits > 4 || !g->rs || !g->ridx))) return -1;
+        for (int64_t b = 0; g->rc && b < B; ++b)  /* the query is indexed by the refined channel ids */
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t r = 0; r < g->R; ++r) {
+                    const int64_t c = g->ridx[b * g->ri_sb + h * g->ri_sh + r];
+                    if (c < 0 || c >= D) return -5;
+                }
         int64_t S = span_len(g->G), vs = values_scratch(D, g->Gv);
         if (g->gear && gear_scratch(g->gear, M, D, g->Gv) > vs) vs = gear_scratch(g->gear, M, D, g->Gv);
         per_bh += (g->n + S - 1) / S;

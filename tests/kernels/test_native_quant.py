@@ -1,5 +1,7 @@
 """The compiled readers of packed low-bit K/V (`kvpress.kernels.native.channel_scores` /
 `token_values`) against the dequantizing references and the torch fast path."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -352,6 +354,11 @@ def test_quant_attend_reads_refined_key_channels(bits, R, G, torch_threads):
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
     torch.testing.assert_close(runs[0][0], ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(runs[0][1], s.logsumexp(-1), atol=5e-5, rtol=1e-5)
+    for bad_ids in (ch.clone().index_fill_(2, torch.tensor([0]), D), ch.clone().index_fill_(2, torch.tensor([1]), -1)):
+        with pytest.raises(ValueError, match=r"refined key channel ids must lie in \[0, 64\)"):
+            native.quant_attend(q, k_win=kw, v_win=vw, segments=[dataclasses.replace(seg, refine=(rc, rs, bad_ids))])
+    with pytest.raises(ValueError, match="refined key channels must be uint8 codes"):
+        native.quant_attend(q, k_win=kw, v_win=vw, segments=[dataclasses.replace(seg, refine=(rc, rs.float(), ch))])
 
 
 def test_quant_attend_refuses_a_segment_whose_parts_disagree():
