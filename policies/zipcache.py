@@ -46,7 +46,8 @@ class ZipCachePolicy(Policy):
     and 4k (32) with ``full``'s perplexity, where uniform 4-bit stores (``kivi``, ``gear``, this
     policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` over 32 samples (BENCHMARKS.md
     "Session 15"), 96.9% over 256 (sessions 22-30), short of the quantization issue's 98%, which
-    8-bit ``kivi`` reaches on the same samples (99.8%). Of twelve 4-bit settings (5.16-5.66 bits)
+    8-bit ``kivi`` reaches on the same samples (99.8%) and this setting with
+    ``refine_key_channels=8`` (below) too. Of twelve 4-bit settings (5.16-5.66 bits)
     this one is the closest to ``full`` by teacher-forced KL along ``full``'s answers (1.7e-3
     nats per step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
     ``benchmarks/answer_kl.py``, BENCHMARKS.md "Session 31").
@@ -75,9 +76,12 @@ class ZipCachePolicy(Policy):
     1.7e-3 nats per step), with 16 (5.94 bits) 3.5x closer, where session 31's other ways to spend
     a quarter bit (more salient tokens, finer value groups) were not closer at all
     (``benchmarks/answer_kl.py``); with 8 refined channels that setting keeps 99.5% of ``full``'s
-    values over 256 4k niah_multivalue samples, against 97.0% without (BENCHMARKS "Session 39
-    (CPU)"; 8k not run). The second codes add a fifth to the native CPU decode call at 8k
-    (``benchmarks/refine_attend_cpu.py``).
+    values over 256 4k niah_multivalue samples (paired with ``full``'s: 99.5% [96.3-102.5%]),
+    against 97.0% without, all 29 of ``full``'s 8k niah_single needles and 4k niah_single 32 of
+    32, and perplexity equal to ``full``'s at 4k and 8k (BENCHMARKS "Session 39 (CPU)", "Session 40
+    (CPU)"). The second codes add 8% (8 channels) / 16% (16) to the native CPU decode call at 8k
+    (``benchmarks/refine_attend_cpu.py``) and 4-5% to the attention's time per token, nothing
+    measurable to a whole decode step (``kvpress bench``).
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
