@@ -269,7 +269,8 @@ static void refine_span(const kvp_segment *g, int64_t b, int64_t h, const float 
             const uint8_t *ct = c + t * row;
             f32x8 acc[8];
             for (int64_t m = 0; m < M; ++m) acc[m] = (f32x8){0};
-            if (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && row % 4 == 0) {  /* 4-byte words: 32 / bits codes each; 8 tokens of 4 bytes in one load */
+            /* 4-byte words of 32 / bits codes; 8 tokens of one word each in one load */
+            if (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && row % 4 == 0) {
                 for (int64_t wi = 0; wi < row / 4; ++wi) {
                     u32x8 v;
                     if (row == 4) memcpy(&v, ct, sizeof v);

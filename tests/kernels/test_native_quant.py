@@ -323,9 +323,10 @@ def test_quant_attend_over_several_segments_with_per_head_starts_and_value_scale
 @pytest.mark.parametrize("bits,R,G", [(4, 8, 32), (4, 16, 32), (4, 24, 16), (2, 8, 32), (2, 12, 8), (2, 64, 32)])
 def test_quant_attend_reads_refined_key_channels(bits, R, G, torch_threads):
     """``zipcache``'s refined key channels in the native step: each head's R channels read with
-    their second codes (every byte width of a token's second code: 2 to 16 bytes), over a store
-    longer than one span with left padding inside it; the output is attention over the refined
-    dequantized keys, bitwise the same on one and on two threads."""
+    their second codes (2, 3, 4, 8, 12 and 16 bytes a token: the byte-lane reading, the one-load
+    4-byte words and the gathered words), over a store longer than one span with left padding
+    inside it; the output is attention over the refined dequantized keys, bitwise the same on one
+    and on two threads. Channel ids outside [0, D) are a clear error."""
     from kvpress.kernels.quant import dequantize_refinement, quantize_refined_keys
     B, H, M, D, T, W = 2, 3, 3, 64, 1088, 5
     gen = torch.Generator().manual_seed(11)
