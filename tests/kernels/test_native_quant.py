@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvpress.kernels import dequantize_per_channel, dequantize_per_token, native, quant
-from kvpress.kernels.quant import (channel_quant_scores, quantize_per_channel, quantize_per_token,
-                                   token_quant_values)
+from kvpress.kernels.quant import (channel_quant_scores, dequantize_refinement, quantize_per_channel,
+                                   quantize_per_token, quantize_refined_keys, token_quant_values)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here (no C compiler?)")
 
@@ -327,7 +327,6 @@ def test_quant_attend_reads_refined_key_channels(bits, R, G, torch_threads):
     4-byte words and the gathered words), over a store longer than one span with left padding
     inside it; the output is attention over the refined dequantized keys, bitwise the same on one
     and on two threads. Channel ids outside [0, D) are a clear error."""
-    from kvpress.kernels.quant import dequantize_refinement, quantize_refined_keys
     B, H, M, D, T, W = 2, 3, 3, 64, 1088, 5
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(B, H, T, D, generator=gen) * 2
