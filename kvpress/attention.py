@@ -157,9 +157,11 @@ def dense_causal_attention(
 
 
 def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, window: int,
-                             row_start: torch.Tensor | None = None, query_chunk: int | None = None) -> torch.Tensor:
+                             row_start: torch.Tensor | None = None, query_chunk: int | None = None,
+                             sinks: int = 0) -> torch.Tensor:
     """Causal attention of a whole sequence where query ``p`` sees keys ``p - window + 1 .. p``
-    (transformers' sliding-window layers), without a cache.
+    (transformers' sliding-window layers), and with ``sinks`` > 0 also keys ``0 .. sinks - 1``
+    (StreamingLLM's pattern, as DuoAttention's calibration trains it), without a cache.
 
     q [B, H_q, T, D], k / v [B, H_kv, T, D] at sequence indices ``0 .. T - 1``; ``row_start`` [B]
     (long) or None as in :func:`dense_causal_attention`. Returns [B, H_q, T, D] in q's dtype.
@@ -174,6 +176,10 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     batch, h_q, t, _ = q.shape
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
+    if sinks and row_start is not None:
+        raise ValueError("sinks count from sequence index 0, so they take no row_start (left padding)")
     step = (128 if q.device.type == "cpu" else 1024) if query_chunk is None else int(query_chunk)
     if step < 1:
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
@@ -184,14 +190,17 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         i1 = min(t, i0 + step)
         lo = max(0, i0 - window + 1)
         q_pos = torch.arange(i0, i1, device=q.device)[:, None]  # (Tq, 1)
-        k_pos = torch.arange(lo, i1, device=q.device)[None, :]  # (1, Tk)
-        mask = (k_pos <= q_pos) & (q_pos - k_pos < window)  # (Tq, Tk)
+        head = min(sinks, lo)  # sink keys before the window's reach, gathered in front of it
+        k_pos = torch.cat([torch.arange(head, device=q.device), torch.arange(lo, i1, device=q.device)])[None, :]  # (1, Tk)
+        mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) | (k_pos < sinks))  # (Tq, Tk)
         if row_start is not None:
             rs = row_start.view(batch, 1, 1)
             mask = (mask & (k_pos >= rs)) | ((q_pos < rs) & (k_pos == q_pos))  # a padded query sees itself
             mask = mask[:, None]  # (B, 1, Tq, Tk)
-        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], k[:, :, lo:i1], v[:, :, lo:i1], attn_mask=mask,
-                                                   scale=scaling, enable_gqa=gqa))
+        kc, vc = k[:, :, lo:i1], v[:, :, lo:i1]
+        if head:
+            kc, vc = torch.cat([k[:, :, :head], kc], dim=2), torch.cat([v[:, :, :head], vc], dim=2)
+        outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], kc, vc, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 

@@ -217,12 +217,16 @@ class GatedAttention:
             out = sliding_causal_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
                                            window=model_window)
             return out.transpose(1, 2).contiguous(), None
-        if self._mask is None or self._mask.shape[0] != t:
-            self._mask = streaming_mask(t, self.sinks, self.window, query.device)
         full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         start = self.mix_from or 0
-        stream = F.scaled_dot_product_attention(query[:, :, start:], key, value, attn_mask=self._mask[start:],
-                                                scale=scaling, enable_gqa=True)  # (1, H_q, T - start, D)
+        if start == 0:  # every query: chunks over the keys each can see, O(T * (sinks + window))
+            stream = sliding_causal_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
+                                              window=self.window, sinks=self.sinks)
+        else:  # only the answer's queries (dense prefill): one masked call over them
+            if self._mask is None or self._mask.shape[0] != t:
+                self._mask = streaming_mask(t, self.sinks, self.window, query.device)
+            stream = F.scaled_dot_product_attention(query[:, :, start:], key, value, attn_mask=self._mask[start:],
+                                                    scale=scaling, enable_gqa=True)  # (1, H_q, T - start, D)
         gate = torch.sigmoid(self.logits[module.layer_idx]).repeat_interleave(self.group)  # (H_q,)
         gate = gate.to(query.dtype).view(1, -1, 1, 1)
         mixed = stream + gate * (full[:, :, start:] - stream)

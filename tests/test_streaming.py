@@ -174,3 +174,37 @@ def test_sliding_causal_attention_equals_brute_force_window(window, chunk):
     old = streaming_attention(q, empty, empty, torch.zeros(B, 0, dtype=torch.long), k, v, 0.25, q_start=0,
                               row_start=row_start, sinks=0, window=window)
     torch.testing.assert_close(got, old, rtol=1e-5, atol=1e-6)  # streaming_attention computes in fp32
+
+
+@pytest.mark.parametrize("sinks,window,chunk", [(4, 8, 3), (16, 8, 5), (3, 50, 16), (20, 20, None), (1, 1, 7)])
+def test_sliding_causal_attention_with_sinks_equals_masked_softmax(sinks, window, chunk):
+    """With ``sinks`` every query also sees keys 0 .. sinks - 1 (each once, also where the window
+    reaches them): a brute-force masked softmax over every key, in values and in gradients."""
+    from kvpress.attention import sliding_causal_attention
+
+    gen = torch.Generator().manual_seed(100 * sinks + window)
+    H_q, H_kv, T, D = 6, 2, 70, 16
+    q, k, v = (torch.randn(1, h, T, D, generator=gen, dtype=torch.float64, requires_grad=True) for h in (H_q, H_kv, H_kv))
+    got = sliding_causal_attention(q, k, v, 0.25, window=window, sinks=sinks, query_chunk=chunk)
+
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    visible = (j <= i) & ((j < sinks) | (i - j < window))
+    kk, vv = (x.repeat_interleave(H_q // H_kv, dim=1) for x in (k, v))
+    scores = (q @ kk.transpose(-1, -2) * 0.25).masked_fill(~visible, float("-inf"))
+    want = torch.softmax(scores, -1) @ vv
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    probe = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((got * probe).sum(), (q, k, v))
+    wants = torch.autograd.grad((want * probe).sum(), (q, k, v))
+    for g, w in zip(grads, wants):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+
+
+def test_sliding_causal_attention_rejects_bad_sinks():
+    from kvpress.attention import sliding_causal_attention
+
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="sinks must be >= 0"):
+        sliding_causal_attention(q, q, q, 0.5, window=4, sinks=-1)
+    with pytest.raises(ValueError, match="row_start"):
+        sliding_causal_attention(q, q, q, 0.5, window=4, sinks=2, row_start=torch.tensor([1]))
