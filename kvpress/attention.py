@@ -168,7 +168,7 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Queries go through SDPA (its fused CPU / GPU kernels, in q's dtype, as the model's own
     ``sdpa`` path) in chunks of ``query_chunk``, each over only the keys its window can reach, so
-    the cost is O(T * (window + chunk)), not O(T^2). Default chunk: 128 queries on CPU (1.2-1.4x
+    the cost is O(T * (sinks + window + chunk)), not O(T^2). Default chunk: 128 queries on CPU (1.2-1.4x
     faster than the fp32 streaming route at 4k-8k tokens and windows 512-1024; chunks 64-512
     measured by ``python -m kvpress.evals.bench_prefill``, BENCHMARKS.md "Session 22"), 1024
     elsewhere (fewer launches on a GPU; not yet timed there).
@@ -183,7 +183,7 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     step = (128 if q.device.type == "cpu" else 1024) if query_chunk is None else int(query_chunk)
     if step < 1:
         raise ValueError(f"query_chunk must be >= 1, got {query_chunk}")
-    step = max(1, min(step, _query_chunk(batch, h_q, window + step, t)))
+    step = max(1, min(step, _query_chunk(batch, h_q, sinks + window + step, t)))
     gqa = h_q != k.shape[1]
     outs = []
     for i0 in range(0, t, step):
@@ -191,8 +191,12 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         lo = max(0, i0 - window + 1)
         q_pos = torch.arange(i0, i1, device=q.device)[:, None]  # (Tq, 1)
         head = min(sinks, lo)  # sink keys before the window's reach, gathered in front of it
-        k_pos = torch.cat([torch.arange(head, device=q.device), torch.arange(lo, i1, device=q.device)])[None, :]  # (1, Tk)
-        mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) | (k_pos < sinks))  # (Tq, Tk)
+        k_pos = torch.arange(lo, i1, device=q.device)
+        if head:
+            k_pos = torch.cat([torch.arange(head, device=q.device), k_pos])
+        k_pos = k_pos[None, :]  # (1, Tk)
+        near = q_pos - k_pos < window
+        mask = (k_pos <= q_pos) & ((near | (k_pos < sinks)) if sinks else near)  # (Tq, Tk)
         if row_start is not None:
             rs = row_start.view(batch, 1, 1)
             mask = (mask & (k_pos >= rs)) | ((q_pos < rs) & (k_pos == q_pos))  # a padded query sees itself
