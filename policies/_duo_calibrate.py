@@ -68,6 +68,21 @@ random 0.67-0.86): closeness of hidden states is not what decides whether greedy
 a needle, hence the logit loss -- which in the end scored about as the hidden-state loss
 (H1 above). Untested: the paper's scale (1k-32k contexts, 2000 Adam steps).
 
+Contexts of 2k-4k at the run-time window (session 41, 2026-11-27): the streaming branch now runs
+through ``kvpress.attention.sliding_causal_attention(..., sinks=...)`` (query chunks over the
+keys each can see) instead of one SDPA call over a [T, T] mask, 6.5x cheaper per layer at 4k
+(forward plus backward, ``benchmarks/duo_calibration_attention.py``), so a 4k step takes 68 s
+on two threads instead of 119 s. The shipped settings reproduce the shipped gates through it
+(largest difference 6.5e-5, the same 45 retrieval heads; 446 s on one thread). With::
+
+    kvpress calibrate duo --model smollm2 --out F --lengths 2048,4096 --steps 48 --window-size 240 --threads 2
+
+(1965 s) the gates share 40 of the shipped 45 retrieval heads. At 8k over the 48 niah_single
+samples they keep 24 of ``full``'s 29 needles, as the shipped gates do, but not the same ones
+(#29, #42 and #46 kept; #18, #23 and #30 lost; #15 and #22 lost by both) and gain none (the
+shipped gates gain #19): 0.500 against the shipped 0.521 and ``full``'s 0.604. Longer
+calibration contexts do not close the 8k gap either; the shipped artifact stays.
+
 ``--prefill dense`` (session 6) fits the gates for ``duo:prefill=dense``: the gated mix applies
 only to the answer's queries, the prompt attends fully in every head, as at run time in that
 mode (295 s; 37 of the shipped gates' 45 retrieval heads). Run with ``prefill="dense"`` it does
