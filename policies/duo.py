@@ -76,8 +76,12 @@ tests/policies/test_duo.py checks). On the six 8k samples where ``duo`` and full
 (BENCHMARKS "Session 9", ``kvpress eval --sample-ids``), 60% or 70% retrieval heads keep 1 and 2
 of full's 5 lost needles, a 496-token window 1, the dense prefill 3 -- no setting moves them one
 way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and
-the variants tried (losses, steps, lengths, L1 weights; 38-43 of the same 45 heads each time)
-are in ``_duo_calibrate``; earlier tables in BENCHMARKS "Session 4" and "Session 5".
+the variants tried (losses, steps, lengths, L1 weights; 38-43 of the same 45 heads each time;
+gates from 2k-4k contexts keep 24 of full's 29 8k needles too, other ones) are in
+``_duo_calibrate``. Every 8k needle either gate set loses is one full itself writes with a
+margin of 1.12 nats or less between the right digit and the next (``python -m
+kvpress.evals.margins``; none of the 15 with more is lost; BENCHMARKS "Session 41").
+Earlier tables in BENCHMARKS "Session 4" and "Session 5".
 
 ``tail_chunk=N`` (off by default; session 16, BENCHMARKS "Session 16") lets streaming heads keep
 fp32 key / value sums of the tokens their window evicts, per N-token chunk, and attend each chunk
