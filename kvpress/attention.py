@@ -167,11 +167,11 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     (long) or None as in :func:`dense_causal_attention`. Returns [B, H_q, T, D] in q's dtype.
 
     Queries go through SDPA (its fused CPU / GPU kernels, in q's dtype, as the model's own
-    ``sdpa`` path) in chunks of ``query_chunk``, each over only the keys its window can reach, so
-    the cost is O(T * (sinks + window + chunk)), not O(T^2). Default chunk: 128 queries on CPU (1.2-1.4x
-    faster than the fp32 streaming route at 4k-8k tokens and windows 512-1024; chunks 64-512
-    measured by ``python -m kvpress.evals.bench_prefill``, BENCHMARKS.md "Session 22"), 1024
-    elsewhere (fewer launches on a GPU; not yet timed there).
+    ``sdpa`` path) in chunks of ``query_chunk``, each over only the keys its window can reach (and
+    the sinks), so the cost is O(T * (sinks + window + chunk)), not O(T^2). Default chunk: 128
+    queries on CPU (1.2-1.4x faster than the fp32 streaming route at 4k-8k tokens and windows
+    512-1024; chunks 64-512 measured by ``python -m kvpress.evals.bench_prefill``, BENCHMARKS.md
+    "Session 22"), 1024 elsewhere (fewer launches on a GPU; not yet timed there).
     """
     batch, h_q, t, _ = q.shape
     if window < 1:

@@ -228,15 +228,14 @@ class GatedAttention:
         # query (1, H_q, T, D); key/value (1, H_kv, T, D); no cache during calibration.
         t = query.shape[2]
         model_window = self.model_windows[module.layer_idx] if self.model_windows else None
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if model_window is not None:  # a layer the model slides: its own attention, never a duo layer
-            out = sliding_causal_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                                           window=model_window)
+            out = sliding_causal_attention(query, key, value, scale, window=model_window)
             return out.transpose(1, 2).contiguous(), None
         full = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         start = self.mix_from or 0
         if start == 0:  # every query: chunks over the keys each can see, O(T * (sinks + window))
-            stream = sliding_causal_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5,
-                                              window=self.window, sinks=self.sinks)
+            stream = sliding_causal_attention(query, key, value, scale, window=self.window, sinks=self.sinks)
         else:  # only the answer's queries (dense prefill): one masked call over them
             if self._mask is None or self._mask.shape[0] != t:
                 self._mask = streaming_mask(t, self.sinks, self.window, query.device)
