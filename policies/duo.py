@@ -34,10 +34,10 @@ size 0.25 on the gate logits, L1 weight 0.05, seed 0 — far below the paper's 1
 Prefill. The paper deploys DuoAttention with chunked pre-filling, and the upstream code runs
 its needle and LongBench evaluations that way (chunks of 32000 tokens, sinks 64 + recent 256):
 a streaming head's queries see the sinks, the recent window kept from earlier chunks and their
-own chunk. ``prefill="chunked"`` (the default, chunks of 2048 tokens; 1024 before session 41) does that inside one
-forward; ``"streaming"`` is the stricter pattern of the calibration (sinks + window at every
-position; the default before session 7); ``"dense"`` lets the streaming heads see the whole
-prompt. All three keep the same tokens afterwards, so resident KV and decode are identical.
+own chunk. ``prefill="chunked"`` (the default, chunks of 2048 tokens; 1024 before session 41)
+does that inside one forward; ``"streaming"`` is the stricter pattern of the calibration (sinks +
+window at every position; the default before session 7); ``"dense"`` lets the streaming heads
+see the whole prompt. All three keep the same tokens afterwards, so resident KV and decode are identical.
 
 Measured on SmolLM2 (50% retrieval heads, sinks 16 + window 240, greedy; 32 samples per 4k
 task and 24 at 8k, needle depths sweeping 0..1; 2026-11-22; BENCHMARKS "Session 7")::
@@ -66,8 +66,9 @@ Quality with the default since session 41, chunks of 2048 tokens (BENCHMARKS "Se
 27 of full's 29 niah_single needles over 48 samples (#22 and #46 lost, the two full itself writes
 with the smallest margins, 0.10 and 0.14 nats) plus #19, which full misses: 0.583 against 0.604,
 96.6% (the other 18 samples full misses were not run; they can only add); at 4k niah_single 32
-of 32 and niah_multivalue 0.574 against full's 0.559 (102.8%; scores differ on 20 samples) over 64 samples. The rest of this paragraph and the next
-describe chunks of 1024 tokens, the default of sessions 7-40.
+of 32 and niah_multivalue 0.574 against full's 0.559 over 64 samples (102.8%; scores differ on
+20 samples). The rest of this paragraph and the next describe chunks of 1024 tokens, the
+default of sessions 7-40.
 
 Quality with chunks of 1024 tokens: 97% of full on niah_single at 4k and 92% at 8k over 24 samples, 86%
 over 48 (0.521 against 0.604, ``--samples 48``; the streaming pattern: 72% and 62% over 32 / 24); on niah_multivalue 85% over 32 samples and 95.8% over 64 (0.535 against
