@@ -192,8 +192,10 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         q_pos = torch.arange(i0, i1, device=q.device)[:, None]  # (Tq, 1)
         head = min(sinks, lo)  # sink keys before the window's reach, gathered in front of it
         k_pos = torch.arange(lo, i1, device=q.device)
+        kc, vc = k[:, :, lo:i1], v[:, :, lo:i1]
         if head:
             k_pos = torch.cat([torch.arange(head, device=q.device), k_pos])
+            kc, vc = torch.cat([k[:, :, :head], kc], dim=2), torch.cat([v[:, :, :head], vc], dim=2)
         k_pos = k_pos[None, :]  # (1, Tk)
         near = q_pos - k_pos < window
         mask = (k_pos <= q_pos) & ((near | (k_pos < sinks)) if sinks else near)  # (Tq, Tk)
@@ -201,9 +203,6 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             rs = row_start.view(batch, 1, 1)
             mask = (mask & (k_pos >= rs)) | ((q_pos < rs) & (k_pos == q_pos))  # a padded query sees itself
             mask = mask[:, None]  # (B, 1, Tq, Tk)
-        kc, vc = k[:, :, lo:i1], v[:, :, lo:i1]
-        if head:
-            kc, vc = torch.cat([k[:, :, :head], kc], dim=2), torch.cat([v[:, :, :head], vc], dim=2)
         outs.append(F.scaled_dot_product_attention(q[:, :, i0:i1], kc, vc, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
