@@ -67,8 +67,10 @@ Quality with the default since session 41, chunks of 2048 tokens (BENCHMARKS "Se
 with the smallest margins, 0.10 and 0.14 nats) plus #19, which full misses: 0.583 against 0.604,
 96.6% (the other 18 samples full misses were not run; they can only add); at 4k niah_single 32
 of 32 and niah_multivalue 0.574 against full's 0.559 over 64 samples (102.8%; scores differ on
-20 samples). The rest of this paragraph and the next describe chunks of 1024 tokens, the
-default of sessions 7-40.
+20 samples). 2048 was chosen on those 8k samples, so it was checked on 48 others (48-95,
+BENCHMARKS "Session 42"): 0.542 against full's 0.5625, 96.3% (25 of full's 27 needles, one
+gained; the two lost again full's two smallest margins, 0.09 and 0.20 nats). The rest of this
+paragraph and the next describe chunks of 1024 tokens, the default of sessions 7-40.
 
 Quality with chunks of 1024 tokens: 97% of full on niah_single at 4k and 92% at 8k over 24 samples, 86%
 over 48 (0.521 against 0.604, ``--samples 48``; the streaming pattern: 72% and 62% over 32 / 24); on niah_multivalue 85% over 32 samples and 95.8% over 64 (0.535 against
