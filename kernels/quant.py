@@ -203,6 +203,32 @@ def _chunk(group_size: int, codes: torch.Tensor, bits: int) -> int:
     return max(group_size, budget // row // group_size * group_size)
 
 
+SPLIT_K_LEN = 1024  # tokens per slice of `long_matmul` on a GPU
+
+
+def long_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for ``a`` (..., m, K), ``b`` (..., K, n) with a long K (tokens) and small m, n.
+
+    On a GPU the token axis is cut into slices of `SPLIT_K_LEN` that are multiplied as one batch
+    and summed (`split_k_matmul`): cuBLAS runs such a skinny product as one block per output tile
+    walking all of K (a decode step's ``p @ codes`` over 32k tokens took ~1 ms per call on an
+    H200, BENCHMARKS "Session 43"). On CPU, or a short K, the plain product."""
+    if not a.is_cuda or a.shape[-1] < 2 * SPLIT_K_LEN:
+        return a @ b
+    return split_k_matmul(a, b, SPLIT_K_LEN)
+
+
+def split_k_matmul(a: torch.Tensor, b: torch.Tensor, length: int) -> torch.Tensor:
+    """``a @ b`` as the sum of the products of K-slices of ``length`` (one batched product), plus
+    the product of what is left over."""
+    K = a.shape[-1]
+    S = K // length
+    main = S * length
+    a_parts = a[..., :main].unflatten(-1, (S, length)).transpose(-3, -2)  # (..., S, m, length)
+    out = (a_parts @ b[..., :main, :].unflatten(-2, (S, length))).sum(-3)  # (..., S, m, n) -> (..., m, n)
+    return out if main == K else out + a[..., main:] @ b[..., main:, :]
+
+
 READ_BACKENDS = ("auto", "torch", "native")
 
 
@@ -353,8 +379,8 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
         s, z = scale[:, :, t0:t1].float(), zero[:, :, t0:t1].float()  # (B, H, t, NGd)
         if few:
             pw = pc[:, :, None] * s.transpose(-1, -2)[:, :, :, None]  # (B, H, NGd, M, t)
-            acc += (pw.reshape(B, H, ng * M, t1 - t0) @ c).view(B, H, ng, M, D)
-            zacc += pc @ z
+            acc += long_matmul(pw.reshape(B, H, ng * M, t1 - t0), c).view(B, H, ng, M, D)
+            zacc += long_matmul(pc, z)
         else:
             acc += pc @ (c * s[..., group] + z[..., group])
     out = (acc * onehot).sum(2) + zacc[..., group] if few else acc

@@ -120,6 +120,16 @@ def test_plane_order_unpacking_and_the_primitives_on_it(bits, group, chunk_bytes
         torch.testing.assert_close(kq.channel_quant_values(p, *cc, bits, group), p @ xc, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("K, length", [(4096, 1024), (3000, 512), (700, 256)])
+def test_split_k_matmul_is_the_product(K, length):
+    """The sliced product a GPU decode uses for ``p @ codes`` over many tokens (`long_matmul`):
+    the same product, with or without a remainder past the last whole slice."""
+    gen = torch.Generator().manual_seed(K)
+    a, b = torch.rand(2, 3, 16, K, generator=gen), torch.randn(2, 3, K, 40, generator=gen)
+    torch.testing.assert_close(kq.split_k_matmul(a, b, length), a @ b, atol=1e-4, rtol=1e-4)
+    assert torch.equal(kq.long_matmul(a, b), a @ b)  # on CPU: the plain product
+
+
 def test_bad_input_errors():
     x = torch.randn(1, 1, 32, 64)
     with pytest.raises(ValueError, match=r"bits=3 .*allowed: \[2, 4, 8\]"):

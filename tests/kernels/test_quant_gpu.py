@@ -57,6 +57,24 @@ def test_triton_quant_decode_reads_refined_key_channels(dtype, bits, R):
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-3)
 
 
+def test_token_quant_values_long_matmul_on_cuda():
+    """The torch value read on CUDA (gear's decode) slices its long token axis (`long_matmul`):
+    equal to the dequantized product, and to the CPU result, at 32k + 40 tokens."""
+    from kvpress.kernels.quant import token_quant_values
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    v = torch.randn(1, 2, 32768 + 40, 128, device="cuda", generator=gen)
+    p = torch.rand(1, 2, 4, v.shape[2], device="cuda", generator=gen).softmax(-1)  # rows summing to 1, as attention's
+    vq = quantize_per_token(v, 4, 32)
+    out = token_quant_values(p, *vq, 4, 32, backend="torch")
+    ref = p.double() @ dequantize_per_token(*vq, 4, 32).double()
+    # the folded read ((p * s) @ codes + p @ zeros) cancels two O(1) sums to a ~0.005 mean here: ~1e-4
+    # relative in fp32 on CPU too
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+    cpu = token_quant_values(p.cpu(), *(t.cpu() for t in vq), 4, 32, backend="torch")
+    assert ((out.cpu().double() - cpu.double()).norm() / ref.norm().cpu()).item() < 1e-3
+
+
 def test_triton_quantize_pack_matches_torch():
     from kvpress.kernels.triton_quant import triton_quantize_pack
 
