@@ -126,7 +126,12 @@ def _quant_decode_split_kernel(
     on an H200 (BENCHMARKS "Session 30"). The tile loads
     are pipelined through shared memory (``cp.async``) by Triton when the strides are multiples
     of 16 (what a launch specializes on); 2-bit takes as long as 4-bit, so the loop is bound by
-    its per-element work and latency, not by the bytes it reads.
+    its per-element work and latency, not by the bytes it reads. Session 43 read the sm_90 code of
+    two more forms and dropped both before timing: each code plane dotted on its own (no channel
+    reorder; Triton then stages the key planes through shared memory and spills) and codes shifted
+    to each byte's low bits and joined before one conversion (uint8 shifts and joins cost more
+    than the shuffles they save): 1662-2018 loop instructions against this form's 1286
+    (BENCHMARKS "Session 43 (GPU)").
 
     ``REFINE`` > 0 (a power of two): that many refined key channels per (row, KV head)
     (``kvpress.kernels.quant.quantize_refined_keys``): channel ids ``RIDX`` (B, H, REFINE), second
