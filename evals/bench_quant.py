@@ -57,7 +57,8 @@ import torch.nn.functional as F
 
 from kvpress.compat import cache_kwargs, output_cache
 from kvpress.evals.bench_kernels import copies_beyond_l2, graph_timeit, rotating, timeit
-from kvpress.kernels.quant import (quant_decode, quantize_per_channel, quantize_per_token, reference_quant_decode)
+from kvpress.kernels.packed_decode import quant_decode, reference_quant_decode
+from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
 
 H_Q, H_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 POLICIES = {  # label -> (registry name, overrides)

@@ -24,9 +24,9 @@ __all__ += ["attend_rows", "torch_attend_rows"]
 __all__ += ["SHADOWKV_CHUNK_SIZES", "shadowkv_rebuild", "torch_shadowkv_rebuild"]
 
 # packed KV quantization (kivi / zipcache / gear)
+from .packed_decode import quant_decode, reference_quant_decode  # noqa: E402
 from .quant import (ALLOWED_BITS, ALLOWED_GROUP_SIZES, dequantize_per_channel, dequantize_per_token,  # noqa: E402
-                    pack_codes, quant_decode, quantize_per_channel, quantize_per_token, reference_quant_decode,
-                    unpack_codes)
+                    pack_codes, quantize_per_channel, quantize_per_token, unpack_codes)
 
 __all__ += ["ALLOWED_BITS", "ALLOWED_GROUP_SIZES", "dequantize_per_channel", "dequantize_per_token", "pack_codes",
             "quant_decode", "quantize_per_channel", "quantize_per_token", "reference_quant_decode", "unpack_codes"]

@@ -11,7 +11,8 @@ import math
 import torch
 
 from .checks import MAX_GROUP
-from .quant import _check_decode, check_quant_config
+from .packed_decode import _check_decode
+from .quant import check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
@@ -49,7 +50,7 @@ def _splits(batch: int, heads: int, tokens: int, device: torch.device, block_n: 
 def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *, bits: int, group_size: int,
                         seq_starts=None, scale: float | None = None, num_splits: int | None = None,
                         value_group_size: int | None = None, refine=None):
-    """Triton implementation of :func:`kvpress.kernels.quant.quant_decode` (same arguments and
+    """Triton implementation of :func:`kvpress.kernels.packed_decode.quant_decode` (same arguments and
     results); ``num_splits`` overrides the split-K count (tests use it to cover the merge)."""
     B, H_q, H_kv, T, D, value_group_size = _check_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                                                          bits, group_size, value_group_size, refine)

@@ -7,9 +7,9 @@ import torch
 
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
+from kvpress.kernels.packed_decode import quant_decode
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
-                                   dequantize_per_token, quant_decode, quantize_per_channel, quantize_per_token,
-                                   token_quant_values)
+                                   dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
@@ -26,7 +26,7 @@ class KiviPolicy(Policy):
     Key channels carry outliers, so per-channel ranges quantize keys well; value errors mix
     across channels only through the attention weights, so per-token ranges suit values. Codes
     are packed ``8 / bits`` per byte with fp16 scales and zero points; decode attention reads
-    the codes directly (``kvpress.kernels.quant.quant_decode``; Triton on CUDA). No token
+    the codes directly (``kvpress.kernels.packed_decode.quant_decode``; Triton on CUDA). No token
     budget: every token stays, at ``bits`` bits (``with_budget`` raises).
 
     Measured on SmolLM2 at 4k (bits at 8k): 4-bit (5.31 bits) long-text perplexity 29.128 vs

@@ -8,7 +8,8 @@ import torch
 from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
-from kvpress.kernels.quant import READ_BACKENDS, check_quant_config, quant_decode
+from kvpress.kernels.packed_decode import quant_decode
+from kvpress.kernels.quant import READ_BACKENDS, check_quant_config
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer

@@ -10,7 +10,8 @@ import cProfile, pstats, io, time, torch
 import torch.nn.functional as F
 from kvpress.kernels import SparseIndex, select_topk, sparse_decode
 from kvpress.kernels.checks import check_decode_inputs
-from kvpress.kernels.quant import quant_decode, quantize_per_channel, quantize_per_token
+from kvpress.kernels.packed_decode import quant_decode
+from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
 from kvpress.evals.bench_kernels import graph_timeit
 
 dev = "cuda"

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 import kvpress.kernels.triton_quant as tq
 from kvpress.evals.bench_kernels import graph_timeit, rotating
-from kvpress.kernels.quant import quantize_per_channel, quantize_per_token, reference_quant_decode
+from kvpress.kernels.packed_decode import reference_quant_decode
+from kvpress.kernels.quant import quantize_per_channel, quantize_per_token
 
 HQ, HKV, D, GROUP = 32, 8, 128, 32
 

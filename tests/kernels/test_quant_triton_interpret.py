@@ -35,6 +35,7 @@ PACK = [(1, 2, 64, 64, b, g, pc) for b in (2, 4, 8) for g, pc in ((32, True), (1
 def _run_cases():
     import torch
 
+    from kvpress.kernels import packed_decode as kd
     from kvpress.kernels import quant as kq
     from kvpress.kernels.triton_quant import triton_quant_decode, triton_quantize_pack
 
@@ -50,10 +51,10 @@ def _run_cases():
         st = None if starts is None else torch.tensor(starts)
         kw = dict(bits=bits, group_size=group, seq_starts=st, value_group_size=group if D % group == 0 else 32,
                   refine=(rc, rs, ch))
-        ref, ref_lse = kq.reference_quant_decode(q, kc, ks, kz, *vc, **kw)
-        plain, _ = kq.reference_quant_decode(q, kc, ks, kz, *vc, **{**kw, "refine": None})
+        ref, ref_lse = kd.reference_quant_decode(q, kc, ks, kz, *vc, **kw)
+        plain, _ = kd.reference_quant_decode(q, kc, ks, kz, *vc, **{**kw, "refine": None})
         out, lse = triton_quant_decode(q, kc, ks, kz, *vc, num_splits=splits, **kw)
-        tout, _ = kq.torch_quant_decode(q, kc, ks, kz, *vc, **kw)
+        tout, _ = kd.torch_quant_decode(q, kc, ks, kz, *vc, **kw)
         results["refined"].append({"out_err": (out - ref).abs().max().item(), "lse_err": (lse - ref_lse).abs().max().item(),
                                    "torch_err": (tout - ref).abs().max().item(),
                                    "refine_moves": (plain - ref).abs().max().item()})
@@ -65,11 +66,11 @@ def _run_cases():
         kc = kq.quantize_per_channel(k, bits, group)
         vc = kq.quantize_per_token(v, bits, vgroup or group)
         st = None if starts is None else torch.tensor(starts)
-        ref, ref_lse = kq.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+        ref, ref_lse = kd.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
                                                  value_group_size=vgroup)
         out, lse = triton_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st, num_splits=splits,
                                        value_group_size=vgroup)
-        tout, _ = kq.torch_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+        tout, _ = kd.torch_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
                                         value_group_size=vgroup)
         assert (tout - ref).abs().max().item() < 1e-4, "torch_quant_decode disagrees with the reference"
         results["decode"].append({"out_err": (out - ref).abs().max().item(),
@@ -99,6 +100,7 @@ def _forms_case():
     reference: they stay selectable for the GPU sweep (``tune_quant.py --forms``)."""
     import torch
 
+    from kvpress.kernels import packed_decode as kd
     from kvpress.kernels import quant as kq
     from kvpress.kernels import triton_quant as tq
 
@@ -112,7 +114,7 @@ def _forms_case():
             q = torch.randn(B, H * G, D, generator=gen)
             kc, vc = kq.quantize_per_channel(k, bits, group), kq.quantize_per_token(v, bits, vgroup)
             st = None if starts is None else torch.tensor(starts)
-            ref, ref_lse = kq.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
+            ref, ref_lse = kd.reference_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
                                                      value_group_size=vgroup)
             out, lse = tq.triton_quant_decode(q, *kc, *vc, bits=bits, group_size=group, seq_starts=st,
                                               num_splits=2, value_group_size=vgroup)
