@@ -67,7 +67,10 @@ class GearPolicy(Policy):
     reference path), and a decode step is one call of `native.quant_attend` with the low-rank,
     outlier and sink corrections applied inside it: 1.09x ``full``'s decode speed at 8k on one
     thread, 1.11x on two (BENCHMARKS "Session 19"; 0.60x when those terms were torch gathers and
-    scatters, session 18; the torch path 0.37x in the same run).
+    scatters, session 18; the torch path 0.37x in the same run). On a GPU the torch path runs
+    (there is no fused kernel for these corrections): 0.31x ``full``'s decode speed at 32k on an
+    H200 (random Llama-3-8B shapes; 123.7 against 38.3 ms/token, BENCHMARKS "Session 43 (GPU)"),
+    host-bound on its many small launches once two slow reads were fixed there.
     """
 
     bits: int = 2
