@@ -10,7 +10,8 @@ argument divisible by 16, integers equal to 1 as constants (session 29 compiled 
 hints and wrongly concluded that Triton pipelines none of the loads; with them the tile loads go
 through ``cp.async``). Prints the resource use (registers, spill stack, static shared memory) from
 ``cuobjdump -res-usage`` and instruction counts from ``cuobjdump -sass`` (the cuobjdump bundled
-with Triton's NVIDIA backend).
+with Triton's NVIDIA backend): the whole kernel's, and the tile loop's (``loop``, what a warp
+issues per tile, with its most frequent opcodes; session 43).
 """
 from __future__ import annotations
 
@@ -78,10 +79,24 @@ def cubin_report(cubin: bytes) -> dict:
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
-    counts = collections.Counter(ops)
+    lines = re.findall(r"/\*([0-9a-f]{4,5})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", sass)
+    counts = collections.Counter(op for _, op, _ in lines)
     return dict(registers=int(m.group(1)), spill_stack=int(m.group(2)), static_shared=int(m.group(3)),
-                instructions=len(ops), **{op: counts[op] for op in COUNTED})
+                instructions=len(lines), **{op: counts[op] for op in COUNTED}, **loop_report(lines))
+
+
+def loop_report(lines) -> dict:
+    """The tile loop: the longest range closed by a backward branch (``loop``: its instruction
+    count, what one tile costs a warp) and its most frequent opcodes (``loop_ops``)."""
+    best = (0, 0, -1)
+    for addr, op, rest in lines:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < int(addr, 16):
+            lo, hi = int(target.group(1), 16), int(addr, 16)
+            best = max(best, (sum(lo <= int(a, 16) <= hi for a, _, _ in lines), lo, hi))
+    n, lo, hi = best
+    ops = collections.Counter(op for a, op, _ in lines if lo <= int(a, 16) <= hi)
+    return dict(loop=n, loop_ops=" ".join(f"{op}={c}" for op, c in ops.most_common(8)))
 
 
 def main(argv=None):

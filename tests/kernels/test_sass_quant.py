@@ -20,5 +20,6 @@ def test_ptx_codes_leave_no_conversions_and_loads_are_pipelined():
     form has one I2F per code a thread unpacks (64 tokens x 128 channels x 2 tiles / 64 threads)."""
     fast = sass_quant.main(["--bits", "4", "--batch", "1"])
     assert fast["I2F"] == 0 and fast["LDGSTS"] > 0 and fast["spill_stack"] == 0
+    assert 0 < fast["loop"] < fast["instructions"] and "HMMA=" in fast["loop_ops"]  # the tile loop found
     slow = sass_quant.main(["--bits", "4", "--batch", "1", "--no-ptx"])
     assert slow["I2F"] >= 64 * 128 * 2 // 64
