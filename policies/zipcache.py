@@ -79,9 +79,9 @@ class ZipCachePolicy(Policy):
     (``benchmarks/answer_kl.py``); with 8 refined channels that setting keeps 99.5% of ``full``'s
     values over 256 4k niah_multivalue samples (paired with ``full``'s: 99.5% [96.3-102.5%]),
     against 97.0% without, all 29 of ``full``'s 8k niah_single needles over samples 0-47 (26 of
-    27 on samples 48-95, 96.3% of ``full``'s score there; 55 of 56 over the 96) and 4k
-    niah_single 32 of 32, and perplexity equal to ``full``'s at 4k and 8k (BENCHMARKS "Session 39
-    (CPU)", "Session 40 (CPU)", "Session 42 (CPU)"). The second codes add 8% (8 channels) / 16%
+    27 on samples 48-95, 96.3% of ``full``'s score there; all 23 on samples 96-143; 78 of 79
+    over the 144) and 4k niah_single 32 of 32, and perplexity equal to ``full``'s at 4k and 8k
+    (BENCHMARKS "Session 39 (CPU)", "Session 40 (CPU)", "Session 42 (CPU)", "Session 43 (CPU)"). The second codes add 8% (8 channels) / 16%
     (16) to the native CPU decode call at 8k (``benchmarks/refine_attend_cpu.py``) and 4-5% to the
     attention's time per token, nothing measurable to a whole decode step (``kvpress bench``).
 
