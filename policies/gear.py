@@ -375,11 +375,10 @@ class GearLayer(QuantWindowLayer):
             # each chunk's sum of p_t * L_t, from a running sum over the tokens (the last axis: a
             # scan along an outer axis took 2 ms per layer at 32k on an H200, and an index_add_ into
             # the few chunk rows, which serializes its atomics, 1.6 ms; session 43)
-            vl = self.vl[:, :, :n].double().transpose(-1, -2)  # (B, H, r, N)
-            pl = prob.double()[:, :, :, None] * vl[:, :, None]  # (B, H, M, r, N)
+            pl = prob[:, :, :, None] * self.vl[:, :, :n].float().transpose(-1, -2)[:, :, None]  # (B, H, M, r, N)
             run = torch.nn.functional.pad(pl.cumsum(-1), (1, 0))  # run[..., t]: the sum over the tokens before t
             bounds = self._bounds(prob.device)
-            per_chunk = (run.index_select(-1, bounds[1:]) - run.index_select(-1, bounds[:-1])).float().transpose(-1, -2)
+            per_chunk = (run.index_select(-1, bounds[1:]) - run.index_select(-1, bounds[:-1])).transpose(-1, -2)
             out = out + torch.einsum("bhmcr,bhcdr->bhmd", per_chunk, self.vr[:, :, :nc].float())
         if p.outliers_per_group:
             M, D = prob.shape[2], out.shape[-1]
