@@ -81,9 +81,10 @@ class ZipCachePolicy(Policy):
     against 97.0% without, all 29 of ``full``'s 8k niah_single needles over samples 0-47 (26 of
     27 on samples 48-95, 96.3% of ``full``'s score there; all 23 on samples 96-143; 78 of 79
     over the 144) and 4k niah_single 32 of 32, and perplexity equal to ``full``'s at 4k and 8k
-    (BENCHMARKS "Session 39 (CPU)", "Session 40 (CPU)", "Session 42 (CPU)", "Session 43 (CPU)"). The second codes add 8% (8 channels) / 16%
-    (16) to the native CPU decode call at 8k (``benchmarks/refine_attend_cpu.py``) and 4-5% to the
-    attention's time per token, nothing measurable to a whole decode step (``kvpress bench``).
+    (BENCHMARKS "Session 39 (CPU)", "Session 40 (CPU)", "Session 42 (CPU)", "Session 43 (CPU)").
+    The second codes add 8% (8 channels) / 16% (16) to the native CPU decode call at 8k
+    (``benchmarks/refine_attend_cpu.py``) and 4-5% to the attention's time per token, nothing
+    measurable to a whole decode step (``kvpress bench``).
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
