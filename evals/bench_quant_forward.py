@@ -53,8 +53,7 @@ def forward(layer, q, k, v, threshold: int):
     from kvpress.policies import _quant
 
     saved, _quant.DEQUANT_MIN_QUERIES = _quant.DEQUANT_MIN_QUERIES, threshold
-    probes = getattr(layer, "probe_q", None), getattr(layer, "probe_lse", None), \
-        getattr(layer, "probe_pos", None), getattr(layer, "probe_rand", None)
+    probes = layer.probe_state() if hasattr(layer, "probe_state") else None
     try:
         start = time.perf_counter()
         layer.update(k, v)
@@ -65,8 +64,8 @@ def forward(layer, q, k, v, threshold: int):
         T = k.shape[2]
         layer.win_len -= T
         layer.seen -= T
-        if probes[0] is not None:  # zipcache: its probes as they were
-            layer.probe_q, layer.probe_lse, layer.probe_pos, layer.probe_rand = probes
+        if probes is not None:  # zipcache: its probes as they were
+            layer.set_probe_state(probes)
     return out, seconds
 
 

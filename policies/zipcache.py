@@ -165,7 +165,10 @@ class ZipCacheLayer(QuantWindowLayer):
     """Two packed stores (``hi_*``, ``lo_*`` in ``state_tensors``), the value channel normaliser
     ``vn`` fp16 (B, H, D), and the probe queries ``probe_q`` (B, H_q, P, D) with their
     log-sum-exp ``probe_lse`` fp32 (B, H_q, P), sequence indices ``probe_pos`` (P,) and
-    ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token)."""
+    ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token).
+    ``probe_pos`` / ``probe_rand`` live on the host, so choosing which probes to keep never waits
+    for the device (a device boolean mask would: 4 synchronizations per layer and step on CUDA,
+    session 43); ``probe_pos_dev`` is ``probe_pos`` on the queries' device, for the saliency."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
     # Croppable (the flush waits for the crop, as for every quantized window): the probes are put
@@ -181,65 +184,78 @@ class ZipCacheLayer(QuantWindowLayer):
         self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend,
                          policy.refine_key_channels)
         self.vn = None
-        self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = None
+        self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = self.probe_pos_dev = None
         self._scaling = 1.0
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
     # ------------------------------------------------------------------ probes
-    def _random_probes(self, q_start: int, T: int, device) -> torch.Tensor:
-        """bool (T,): ``probe_random`` random rows among a step's queries older than the recent ones."""
+    def _random_probes(self, q_start: int, T: int) -> torch.Tensor:
+        """bool (T,) on the host: ``probe_random`` random rows among a step's queries older than the
+        recent ones."""
         older = max(0, T - self.p.probe_recent)
         mask = torch.zeros(T, dtype=torch.bool)
         if older:
             gen = torch.Generator().manual_seed(self.p.seed * 1_000_003 + self.layer_idx * 8191 + q_start)
             mask[torch.randperm(older, generator=gen)[: self.p.probe_random]] = True
-        return mask.to(device)
+        return mask
 
-    def _keep_probes(self, q, lse, pos, rand) -> None:
+    def probe_state(self) -> tuple:
+        """The probes as they are (to put back with ``set_probe_state``)."""
+        return self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand, self.probe_pos_dev
+
+    def set_probe_state(self, state: tuple) -> None:
+        self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand, self.probe_pos_dev = state
+
+    def _keep_probes(self, q, lse, pos, rand, pos_dev) -> None:
         """Keep the ``probe_recent`` latest queries and the random probes that can still attend
-        an unflushed token (probe at position p sees tokens <= p)."""
+        an unflushed token (probe at position p sees tokens <= p). ``pos`` / ``rand`` (host)
+        choose; the device tensors ``q``, ``lse``, ``pos_dev`` are cut by slices of the kept runs."""
         keep = ((pos >= self.seen - self.p.probe_recent) | rand) & (pos >= self.n_quant)
-        self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand = q[:, :, keep], lse[:, :, keep], pos[keep], rand[keep]
+        runs = _runs(keep)
+        self.probe_q, self.probe_lse = _take_runs(q, runs, 2), _take_runs(lse, runs, 2)
+        self.probe_pos_dev = _take_runs(pos_dev, runs, 0)
+        self.probe_pos, self.probe_rand = pos[keep], rand[keep]
 
-    def _prompt_probe_rows(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one."""
-        rand = self._random_probes(0, T, device)
-        pos_all = torch.arange(T, device=device)
+    def _prompt_probe_rows(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one (host)."""
+        rand = self._random_probes(0, T)
+        pos_all = torch.arange(T)
         sel = rand | (pos_all >= T - self.p.probe_recent)
         return pos_all[sel], rand[sel]
 
     def _prefill(self, q, k, v, scaling):
         if q is not None:
             T = q.shape[2]
-            pos, rand = self._prompt_probe_rows(T, q.device)
-            self._set_prompt_probes(q[:, :, pos], pos, rand, k, scaling)
+            pos, rand = self._prompt_probe_rows(T)
+            self._set_prompt_probes(q[:, :, pos.to(q.device)], pos, rand, k, scaling)
             if self._recorded:  # keep the queries a prompt shorter by up to PROMPT_CROP_TOKENS would probe
-                rows = torch.cat([self._prompt_probe_rows(T - n, q.device)[0]
+                rows = torch.cat([self._prompt_probe_rows(T - n)[0]
                                   for n in range(1, min(PROMPT_CROP_TOKENS, T - 1) + 1)] + [pos]).unique()
-                self._forward_q = ("prompt", rows, q[:, :, rows], scaling)
+                self._forward_q = ("prompt", rows, q[:, :, rows.to(q.device)], scaling)
         super()._prefill(q, k, v, scaling)
 
     def _set_prompt_probes(self, qp, pos, rand, k, scaling) -> None:
         """Probes from prompt queries ``qp`` (B, H_q, P, D) at sequence indices ``pos`` over the
-        prompt's keys ``k`` (B, H, T, D), each with its own log-sum-exp."""
+        prompt's keys ``k`` (B, H, T, D), each with its own log-sum-exp (``pos``, ``rand``: host)."""
         B, H_q, P, D = qp.shape
         H, T = k.shape[1], k.shape[2]
+        pos_dev = pos.to(k.device)
         s = (qp.float().view(B, H, H_q // H, P, D) @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H, G, P, T)
-        hidden = torch.arange(T, device=k.device)[None, :] > pos[:, None]  # (P, T)
+        hidden = torch.arange(T, device=k.device)[None, :] > pos_dev[:, None]  # (P, T)
         pad = self.padding_mask(0, T, k.device)
         if pad is not None:
             hidden = (hidden[None] | pad[:, None, :])[:, None, None]  # (B, 1, 1, P, T)
         lse = s.masked_fill(hidden, float("-inf")).logsumexp(-1).view(B, H_q, -1)
         seen, self.seen = self.seen, T  # _keep_probes reads the sequence length
-        self._keep_probes(qp, lse, pos, rand)
+        self._keep_probes(qp, lse, pos, rand, pos_dev)
         self.seen = seen
         self._scaling = scaling
 
     # ------------------------------------------------------------------ crop
     def record_forward(self, k, v):
         super().record_forward(k, v)
-        self._probes_before = (self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand)
+        self._probes_before = self.probe_state()
         self._forward_q = None
 
     def removable(self) -> int:
@@ -254,11 +270,11 @@ class ZipCacheLayer(QuantWindowLayer):
         record, self._forward_q = self._forward_q, None
         if n == 0 or record is None:
             return
-        self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand = self._probes_before
+        self.set_probe_state(self._probes_before)
         if record[0] == "prompt":
             _, rows, q_rows, scaling = record
-            pos, rand = self._prompt_probe_rows(self.seen, q_rows.device)
-            self._set_prompt_probes(q_rows[:, :, torch.searchsorted(rows, pos)], pos, rand,
+            pos, rand = self._prompt_probe_rows(self.seen)
+            self._set_prompt_probes(q_rows[:, :, torch.searchsorted(rows, pos).to(q_rows.device)], pos, rand,
                                     self.k_win[:, :, : self.seen], scaling)
         else:
             _, q, lse, q_start, scaling = record
@@ -275,16 +291,17 @@ class ZipCacheLayer(QuantWindowLayer):
             else:
                 self._forward_q = ("step", q, lse, q_start, scaling)
         T = q.shape[2]
-        pos = torch.arange(q_start, q_start + T, device=q.device)
+        pos, pos_dev = torch.arange(q_start, q_start + T), torch.arange(q_start, q_start + T, device=q.device)
         if verification or as_steps:  # a one-token step draws no random probe (none of its rows is older)
-            rand = torch.zeros(T, dtype=torch.bool, device=q.device)
+            rand = torch.zeros(T, dtype=torch.bool)
         else:
-            rand = self._random_probes(q_start, T, q.device)
+            rand = self._random_probes(q_start, T)
         if self.probe_q is None:
-            self._keep_probes(q, lse, pos, rand)
+            self._keep_probes(q, lse, pos, rand, pos_dev)
             return
         self._keep_probes(torch.cat([self.probe_q, q.to(self.probe_q.dtype)], 2), torch.cat([self.probe_lse, lse], 2),
-                          torch.cat([self.probe_pos, pos]), torch.cat([self.probe_rand, rand]))
+                          torch.cat([self.probe_pos, pos]), torch.cat([self.probe_rand, rand]),
+                          torch.cat([self.probe_pos_dev, pos_dev]))
 
     def saliency(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """Normalised attention (B, H, n) received by tokens ``start ..`` with keys k (B, H, n, D);
@@ -298,10 +315,10 @@ class ZipCacheLayer(QuantWindowLayer):
             s = (qp @ k.float()[:, :, None].transpose(-1, -2)) * self._scaling  # (B, H, G, P, n)
             prob = torch.exp(s - self.probe_lse.view(B, H, H_q // H, P)[..., None])
             pos = torch.arange(start, start + n, device=k.device)
-            seen_by = self.probe_pos[:, None] >= pos[None, :]  # (P, n) probe can attend token
+            seen_by = self.probe_pos_dev[:, None] >= pos[None, :]  # (P, n) probe can attend token
             rs = self.row_start
             probe_real = torch.ones(B, P, dtype=torch.bool, device=k.device) if rs is None else \
-                self.probe_pos[None, :] >= rs[:, None]  # padded probes attended only to themselves
+                self.probe_pos_dev[None, :] >= rs[:, None]  # padded probes attended only to themselves
             valid = seen_by[None] & probe_real[:, :, None]  # (B, P, n)
             total = (prob * valid[:, None, None]).sum((2, 3))  # (B, H, n)
             count = valid.sum(1).clamp(min=1) * (H_q // H)  # (B, n)
@@ -428,7 +445,7 @@ class ZipCacheLayer(QuantWindowLayer):
         if self._recorded:  # a crop re-reads the kept rows' log-sum-exp: every row may be needed
             return torch.ones(T, dtype=torch.bool)
         pos = torch.arange(q_start, q_start + T)
-        return self._random_probes(q_start, T, pos.device) | (pos >= self.seen - self.p.probe_recent)
+        return self._random_probes(q_start, T) | (pos >= self.seen - self.p.probe_recent)
 
     def _quant_scores(self, qg, scaling):
         q = qg * scaling
@@ -452,11 +469,28 @@ class ZipCacheLayer(QuantWindowLayer):
             store.pad, store.ridx = sel(store.pad), sel(store.ridx)
 
     def _quant_tensors(self):
-        out = {"vn": self.vn, "probe_q": self.probe_q, "probe_lse": self.probe_lse, "probe_pos": self.probe_pos,
-               "probe_rand": self.probe_rand}
+        out = {"vn": self.vn, "probe_q": self.probe_q, "probe_lse": self.probe_lse, "probe_pos_dev": self.probe_pos_dev}
         for prefix, s in (("hi", self.hi), ("lo", self.lo)):
             out.update({f"{prefix}_{k}": v for k, v in s.t.items()})
             out[f"{prefix}_pad"] = s.pad
         if self.lo.refine:
             out["lo_ridx"] = self.lo.ridx
         return out
+
+
+def _runs(keep: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) of each run of True in the host bool vector ``keep``, in order."""
+    idx = keep.nonzero().flatten().tolist()
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _take_runs(t: torch.Tensor, runs: list[tuple[int, int]], dim: int) -> torch.Tensor:
+    """The rows ``runs`` of ``t`` along ``dim``, as a new tensor (slices joined on the device: no
+    index tensor to copy there, nothing to wait for)."""
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in runs] or [t.narrow(dim, 0, 0)], dim)

@@ -107,3 +107,36 @@ def test_kivi_cuda_decode_matches_cpu_path():
     assert torch.equal(outs[0].sequences, outs[1].sequences.cpu())
     for a, b in zip(outs[0].scores, outs[1].scores):
         torch.testing.assert_close(a, b.cpu(), atol=1e-3, rtol=1e-3)
+
+
+def test_zipcache_probe_bookkeeping_does_not_synchronize():
+    """zipcache chooses the probes it keeps from host-side positions, so a decode step's probe
+    update and a flush's saliency never wait for the device (session 43 profiled 4 ``nonzero``
+    synchronizations per layer and step from a device boolean mask)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvpress
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    policy = kvpress.get_policy("zipcache", group_size=8, value_group_size=8, residual_length=8, flush_size=8,
+                                probe_recent=4, probe_random=6)
+    layer = kvpress.make_cache(LlamaForCausalLM(cfg).cuda().eval(), policy).layers[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T = 48
+    q = torch.randn(1, 4, T + 16, 16, device="cuda", generator=gen)
+    k, v = torch.randn(2, 1, 2, T, 16, device="cuda", generator=gen)
+    layer.update(k, v)
+    layer.attend(q[:, :, :T], *layer.take_pending(), 0.25)
+    before = layer.probe_pos.tolist()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(T, T + 16):  # what a decode step does around its attention
+            layer.seen += 1
+            layer._after_attend(q[:, :, t:t + 1], torch.zeros(1, 4, 1, device="cuda"), t, 0.25)
+        sal = layer.saliency(k[:, :, -8:], T - 8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert layer.probe_pos.tolist() == [p for p in before if p >= layer.n_quant and p < T - 4] + list(range(T + 12, T + 16))
+    assert torch.equal(layer.probe_pos_dev.cpu(), layer.probe_pos) and torch.isfinite(sal).all()

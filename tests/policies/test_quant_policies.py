@@ -380,6 +380,50 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
         assert (err < 0.1).all(), err
 
 
+def test_zipcache_probe_runs():
+    """The kept probes are cut from the device tensors as slices of the kept runs."""
+    from kvpress.policies.zipcache import _runs, _take_runs
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (0, 1, 2, 7, 40):
+        for _ in range(5):
+            keep = torch.rand(n, generator=gen) < 0.6
+            runs = _runs(keep)
+            assert [i for a, b in runs for i in range(a, b)] == keep.nonzero().flatten().tolist()
+            assert all(b0 < a1 for (_, b0), (a1, _) in zip(runs, runs[1:]))  # maximal runs: a gap between
+            t = torch.randn(2, 3, n, 4, generator=gen)
+            assert torch.equal(_take_runs(t, runs, 2), t[:, :, keep])
+
+
+def test_zipcache_probes_are_chosen_on_the_host(llama):
+    """The probes kept through a prompt, decode steps and flushes: positions and random flags on
+    the host (no device mask to wait for), ``probe_pos_dev`` the same positions, the queries those
+    positions had, and the rule: the ``probe_recent`` latest plus the prompt's random probes, all
+    still able to see an unflushed token."""
+    policy = kvpress.get_policy("zipcache", group_size=8, value_group_size=8, residual_length=8, flush_size=8,
+                                salient_ratio=0.25, probe_recent=4, probe_random=6)
+    layer = kvpress.make_cache(llama, policy).layers[0]
+    gen = torch.Generator().manual_seed(11)
+    T, steps = 48, 30
+    qs = torch.randn(1, 4, T + steps, 16, generator=gen)
+    ks, vs = torch.randn(2, 1, 2, T + steps, 16, generator=gen)
+    rand = set(layer._random_probes(0, T).nonzero().flatten().tolist())
+    assert len(rand) == 6
+    flushed, n_quant = [], 0  # n_quant when the probes were chosen (before the step's flush)
+    for t in range(T, T + steps + 1):
+        layer.update(ks[:, :, t - 1 if t > T else 0:t], vs[:, :, t - 1 if t > T else 0:t])
+        layer.attend(qs[:, :, t - 1 if t > T else 0:t], *layer.take_pending(), 0.25)
+        pos = layer.probe_pos
+        assert pos.device.type == "cpu" and layer.probe_rand.device.type == "cpu"
+        assert torch.equal(layer.probe_pos_dev, pos)
+        assert pos.tolist() == [p for p in range(t) if (p in rand or p >= t - 4) and p >= n_quant]
+        assert layer.probe_rand.tolist() == [p in rand for p in pos.tolist()]
+        torch.testing.assert_close(layer.probe_q, qs[:, :, pos], atol=0, rtol=0)
+        n_quant = layer.n_quant
+        flushed.append(n_quant)
+    assert len(set(flushed)) > 2  # flushes dropped random probes on the way
+
+
 @pytest.mark.parametrize("name,overrides", [("kivi", {}), ("kivi", {"sink_tokens": 0}), ("kivi", {"rotate_values": True}),
                                             ("gear", {}), ("zipcache", {}), ("zipcache", {"refine_key_channels": 8})])
 @pytest.mark.parametrize("padded", [False, True])
