@@ -19,6 +19,7 @@ from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 from kvpress.kernels.checks import MAX_GROUP
+from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 
 from ._rotation import value_basis
@@ -305,6 +306,19 @@ class QuantWindowLayer(CacheLayer):
             s = s.masked_fill((k_pos[None, :] < rs[:, None])[:, None, None], float("-inf"))
         lse = s.logsumexp(-1)
         return (s - lse[..., None]).exp() @ self.v_win[:, :, : self.win_len].float(), lse
+
+    def window_rows(self, q0: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window part of a fused (GPU) decode step for one query per head ``q0`` (B, H_q, D):
+        fp32 output (B, H_q, D) and log-sum-exp (B, H_q). One `attend_rows` call -- one launch on
+        CUDA, reading the window in its own dtype -- when no row's window holds left padding (every
+        row's start already flushed, known on the host); else `window_decode`'s masked torch math
+        (about ten launches, with fp32 copies of the window)."""
+        if self.cache.max_row_start <= self.n_quant:
+            return attend_rows(q0, [(self.k_win, self.v_win, None, self.win_len)], scale=scaling)
+        B, H_q, D = q0.shape
+        H = self.k_win.shape[1]
+        out, lse = self.window_decode(q0.float().view(B, H, H_q // H, D), scaling)
+        return out.view(B, H_q, D), lse.view(B, H_q)
 
     # ------------------------------------------------------------------ native CPU decode
     def native_step_ok(self, q, k_new, backend: str, stores) -> bool:

@@ -277,7 +277,7 @@ class KiviLayer(QuantWindowLayer):
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: the packed part through the fused dequantize-attention kernel, the window
-        through SDPA-like torch math, merged by log-sum-exp."""
+        through `window_rows` (one launch once no row's window is padding), merged by log-sum-exp."""
         B, H_q, _, D = q.shape
         H = k_new.shape[1]
         q_start = self.seen
@@ -295,8 +295,7 @@ class KiviLayer(QuantWindowLayer):
         out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
                                     seq_starts=starts, scale=scaling, backend=self.decode_backend,
                                     value_group_size=self.value_group)
-        out_w, lse_w = self.window_decode(qg, scaling)
-        out, lse = merge_states(out_q.float(), lse_q, out_w.view(B, H_q, D), lse_w.view(B, H_q))
+        out, lse = merge_states(out_q.float(), lse_q, *self.window_rows(q[:, :, 0], scaling))
         if self.sk is not None:
             out, lse = merge_states(out, lse, out_s.view(B, H_q, D), lse_s.view(B, H_q))
         self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)

@@ -392,7 +392,7 @@ class ZipCacheLayer(QuantWindowLayer):
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: each store through the fused dequantize-attention kernel (`quant_decode`),
-        the window in torch, merged by log-sum-exp. A store's left padding is its first ``pad``
+        the window through `window_rows`, merged by log-sum-exp. A store's left padding is its first ``pad``
         rows, the same count in every head (padding has -inf saliency in all of them, so every
         flush sends the same number of padding tokens to each store): ``pad[:, 0]`` is the
         kernel's per-row start."""
@@ -401,8 +401,7 @@ class ZipCacheLayer(QuantWindowLayer):
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += 1
-        out, lse = self.window_decode(q[:, :, 0].float().view(B, H, H_q // H, D), scaling)
-        out, lse = out.view(B, H_q, D), lse.view(B, H_q)
+        out, lse = self.window_rows(q[:, :, 0], scaling)
         vn = self.vn.float().repeat_interleave(H_q // H, dim=1)  # (B, H_q, D): query head h reads KV head h // G
         for st in (self.hi, self.lo):
             if st.n:
