@@ -9,8 +9,10 @@ TorchDispatchMode (a Triton launch under TRITON_INTERPRET=1 counts once, as ``la
 interpreter's own ops). ``--cuda-path`` takes the routes a CUDA run takes where they are CPU-only
 here (ShadowKV's one-launch `attend_rows`); with ``backend=triton`` in SPEC and
 TRITON_INTERPRET=1 the Triton kernels run interpreted (their launchers' ops counted, the
-interpreter's own not). Printed: the total, the commonest ops, the lines issuing the most, and
-the total per file.
+interpreter's own not). ``--cuda-path`` also runs the quantized layers' fused decode
+(``decode_backend="triton"``) and the one-launch Triton ``merge_states``. Printed: the total and
+the ops that are not views (a view launches no kernel), the commonest ops, the non-view ops per
+file, the lines issuing the most, and the total per file.
 """
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ from kvpress.compat import cache_kwargs, output_cache
 from kvpress.evals.models import load_eval_model
 
 
+# ops that only make a new view of a tensor's storage: no kernel on a GPU
+VIEW_OPS = frozenset({"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand",
+                      "alias", "as_strided", "permute", "narrow", "detach", "split", "unbind", "_reshape_alias"})
+
+
 class CountOps(TorchDispatchMode):
     """Counts every op dispatched, and the innermost kvpress source line that issued it.
 
@@ -35,7 +42,7 @@ class CountOps(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops, self.sites = collections.Counter(), collections.Counter()
+        self.ops, self.sites, self.site_ops = collections.Counter(), collections.Counter(), collections.Counter()
         self.in_launch = 0
         self._run = None
 
@@ -77,6 +84,7 @@ class CountOps(TorchDispatchMode):
                 or "/kernels/" in f.filename]
         site = "(model)" if not ours else f"{ours[-1].filename.split('/')[-1]}:{ours[-1].lineno} {ours[-1].line[:60]}"
         self.sites[site] += 1
+        self.site_ops[site, name] += 1
 
 
 def main(argv=None) -> int:
@@ -89,8 +97,13 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     if args.cuda_path:
+        import kvpress.kernels.merge as merge
+        import kvpress.kernels.rows as rows
         import kvpress.policies._shadowkv_step as step
         step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
+        rows.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
+        merge_states = merge.merge_states  # the one-launch Triton merge a CUDA run takes
+        merge.merge_states.__kwdefaults__ = {**(merge_states.__kwdefaults__ or {}), "backend": "triton"}
     model, _ = load_eval_model(args.model, device="cpu")
     ids = torch.randint(3, model.config.vocab_size - 1, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     name, overrides = kvpress.parse_policy_spec(args.spec)
@@ -103,6 +116,10 @@ def main(argv=None) -> int:
             return model(nxt, **cache_kwargs(model, cache), use_cache=True,
                          position_ids=torch.full((args.batch, 1), T + i)).logits[:, -1:].argmax(-1)
 
+        if args.cuda_path:  # the quantized layers' fused decode (`_fused_decode`), as on CUDA
+            for layer in cache.layers:
+                if hasattr(layer, "decode_backend"):
+                    layer.decode_backend = "triton"
         for i in range(2):
             nxt = step(i)
         counter = CountOps()
@@ -110,9 +127,16 @@ def main(argv=None) -> int:
             nxt = step(2)
     layers = model.config.num_hidden_layers
     launches = counter.ops.get("launch", 0)
-    print(f"{args.spec}: {sum(counter.ops.values())} ops in one decode step of {layers} layer(s)"
-          + (f" ({launches} of them Triton launches)" if launches else ""))
+    views = sum(n for op, n in counter.ops.items() if op in VIEW_OPS)
+    print(f"{args.spec}: {sum(counter.ops.values())} ops in one decode step of {layers} layer(s), "
+          f"{sum(counter.ops.values()) - views} of them not views"
+          + (f" ({launches} Triton launches)" if launches else ""))
     print("commonest:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common(20)))
+    kernels = collections.Counter()
+    for (site, op), n in counter.site_ops.items():
+        if op not in VIEW_OPS:
+            kernels[site.split(":")[0]] += n
+    print("not views, by file:", ", ".join(f"{k} {v}" for k, v in kernels.most_common()))
     for site, n in counter.sites.most_common(args.top):
         print(f"{n:5d}  {site}")
     by_file = collections.Counter()
