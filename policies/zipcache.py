@@ -164,11 +164,11 @@ class ZipCachePolicy(Policy):
 class ZipCacheLayer(QuantWindowLayer):
     """Two packed stores (``hi_*``, ``lo_*`` in ``state_tensors``), the value channel normaliser
     ``vn`` fp16 (B, H, D), and the probe queries ``probe_q`` (B, H_q, P, D) with their
-    log-sum-exp ``probe_lse`` fp32 (B, H_q, P), sequence indices ``probe_pos`` (P,) and
-    ``probe_rand`` bool (P,) (random probe, kept while it can still see an unflushed token).
-    ``probe_pos`` / ``probe_rand`` live on the host, so choosing which probes to keep never waits
-    for the device (a device boolean mask would: 4 synchronizations per layer and step on CUDA,
-    session 43); ``probe_pos_dev`` is ``probe_pos`` on the queries' device, for the saliency."""
+    log-sum-exp ``probe_lse`` fp32 (B, H_q, P), sequence indices ``probe_pos`` (a list of P ints)
+    and ``probe_rand`` (P bools: random probe, kept while it can still see an unflushed token).
+    The two lists live on the host, so choosing which probes to keep never waits for the device
+    (a device boolean mask would: session 43 profiled 4 synchronizations per layer and step on
+    CUDA); ``probe_pos_dev`` holds the same positions on the queries' device, for the saliency."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
     # Croppable (the flush waits for the crop, as for every quantized window): the probes are put
@@ -207,15 +207,22 @@ class ZipCacheLayer(QuantWindowLayer):
     def set_probe_state(self, state: tuple) -> None:
         self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand, self.probe_pos_dev = state
 
-    def _keep_probes(self, q, lse, pos, rand, pos_dev) -> None:
+    def _keep_probes(self, parts, pos: list[int], rand: list[bool]) -> None:
         """Keep the ``probe_recent`` latest queries and the random probes that can still attend
-        an unflushed token (probe at position p sees tokens <= p). ``pos`` / ``rand`` (host)
-        choose; the device tensors ``q``, ``lse``, ``pos_dev`` are cut by slices of the kept runs."""
-        keep = ((pos >= self.seen - self.p.probe_recent) | rand) & (pos >= self.n_quant)
-        runs = _runs(keep)
-        self.probe_q, self.probe_lse = _take_runs(q, runs, 2), _take_runs(lse, runs, 2)
-        self.probe_pos_dev = _take_runs(pos_dev, runs, 0)
-        self.probe_pos, self.probe_rand = pos[keep], rand[keep]
+        an unflushed token (probe at position p sees tokens <= p). ``parts``: ``(q, lse, pos_dev)``
+        device tensors whose rows (dim 2, dim 2, dim 0) follow one another in sequence order;
+        ``pos`` / ``rand`` (host) describe all those rows. The kept rows are joined from slices
+        of the parts (one ``cat`` per tensor): no index or mask on the device."""
+        lo, flushed = self.seen - self.p.probe_recent, self.n_quant
+        keep = [(r or p >= lo) and p >= flushed for p, r in zip(pos, rand)]
+        pieces, start = [], 0
+        for part in parts:
+            n = part[0].shape[2]
+            pieces += [(part, a - start, b - a) for a, b in _runs(keep, start, start + n)]
+            start += n
+        self.probe_q, self.probe_lse, self.probe_pos_dev = (_joined(parts, pieces, i, dim) for i, dim in ((0, 2), (1, 2), (2, 0)))
+        self.probe_pos = [p for p, k in zip(pos, keep) if k]
+        self.probe_rand = [r for r, k in zip(rand, keep) if k]
 
     def _prompt_probe_rows(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one (host)."""
@@ -248,7 +255,7 @@ class ZipCacheLayer(QuantWindowLayer):
             hidden = (hidden[None] | pad[:, None, :])[:, None, None]  # (B, 1, 1, P, T)
         lse = s.masked_fill(hidden, float("-inf")).logsumexp(-1).view(B, H_q, -1)
         seen, self.seen = self.seen, T  # _keep_probes reads the sequence length
-        self._keep_probes(qp, lse, pos, rand, pos_dev)
+        self._keep_probes([(qp, lse, pos_dev)], pos.tolist(), rand.tolist())
         self.seen = seen
         self._scaling = scaling
 
@@ -291,17 +298,16 @@ class ZipCacheLayer(QuantWindowLayer):
             else:
                 self._forward_q = ("step", q, lse, q_start, scaling)
         T = q.shape[2]
-        pos, pos_dev = torch.arange(q_start, q_start + T), torch.arange(q_start, q_start + T, device=q.device)
-        if verification or as_steps:  # a one-token step draws no random probe (none of its rows is older)
-            rand = torch.zeros(T, dtype=torch.bool)
+        pos, pos_dev = list(range(q_start, q_start + T)), torch.arange(q_start, q_start + T, device=q.device)
+        if verification or as_steps or T <= self.p.probe_recent:  # no random probe (none of the rows is older)
+            rand = [False] * T
         else:
-            rand = self._random_probes(q_start, T)
+            rand = self._random_probes(q_start, T).tolist()
         if self.probe_q is None:
-            self._keep_probes(q, lse, pos, rand, pos_dev)
+            self._keep_probes([(q, lse, pos_dev)], pos, rand)
             return
-        self._keep_probes(torch.cat([self.probe_q, q.to(self.probe_q.dtype)], 2), torch.cat([self.probe_lse, lse], 2),
-                          torch.cat([self.probe_pos, pos]), torch.cat([self.probe_rand, rand]),
-                          torch.cat([self.probe_pos_dev, pos_dev]))
+        self._keep_probes([(self.probe_q, self.probe_lse, self.probe_pos_dev), (q.to(self.probe_q.dtype), lse, pos_dev)],
+                          self.probe_pos + pos, self.probe_rand + rand)
 
     def saliency(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """Normalised attention (B, H, n) received by tokens ``start ..`` with keys k (B, H, n, D);
@@ -477,19 +483,22 @@ class ZipCacheLayer(QuantWindowLayer):
         return out
 
 
-def _runs(keep: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, stop) of each run of True in the host bool vector ``keep``, in order."""
-    idx = keep.nonzero().flatten().tolist()
+def _runs(keep: list[bool], start: int, stop: int) -> list[tuple[int, int]]:
+    """(a, b) of each maximal run of True in ``keep[start:stop]``, as indices into ``keep``."""
     runs: list[tuple[int, int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
+    for i in range(start, stop):
+        if keep[i]:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
     return runs
 
 
-def _take_runs(t: torch.Tensor, runs: list[tuple[int, int]], dim: int) -> torch.Tensor:
-    """The rows ``runs`` of ``t`` along ``dim``, as a new tensor (slices joined on the device: no
-    index tensor to copy there, nothing to wait for)."""
-    return torch.cat([t.narrow(dim, a, b - a) for a, b in runs] or [t.narrow(dim, 0, 0)], dim)
+def _joined(parts, pieces, i: int, dim: int) -> torch.Tensor:
+    """Tensor ``i`` of ``parts`` cut to ``pieces`` (``(part, first row, rows)``) along ``dim`` and
+    joined; a single piece that is a whole part is returned as it is (nothing copied)."""
+    views = [part[i].narrow(dim, a, n) for part, a, n in pieces]
+    if len(views) == 1 and views[0].shape == pieces[0][0][i].shape:
+        return pieces[0][0][i]
+    return torch.cat(views or [parts[0][i].narrow(dim, 0, 0)], dim)

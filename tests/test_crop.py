@@ -317,7 +317,8 @@ def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
                                          layer.v_win[:, :, :layer.win_len].float()) for layer in (got, ref))):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     if name == "zipcache":  # the probes the next flush's saliency reads: the kept steps' queries
-        assert torch.equal(got.probe_pos, ref.probe_pos) and torch.equal(got.probe_rand, ref.probe_rand)
+        assert got.probe_pos == ref.probe_pos and got.probe_rand == ref.probe_rand
+        assert torch.equal(got.probe_pos_dev, ref.probe_pos_dev)
         torch.testing.assert_close(got.probe_q, ref.probe_q, atol=1e-6, rtol=0)
         torch.testing.assert_close(got.probe_lse, ref.probe_lse, atol=1e-5, rtol=0)
 

@@ -128,7 +128,7 @@ def test_zipcache_probe_bookkeeping_does_not_synchronize():
     k, v = torch.randn(2, 1, 2, T, 16, device="cuda", generator=gen)
     layer.update(k, v)
     layer.attend(q[:, :, :T], *layer.take_pending(), 0.25)
-    before = layer.probe_pos.tolist()
+    before = list(layer.probe_pos)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -138,5 +138,5 @@ def test_zipcache_probe_bookkeeping_does_not_synchronize():
         sal = layer.saliency(k[:, :, -8:], T - 8)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert layer.probe_pos.tolist() == [p for p in before if p >= layer.n_quant and p < T - 4] + list(range(T + 12, T + 16))
-    assert torch.equal(layer.probe_pos_dev.cpu(), layer.probe_pos) and torch.isfinite(sal).all()
+    assert layer.probe_pos == [p for p in before if p >= layer.n_quant and p < T - 4] + list(range(T + 12, T + 16))
+    assert layer.probe_pos_dev.tolist() == layer.probe_pos and torch.isfinite(sal).all()

@@ -382,17 +382,21 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
 
 def test_zipcache_probe_runs():
     """The kept probes are cut from the device tensors as slices of the kept runs."""
-    from kvpress.policies.zipcache import _runs, _take_runs
+    from kvpress.policies.zipcache import _joined, _runs
 
     gen = torch.Generator().manual_seed(3)
     for n in (0, 1, 2, 7, 40):
         for _ in range(5):
-            keep = torch.rand(n, generator=gen) < 0.6
-            runs = _runs(keep)
-            assert [i for a, b in runs for i in range(a, b)] == keep.nonzero().flatten().tolist()
+            keep = (torch.rand(n, generator=gen) < 0.6).tolist()
+            runs = _runs(keep, 0, n)
+            assert [i for a, b in runs for i in range(a, b)] == [i for i in range(n) if keep[i]]
             assert all(b0 < a1 for (_, b0), (a1, _) in zip(runs, runs[1:]))  # maximal runs: a gap between
+            cut = n // 3  # two parts, as a decode step's (the probes so far, the step's queries)
             t = torch.randn(2, 3, n, 4, generator=gen)
-            assert torch.equal(_take_runs(t, runs, 2), t[:, :, keep])
+            parts = [(t[:, :, :cut],), (t[:, :, cut:],)]
+            pieces = [(parts[0], a, b - a) for a, b in _runs(keep, 0, cut)] + \
+                [(parts[1], a - cut, b - a) for a, b in _runs(keep, cut, n)]
+            assert torch.equal(_joined(parts, pieces, 0, 2), t[:, :, torch.tensor(keep, dtype=torch.bool)])
 
 
 def test_zipcache_probes_are_chosen_on_the_host(llama):
@@ -414,10 +418,10 @@ def test_zipcache_probes_are_chosen_on_the_host(llama):
         layer.update(ks[:, :, t - 1 if t > T else 0:t], vs[:, :, t - 1 if t > T else 0:t])
         layer.attend(qs[:, :, t - 1 if t > T else 0:t], *layer.take_pending(), 0.25)
         pos = layer.probe_pos
-        assert pos.device.type == "cpu" and layer.probe_rand.device.type == "cpu"
-        assert torch.equal(layer.probe_pos_dev, pos)
-        assert pos.tolist() == [p for p in range(t) if (p in rand or p >= t - 4) and p >= n_quant]
-        assert layer.probe_rand.tolist() == [p in rand for p in pos.tolist()]
+        assert isinstance(pos, list) and isinstance(layer.probe_rand, list)  # host bookkeeping
+        assert layer.probe_pos_dev.tolist() == pos
+        assert pos == [p for p in range(t) if (p in rand or p >= t - 4) and p >= n_quant]
+        assert layer.probe_rand == [p in rand for p in pos]
         torch.testing.assert_close(layer.probe_q, qs[:, :, pos], atol=0, rtol=0)
         n_quant = layer.n_quant
         flushed.append(n_quant)
