@@ -1,6 +1,6 @@
 """Torch ops one decode step issues per layer, by the source line that issues them (no GPU needed).
 
-    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path]
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path] [--dtype bfloat16]
 
 On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
 the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1, help="rows (a step whose ops grow with it loops over rows)")
     parser.add_argument("--cuda-path", action="store_true", help="take CUDA-only routes (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the model's dtype (a GPU run's bf16 adds the fp32 copies a step makes)")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     if args.cuda_path:
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
         import kvpress.kernels.quant as quant
         import kvpress.policies.gear as gear
         quant.CHUNK_BYTES, gear.OUTLIER_CHUNK = quant.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK  # CUDA's pass sizes
-    model, _ = load_eval_model(args.model, device="cpu")
+    model, _ = load_eval_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))
     ids = torch.randint(3, model.config.vocab_size - 1, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     name, overrides = kvpress.parse_policy_spec(args.spec)
     T = args.length
