@@ -13,7 +13,9 @@ interpreter's own not). ``--cuda-path`` also runs the quantized layers' fused de
 (``decode_backend="triton"``), the one-launch Triton ``merge_states`` and the torch reads' CUDA
 pass sizes (``gear``'s CUDA path is its torch reads: ``gear:backend=torch`` takes it here). Printed: the total and
 the ops that are not views (a view launches no kernel), the commonest ops, the non-view ops per
-file, the lines issuing the most, and the total per file.
+file, the lines issuing ops that wait for the device when their input lives there (``item``,
+``nonzero``, ...: on the CPU every tensor is a host tensor, so read each line to tell), the
+lines issuing the most, and the total per file.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ from kvpress.evals.models import load_eval_model
 # ops that only make a new view of a tensor's storage: no kernel on a GPU
 VIEW_OPS = frozenset({"view", "_unsafe_view", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "expand",
                       "alias", "as_strided", "permute", "narrow", "detach", "split", "unbind", "_reshape_alias"})
+
+
+# ops that make the host wait for a CUDA device when their input lives there (a value read back,
+# an output whose size depends on the data)
+SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "is_nonzero", "equal",
+                      "repeat_interleave", "index[bool]", "index_put[bool]", "index_put_[bool]"})
 
 
 class CountOps(TorchDispatchMode):
@@ -76,7 +84,12 @@ class CountOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.in_launch:
-            self._count(func.overloadpacket.__name__)
+            name = func.overloadpacket.__name__
+            if name in ("index", "index_put", "index_put_") and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
+                    if i is not None):
+                name += "[bool]"  # a boolean mask: the op finds its True entries first (a nonzero)
+            self._count(name)
         return func(*args, **(kwargs or {}))
 
     def _count(self, name: str) -> None:
@@ -143,6 +156,9 @@ def main(argv=None) -> int:
         if op not in VIEW_OPS:
             kernels[site.split(":")[0]] += n
     print("not views, by file:", ", ".join(f"{k} {v}" for k, v in kernels.most_common()))
+    syncs = collections.Counter({site: n for (site, op), n in counter.site_ops.items() if op in SYNC_OPS})
+    print("may wait for the device (if its input is there):", ", ".join(f"{n}x {site}" for site, n in syncs.most_common())
+          or "none")
     for site, n in counter.sites.most_common(args.top):
         print(f"{n:5d}  {site}")
     by_file = collections.Counter()
