@@ -1,5 +1,6 @@
 """``zipcache``'s packed stores: one precision's keys (per channel, optionally with refined
-channels) and normalised values (per token), in flush order."""
+channels) and normalised values (per token), in flush order; and the slicing its probe
+bookkeeping uses."""
 from __future__ import annotations
 
 import torch
@@ -82,3 +83,24 @@ class _Store:
     def output(self, p):
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
         return token_quant_values(p, *self.views()[1], self.bits, self.value_group_size, backend=self.backend)
+
+
+def _runs(keep: list[bool], start: int, stop: int) -> list[tuple[int, int]]:
+    """(a, b) of each maximal run of True in ``keep[start:stop]``, as indices into ``keep``."""
+    runs: list[tuple[int, int]] = []
+    for i in range(start, stop):
+        if keep[i]:
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+    return runs
+
+
+def _joined(parts, pieces, i: int, dim: int) -> torch.Tensor:
+    """Tensor ``i`` of ``parts`` cut to ``pieces`` (``(part, first row, rows)``) along ``dim`` and
+    joined; a single piece that is a whole part is returned as it is (nothing copied)."""
+    views = [part[i].narrow(dim, a, n) for part, a, n in pieces]
+    if len(views) == 1 and views[0].shape == pieces[0][0][i].shape:
+        return pieces[0][0][i]
+    return torch.cat(views or [parts[0][i].narrow(dim, 0, 0)], dim)

@@ -13,7 +13,7 @@ from kvpress.kernels.quant import READ_BACKENDS, check_quant_config
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 from ._quant import QuantWindowLayer
-from ._zipcache_store import _Store
+from ._zipcache_store import _joined, _runs, _Store
 
 
 @register_policy
@@ -184,6 +184,7 @@ class ZipCacheLayer(QuantWindowLayer):
         self.lo = _Store(policy.bits_low, policy.group_size, policy.value_group_size, policy.backend,
                          policy.refine_key_channels)
         self.vn = None
+        self._vn_q = None  # (vn, vn per query head in fp32) for the fused decode
         self.probe_q = self.probe_lse = self.probe_pos = self.probe_rand = self.probe_pos_dev = None
         self._scaling = 1.0
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
@@ -408,7 +409,9 @@ class ZipCacheLayer(QuantWindowLayer):
         self._append(k_new, v_new)
         self.seen += 1
         out, lse = self.window_rows(q[:, :, 0], scaling)
-        vn = self.vn.float().repeat_interleave(H_q // H, dim=1)  # (B, H_q, D): query head h reads KV head h // G
+        if self._vn_q is None or self._vn_q[0] is not self.vn:  # set once per normaliser (the first flush, a batch_select)
+            self._vn_q = (self.vn, self.vn.float().repeat_interleave(H_q // H, dim=1))
+        vn = self._vn_q[1]  # (B, H_q, D): query head h reads KV head h // G
         for st in (self.hi, self.lo):
             if st.n:
                 (kc, ks, kz), (vc, vs, vz) = st.views()
@@ -482,23 +485,3 @@ class ZipCacheLayer(QuantWindowLayer):
             out["lo_ridx"] = self.lo.ridx
         return out
 
-
-def _runs(keep: list[bool], start: int, stop: int) -> list[tuple[int, int]]:
-    """(a, b) of each maximal run of True in ``keep[start:stop]``, as indices into ``keep``."""
-    runs: list[tuple[int, int]] = []
-    for i in range(start, stop):
-        if keep[i]:
-            if runs and runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-    return runs
-
-
-def _joined(parts, pieces, i: int, dim: int) -> torch.Tensor:
-    """Tensor ``i`` of ``parts`` cut to ``pieces`` (``(part, first row, rows)``) along ``dim`` and
-    joined; a single piece that is a whole part is returned as it is (nothing copied)."""
-    views = [part[i].narrow(dim, a, n) for part, a, n in pieces]
-    if len(views) == 1 and views[0].shape == pieces[0][0][i].shape:
-        return pieces[0][0][i]
-    return torch.cat(views or [parts[0][i].narrow(dim, 0, 0)], dim)

@@ -382,7 +382,7 @@ def test_zipcache_salient_tokens_go_to_high_precision(llama):
 
 def test_zipcache_probe_runs():
     """The kept probes are cut from the device tensors as slices of the kept runs."""
-    from kvpress.policies.zipcache import _joined, _runs
+    from kvpress.policies._zipcache_store import _joined, _runs
 
     gen = torch.Generator().manual_seed(3)
     for n in (0, 1, 2, 7, 40):
