@@ -10,7 +10,8 @@ interpreter's own ops). ``--cuda-path`` takes the routes a CUDA run takes where 
 here (ShadowKV's one-launch `attend_rows`); with ``backend=triton`` in SPEC and
 TRITON_INTERPRET=1 the Triton kernels run interpreted (their launchers' ops counted, the
 interpreter's own not). ``--cuda-path`` also runs the quantized layers' fused decode
-(``decode_backend="triton"``), the one-launch Triton ``merge_states`` and the torch reads' CUDA
+(``decode_backend="triton"``), the one-launch Triton ``merge_states``, `sparse_decode`'s Triton
+kernel and the torch reads' CUDA
 pass sizes (``gear``'s CUDA path is its torch reads: ``gear:backend=torch`` takes it here). Printed: the total and
 the ops that are not views (a view launches no kernel), the commonest ops, the non-view ops per
 file, the lines issuing ops that wait for the device when their input lives there (``item``,
@@ -123,6 +124,10 @@ def main(argv=None) -> int:
         import kvpress.kernels.quant as quant
         import kvpress.policies.gear as gear
         quant.CHUNK_BYTES, gear.OUTLIER_CHUNK = quant.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK  # CUDA's pass sizes
+        import kvpress.kernels.decode as decode
+        from kvpress.kernels.triton_decode import triton_sparse_decode
+        decode._native_first = lambda q, backend: False  # `sparse_decode`'s auto: the Triton kernel, as on CUDA
+        decode.torch_sparse_decode = triton_sparse_decode
     model, _ = load_eval_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))
     ids = torch.randint(3, model.config.vocab_size - 1, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     name, overrides = kvpress.parse_policy_spec(args.spec)
