@@ -33,9 +33,42 @@ def test_an_interpreted_triton_launch_counts_once():
                           "backend=triton", "--model", "random-tiny", "--length", "96", "--cuda-path"],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "(8 of them Triton launches)" in out.stdout  # ShadowKV's rebuild and its attention, 4 layers
+    assert "(8 Triton launches)" in out.stdout  # ShadowKV's rebuild and its attention, 4 layers
     commonest = next(line for line in out.stdout.splitlines() if line.startswith("commonest:"))
     assert "set_" not in commonest and "launch" not in commonest.split(",")[0]
+
+
+def test_ops_that_wait_for_the_device_are_found():
+    """``item``, ``nonzero`` and indexing by a boolean mask make the host wait when their input is
+    on a CUDA device (session 43's zipcache: ``q[:, :, keep]``); views launch nothing."""
+    import torch
+
+    x, mask = torch.randn(4, 5), torch.tensor([True, False, True, False, True])
+    with count_step_ops.CountOps() as counter:
+        x[:, mask]
+        x[:, torch.tensor([0, 2])]  # an index tensor of positions: no wait
+        x.sum().item()
+        x.t()
+    assert counter.ops["index[bool]"] == 1 and counter.ops["index"] == 1 and counter.ops["_local_scalar_dense"] == 1
+    waits = {op for (_, op), n in counter.site_ops.items() if op in count_step_ops.SYNC_OPS}
+    assert waits == {"index[bool]", "_local_scalar_dense"}
+    assert "t" in count_step_ops.VIEW_OPS and counter.ops["t"] == 1
+
+
+def test_zipcache_cuda_path_waits_for_nothing_and_attends_its_window_in_one_launch():
+    """zipcache's fused (GPU) decode, counted under the interpreter: no line waits for the device
+    (session 43 profiled 4 waits per layer from its probe masks) and the window goes through
+    `attend_rows` (session 44)."""
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(Path(count_step_ops.__file__)),
+                          "zipcache:group_size=8:value_group_size=8:residual_length=16:flush_size=8",
+                          "--model", "random-tiny", "--length", "96", "--cuda-path", "--top", "0"],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "may wait for the device (if its input is there): none" in out.stdout
+    assert "triton_rows.py 12" in out.stdout and "triton_quant.py" in out.stdout  # 4 layers: 3 ops per attend_rows
 
 
 def test_batch_rows_issue_no_more_ops_than_one_row():
