@@ -1,6 +1,7 @@
 """Torch ops one decode step issues per layer, by the source line that issues them (no GPU needed).
 
-    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path] [--dtype bfloat16]
+    TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path]
+        [--dtype bfloat16]
 
 On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
 the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
@@ -162,8 +163,8 @@ def main(argv=None) -> int:
             kernels[site.split(":")[0]] += n
     print("not views, by file:", ", ".join(f"{k} {v}" for k, v in kernels.most_common()))
     syncs = collections.Counter({site: n for (site, op), n in counter.site_ops.items() if op in SYNC_OPS})
-    print("may wait for the device (if its input is there):", ", ".join(f"{n}x {site}" for site, n in syncs.most_common())
-          or "none")
+    listed = ", ".join(f"{n}x {site}" for site, n in syncs.most_common())
+    print("may wait for the device (if its input is there):", listed or "none")
     for site, n in counter.sites.most_common(args.top):
         print(f"{n:5d}  {site}")
     by_file = collections.Counter()

@@ -99,8 +99,8 @@ def _runs(keep: list[bool], start: int, stop: int) -> list[tuple[int, int]]:
 
 def _joined(parts, pieces, i: int, dim: int) -> torch.Tensor:
     """Tensor ``i`` of ``parts`` cut to ``pieces`` (``(part, first row, rows)``) along ``dim`` and
-    joined; a single piece that is a whole part is returned as it is (nothing copied)."""
+    joined; a single piece that is a whole contiguous part is returned as it is (nothing copied)."""
     views = [part[i].narrow(dim, a, n) for part, a, n in pieces]
     if len(views) == 1 and views[0].shape == pieces[0][0][i].shape:
-        return pieces[0][0][i]
+        return pieces[0][0][i].contiguous()
     return torch.cat(views or [parts[0][i].narrow(dim, 0, 0)], dim)

@@ -221,7 +221,8 @@ class ZipCacheLayer(QuantWindowLayer):
             n = part[0].shape[2]
             pieces += [(part, a - start, b - a) for a, b in _runs(keep, start, start + n)]
             start += n
-        self.probe_q, self.probe_lse, self.probe_pos_dev = (_joined(parts, pieces, i, dim) for i, dim in ((0, 2), (1, 2), (2, 0)))
+        self.probe_q, self.probe_lse = _joined(parts, pieces, 0, 2), _joined(parts, pieces, 1, 2)
+        self.probe_pos_dev = _joined(parts, pieces, 2, 0)
         self.probe_pos = [p for p, k in zip(pos, keep) if k]
         self.probe_rand = [r for r, k in zip(rand, keep) if k]
 
@@ -307,8 +308,8 @@ class ZipCacheLayer(QuantWindowLayer):
         if self.probe_q is None:
             self._keep_probes([(q, lse, pos_dev)], pos, rand)
             return
-        self._keep_probes([(self.probe_q, self.probe_lse, self.probe_pos_dev), (q.to(self.probe_q.dtype), lse, pos_dev)],
-                          self.probe_pos + pos, self.probe_rand + rand)
+        before = (self.probe_q, self.probe_lse, self.probe_pos_dev)
+        self._keep_probes([before, (q.to(self.probe_q.dtype), lse, pos_dev)], self.probe_pos + pos, self.probe_rand + rand)
 
     def saliency(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """Normalised attention (B, H, n) received by tokens ``start ..`` with keys k (B, H, n, D);
@@ -399,17 +400,17 @@ class ZipCacheLayer(QuantWindowLayer):
 
     def _fused_decode(self, q, k_new, v_new, scaling):
         """GPU decode: each store through the fused dequantize-attention kernel (`quant_decode`),
-        the window through `window_rows`, merged by log-sum-exp. A store's left padding is its first ``pad``
-        rows, the same count in every head (padding has -inf saliency in all of them, so every
-        flush sends the same number of padding tokens to each store): ``pad[:, 0]`` is the
-        kernel's per-row start."""
+        the window through `window_rows`, merged by log-sum-exp. A store's left padding is its
+        first ``pad`` rows, the same count in every head (padding has -inf saliency in all of
+        them, so every flush sends the same number of padding tokens to each store): ``pad[:, 0]``
+        is the kernel's per-row start."""
         B, H_q, _, D = q.shape
         H = k_new.shape[1]
         q_start = self.seen
         self._append(k_new, v_new)
         self.seen += 1
         out, lse = self.window_rows(q[:, :, 0], scaling)
-        if self._vn_q is None or self._vn_q[0] is not self.vn:  # set once per normaliser (the first flush, a batch_select)
+        if self._vn_q is None or self._vn_q[0] is not self.vn:  # a new normaliser (first flush, batch_select)
             self._vn_q = (self.vn, self.vn.float().repeat_interleave(H_q // H, dim=1))
         vn = self._vn_q[1]  # (B, H_q, D): query head h reads KV head h // G
         for st in (self.hi, self.lo):
