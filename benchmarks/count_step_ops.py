@@ -12,12 +12,12 @@ here (ShadowKV's one-launch `attend_rows`); with ``backend=triton`` in SPEC and
 TRITON_INTERPRET=1 the Triton kernels run interpreted (their launchers' ops counted, the
 interpreter's own not). ``--cuda-path`` also runs the quantized layers' fused decode
 (``decode_backend="triton"``), the one-launch Triton ``merge_states``, `sparse_decode`'s Triton
-kernel and the torch reads' CUDA
-pass sizes (``gear``'s CUDA path is its torch reads: ``gear:backend=torch`` takes it here). Printed: the total and
-the ops that are not views (a view launches no kernel), the commonest ops, the non-view ops per
-file, the lines issuing ops that wait for the device when their input lives there (``item``,
-``nonzero``, ...: on the CPU every tensor is a host tensor, so read each line to tell), the
-lines issuing the most, and the total per file.
+kernel and the torch reads' CUDA pass sizes (``gear``'s CUDA path is its torch reads:
+``gear:backend=torch`` takes it here); it patches those module globals for the rest of the
+process. Printed: the total and the ops that are not views (a view launches no kernel), the
+commonest ops, the non-view ops per file, the lines issuing ops that wait for the device when
+their input lives there (``item``, ``nonzero``, ...: on the CPU every tensor is a host tensor,
+so read each line to tell), the lines issuing the most, and the total per file.
 """
 from __future__ import annotations
 
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
         import kvpress.policies._shadowkv_step as step
         step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
         rows.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
-        merge_states = merge.merge_states  # the one-launch Triton merge a CUDA run takes
-        merge.merge_states.__kwdefaults__ = {**(merge_states.__kwdefaults__ or {}), "backend": "triton"}
+        merge.merge_states.__kwdefaults__["backend"] = "triton"  # the one-launch merge a CUDA run takes
         import kvpress.kernels.quant as quant
         import kvpress.policies.gear as gear
         quant.CHUNK_BYTES, gear.OUTLIER_CHUNK = quant.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK  # CUDA's pass sizes
