@@ -40,7 +40,8 @@ class QuestPolicy(Policy):
     exact, the loss is the bound's (see tests/policies/test_quest.py for the planted-page checks).
     Over 32 niah_single samples at 4k it keeps 3 / 9 / 34 / 72% of ``full``'s needles at budgets
     128 / 256 / 512 / 1024, where ``exact_topk`` (the same budgets filled by exact token scores)
-    keeps 97 / 100 / 100 / 100% (BENCHMARKS "Session 9" and "Session 10").
+    keeps 97 / 100 / 100 / 100% (BENCHMARKS "Session 9" and "Session 10"). With 8-token pages
+    (``page_size=8``, a tighter bound) 13 of 32 at budget 256 (41%; "Session 44 (CPU)").
     At 8192 tokens (24 niah_single samples, session 6) it answers 1 needle to full's 13.
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
