@@ -284,8 +284,8 @@ class KiviLayer(QuantWindowLayer):
         self._append(k_new, v_new)
         self.seen += 1
         starts = self.row_start
-        qg = q[:, :, 0].float().view(B, H, H_q // H, D)
         if self.sk is not None:  # the packed part starts after the flushed sinks, which attend exactly
+            qg = q[:, :, 0].float().view(B, H, H_q // H, D)
             pos = self.sink_positions(self.sink_tokens, B, q.device)
             flushed = pos < self.n_quant
             starts = pos[:, 0] + flushed.sum(1)
