@@ -1,23 +1,284 @@
 """The ``kvpress`` command line.
 
 Subcommands: ``policies`` (the registry), ``check`` (is a model supported; from its config only),
-``generate`` (one prompt under one policy), ``demo``
-(the README's main job: every policy side by side on a ~4k-token retrieval prompt). Other
-modules add their subcommands in :data:`SUBCOMMANDS`.
+``generate`` (one prompt under one policy), ``demo`` (the README's main job: every policy side by
+side on a ~4k-token retrieval prompt), ``calibrate``. Other modules add their subcommands in
+:data:`SUBCOMMANDS`.
+
+Startup stays cheap: this module imports only the standard library, ``kvpress policies`` reads the
+policy names and descriptions from the policy modules' source (:func:`policy_summaries`), and
+torch, transformers and the policies are imported inside the commands that use them.
+
+Errors a user can cause (a bad option value, a missing file, an unknown model or policy) print one
+line, ``kvpress: error: ...``, on stderr and exit with code 2; ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 import textwrap
+
+from kvpress import __version__
+
+# Exceptions that a user's input causes (bad values, missing files, a missing optional package):
+# one line on stderr, exit code 2.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16", "half": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line on stderr (exit code 2), not the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------- argument types
+def int_at_least(low: int):
+    """An argparse ``type``: an int ``>= low`` (the error names the allowed range)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def dtype_name(text: str) -> str:
+    """An argparse ``type``: float32 / float16 / bfloat16 (fp32, fp16, half, bf16 accepted)."""
+    key = text.strip().lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype kvpress runs in; allowed: float32, float16, "
+                                         "bfloat16 (or fp32, fp16, bf16)")
+    return DTYPES[key]
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type``: cpu, cuda, cuda:N or mps (availability is checked by :func:`check_device`)."""
+    if not _DEVICE.match(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; allowed: cpu, cuda, cuda:N, mps")
+    return text.strip()
+
+
+def check_device(device: str | None) -> None:
+    """Raise ValueError when ``device`` (from :func:`device_name`) is not present on this machine."""
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    if device == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError("--device mps: MPS is not available on this machine; allowed here: cpu")
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                         "allowed here: cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         f"allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (a line ending in ':' runs into the next, others join with '; ')."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    text = lines[0]
+    for line in lines[1:]:
+        text += (" " if text.endswith(":") else "; ") + line
+    return text
+
+
+# --------------------------------------------------------------------------- models
+def model_config(name: str):
+    """The transformers config of a model as the commands name it, read without loading any weights.
+
+    ``name`` is a kvpress alias (``smollm2``), a ``random-*`` shape of the benchmarks
+    (:mod:`kvpress.evals.models`), a local model folder, a ``config.json`` (any file name) or
+    ``.gguf`` file, or a hub id ``org/name`` (from the local Hugging Face cache, or downloaded).
+
+    Raises
+    ------
+    ValueError
+        A path that does not exist, a folder without ``config.json``, an unknown name, or a config
+        transformers cannot read; the message says which forms are allowed.
+    """
+    from pathlib import Path
+
+    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, _resolve_alias
+
+    allowed = (f"a local model folder, its config.json, a .gguf file, a hub id 'org/name', or a kvpress alias "
+               f"({', '.join(sorted(MODEL_ALIASES))})")
+    if _resolve_alias(name) == "smollm2":
+        return _smollm2_config()
+    if name.lower() in MODEL_ALIASES:
+        raise ValueError(f"{name}: kvpress cannot read this alias' config without loading it; give its folder "
+                         "or hub id instead")
+    if name.lower().startswith("random-"):
+        from kvpress.evals.models import random_config
+
+        return random_config(name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _read_config(name, path.parent, gguf_file=path.name)
+        return _read_config(name, path)  # a config .json under any name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{name}: the folder has no config.json; allowed: {allowed}")
+        return _read_config(name, path)
+    if path.suffix in (".json", ".gguf") or _looks_like_path(name) or not _HUB_ID_RE.match(name):
+        raise ValueError(f"{name}: no such file or folder; allowed: {allowed}")
+    return _read_config(name, name)
+
+
+def _read_config(name: str, source, **kwargs):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{name}: cannot read its config: {one_line(exc)}") from exc
+
+
+def _smollm2_config():
+    """SmolLM2's config: from kvpress' converted folder when it exists, else from the GGUF's metadata."""
+    from kvpress.smollm2_cache import _smollm2_cache_dir, smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    folder = _smollm2_cache_dir(gguf)
+    if (folder / "config.json").is_file():
+        return _read_config("smollm2", folder)
+    return _read_config("smollm2", gguf.parent, gguf_file=gguf.name)
+
+
+def check_model_name(name: str, command: str) -> None:
+    """Raise ValueError unless :func:`kvpress.load_model` can take ``name`` (checked before loading)."""
+    from pathlib import Path
+
+    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, _resolve_alias
+
+    allowed = (f"{', '.join(sorted(MODEL_ALIASES))}, a local model folder or .gguf file, or a hub id 'org/name'")
+    if _resolve_alias(name) or name.lower() in MODEL_ALIASES:
+        return
+    if name.lower().startswith("random-"):
+        raise ValueError(f"--model {name}: random-weight models are for `kvpress eval` and `kvpress bench`; "
+                         f"`kvpress {command}` needs a trained model: {allowed}")
+    if Path(name).expanduser().exists():
+        return
+    if _looks_like_path(name) or not _HUB_ID_RE.match(name):
+        raise ValueError(f"--model {name}: unknown model (no such file or folder); allowed: {allowed}")
+
+
+def check_lengths(model: str, lengths, option: str = "--lengths") -> None:
+    """Raise ValueError when a length exceeds the model's context (``max_position_embeddings``)."""
+    context = getattr(model_config(model), "max_position_embeddings", None)
+    too_long = [n for n in lengths if context and n > context]
+    if too_long:
+        raise ValueError(f"{option} {too_long[0]}: longer than {model}'s context of {context} tokens "
+                         f"(max_position_embeddings); allowed: up to {context}")
+
+
+def read_text_file(path: str, option: str) -> str:
+    """The UTF-8 text of ``path`` (ValueError naming ``option`` when it is missing, a folder or not text)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path}: is a folder; expected a text file")
+    if not os.path.isfile(path):
+        raise ValueError(f"{option} {path}: no such file; expected a text file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{option} {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+# --------------------------------------------------------------------------- policies
+def policy_summaries() -> list[tuple[str, str, str]]:
+    """``(name, description, paper)`` of every policy in ``kvpress.policies``, sorted by name.
+
+    Read from the class attributes of each ``@register_policy`` class in the policy modules'
+    source, without importing them (so ``kvpress policies`` imports no torch). When a module does
+    not state the three as string literals, this falls back to the registry, which imports every
+    policy. tests/test_cli.py checks that both give the same table.
+    """
+    rows = _summaries_from_source()
+    if rows is None:
+        import kvpress
+
+        classes = [kvpress.policy_class(n) for n in kvpress.list_policies()]
+        rows = [(cls.name, cls.description, cls.paper) for cls in classes]
+    return sorted(rows)
+
+
+def _summaries_from_source() -> list[tuple[str, str, str]] | None:
+    import ast
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("kvpress.policies")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    if any(p.is_dir() and (p / "__init__.py").is_file() and not p.name.startswith("_") for p in folder.iterdir()):
+        return None  # a policy subpackage: kvpress.policies imports it; read the registry
+    rows = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith("_"):  # kvpress.policies imports the modules without a leading '_'
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+            if isinstance(node, ast.ClassDef) and any(_names_register(d) for d in node.decorator_list):
+                attrs = _string_attributes(node, ("name", "description", "paper"))
+                if attrs is None:
+                    return None
+                rows.append((attrs["name"], attrs["description"], attrs["paper"]))
+    return rows
+
+
+def _names_register(decorator) -> bool:
+    import ast
+
+    return (isinstance(decorator, ast.Name) and decorator.id == "register_policy") or (
+        isinstance(decorator, ast.Attribute) and decorator.attr == "register_policy")
+
+
+def _string_attributes(node, names) -> dict | None:
+    """The string literals a class body assigns to ``names``; None when one is not a literal or missing."""
+    import ast
+
+    attrs = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            targets = [stmt.target]
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in names:
+                if not (isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)):
+                    return None
+                attrs[target.id] = stmt.value.value
+    direct = [b.id for b in node.bases if isinstance(b, ast.Name)] == ["Policy"] and len(node.bases) == 1
+    if "paper" not in attrs and direct:
+        attrs["paper"] = ""  # Policy's default
+    return attrs if set(attrs) == set(names) else None
 
 
 def _policy_overrides(args) -> dict:
     overrides = {}
     for item in args.option or []:
         if "=" not in item:
-            raise SystemExit(f"--option expects key=value, got {item!r}")
+            raise ValueError(f"--option expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         overrides[key.strip()] = value.strip()
     return overrides
@@ -31,16 +292,17 @@ def build_policy(name: str, budget: int | None = None, overrides: dict | None = 
     return policy.with_budget(budget) if budget is not None else policy
 
 
+# --------------------------------------------------------------------------- commands
 def cmd_policies(args) -> int:
-    import kvpress
-
-    rows = [(n, kvpress.policy_class(n)) for n in kvpress.list_policies()]
-    width = max(len(n) for n, _ in rows)
+    rows = policy_summaries()
+    width = max(len(name) for name, _, _ in rows)
     print(f"{'name':<{width}}  {'description':<52}  paper")
-    for name, cls in rows:
-        print(f"{name:<{width}}  {cls.description:<52}  {cls.paper or '-'}")
+    for name, description, paper in rows:
+        print(f"{name:<{width}}  {description:<52}  {paper or '-'}")
         if args.verbose:
-            print(textwrap.indent(kvpress.get_policy(name).__repr__(), " " * (width + 2)))
+            import kvpress
+
+            print(textwrap.indent(repr(kvpress.get_policy(name)), " " * (width + 2)))
     return 0
 
 
@@ -48,12 +310,14 @@ def cmd_generate(args) -> int:
     import kvpress
     from kvpress.generation import timed_generate
 
-    policy = build_policy(args.policy, args.budget, _policy_overrides(args))  # bad input fails before loading
-    with open(args.prompt_file, encoding="utf-8") as f:
-        prompt = f.read()
+    # bad input fails before anything loads
+    policy = build_policy(args.policy, args.budget, _policy_overrides(args))
+    prompt = read_text_file(args.prompt_file, "--prompt-file")
+    check_model_name(args.model, "generate")
     model, tokenizer = kvpress.load_model(args.model)
     if args.chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -71,38 +335,32 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from kvpress.demo import run_demo
 
+    if args.policies is not None:
+        names = [n.strip() for n in args.policies.split(",")]
+        if not all(names):
+            raise ValueError(f"--policies {args.policies!r} has an empty entry; give comma-separated policy names "
+                             "(see `kvpress policies`), or leave it out for every policy")
+        for name in names:
+            build_policy(name)  # an unknown name fails here, listing the known ones
+    check_model_name(args.model, "demo")
+    check_lengths(args.model, [args.length], "--length")
     return run_demo(model=args.model, length=args.length, budget=args.budget, policies=args.policies,
                     prefill_chunk_size=args.prefill_chunk_size)
 
 
-def _config_model(name: str):
-    """A model of ``name``'s config with no weights (meta device): a local folder, a config.json, a
-    hub id in the local cache, or a kvpress alias (loaded as usual)."""
-    import os
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvpress.models import MODEL_ALIASES, load_model
-
-    if name.lower() in MODEL_ALIASES:
-        return load_model(name)[0]
-    path = os.path.dirname(name) if name.endswith(".json") else name
-    config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
 def cmd_check(args) -> int:
     import torch
+    from transformers import AutoModelForCausalLM
 
     import kvpress
 
+    config = model_config(args.model)
     try:
-        model = _config_model(args.model)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"{args.model}: cannot read its config: {exc}", file=sys.stderr)
-        return 2
+        with torch.device("meta"):  # shapes only: no weights are read or allocated
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:  # no causal-LM class for this config
+        print(f"{args.model}: not supported: {one_line(exc)}")
+        return 1
     try:
         adapter = kvpress.get_adapter(model)
     except ValueError as exc:
@@ -135,19 +393,31 @@ def cmd_check(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- parser
 def _add_prefill_chunk_arg(p):
-    p.add_argument("--prefill-chunk-size", type=int, default=None, metavar="N",
+    p.add_argument("--prefill-chunk-size", type=int_at_least(1), default=None, metavar="N",
                    help="feed the prompt in forwards of N tokens (bounds the prefill's activations)")
 
 
 def _add_policy_args(p):
-    p.add_argument("--policy", required=True, help="registered policy name, or name:field=value[:...] (see `kvpress policies`)")
-    p.add_argument("--budget", type=int, default=None, help="tokens attended per KV head per decode step")
+    p.add_argument("--policy", required=True,
+                   help="registered policy name, or name:field=value[:...] (see `kvpress policies`)")
+    p.add_argument("--budget", type=int_at_least(1), default=None, help="tokens attended per KV head per decode step")
     p.add_argument("-o", "--option", action="append", metavar="KEY=VALUE", help="policy field override (repeatable)")
 
 
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpress", description="KV-cache compression for Hugging Face models")
+def _add_debug_arg(p):
+    # SUPPRESS: a subcommand's absent --debug leaves the top-level one as parsed
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the traceback of an error instead of one line")
+
+
+def make_parser(calibrators: bool = True) -> argparse.ArgumentParser:
+    """The ``kvpress`` parser; ``calibrators=False`` leaves ``calibrate``'s subcommands out, which
+    saves importing every policy (they register their calibrators on import)."""
+    parser = ArgumentParser(prog="kvpress", description="KV-cache compression for Hugging Face models")
+    parser.add_argument("--version", action="version", version=f"kvpress-toolkit {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("policies", help="list registered policies")
@@ -156,8 +426,8 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check", help="is a model supported, and which policies run on it as configured "
                                      "(reads its config only: no weights are loaded)")
-    p.add_argument("model", help="a local model folder or config.json, a cached hub id, or 'smollm2'")
-    p.add_argument("--length", type=int, default=None,
+    p.add_argument("model", help="a local model folder, a config .json or .gguf file, a hub id, or 'smollm2'")
+    p.add_argument("--length", type=int_at_least(1), default=None,
                    help="tokens for the KV-cache size line (default: the config's max_position_embeddings)")
     p.set_defaults(func=cmd_check)
 
@@ -165,30 +435,37 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2", help="'smollm2', a local HF directory or a hub id")
     _add_policy_args(p)
     p.add_argument("--prompt-file", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64)
     p.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="every policy side by side on a long-context retrieval prompt")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
-    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--model", default="smollm2", help="'smollm2', a local HF directory or a hub id")
+    p.add_argument("--length", type=int_at_least(1), default=4096, help="prompt length in tokens")
+    p.add_argument("--budget", type=int_at_least(1), default=256)
     p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("calibrate", help="calibrate a policy's artifact for a model")
     cal = p.add_subparsers(dest="policy_name", required=True)
-    from kvpress.calibration import CALIBRATORS
+    if calibrators:
+        import kvpress
+        from kvpress.calibration import CALIBRATORS
 
-    for name, (help_text, configure, run) in sorted(CALIBRATORS.items()):
-        cp = cal.add_parser(name, help=help_text)
-        configure(cp)
-        cp.set_defaults(func=run)
+        kvpress.list_policies()  # policy modules register their calibrators on import
+        for name, (help_text, configure, run) in sorted(CALIBRATORS.items()):
+            cp = cal.add_parser(name, help=help_text)
+            configure(cp)
+            _add_debug_arg(cp)
+            cp.set_defaults(func=run)
 
     for name, (help_text, configure) in SUBCOMMANDS.items():
         configure(sub.add_parser(name, help=help_text, add_help=name != "lm-eval"))
+    for name, p in sub.choices.items():
+        if name != "lm-eval":  # lm-eval's own options pass through untouched
+            _add_debug_arg(p)
     return parser
 
 
@@ -199,10 +476,6 @@ SUBCOMMANDS: dict = {}
 def _load_extensions() -> None:
     import importlib
 
-    import kvpress
-
-    kvpress.list_policies()  # policy modules register their calibrators on import
-
     for module in ("kvpress.evals.cli",):
         try:
             importlib.import_module(module)
@@ -211,17 +484,28 @@ def _load_extensions() -> None:
                 raise
 
 
+def _command(argv) -> str | None:
+    """The subcommand ``argv`` names (the top-level options take no values)."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     _load_extensions()
-    parser = make_parser()
+    parser = make_parser(calibrators=_command(argv) == "calibrate")
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"kvpress: error: {exc}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (`kvpress policies | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        print(f"kvpress: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 
