@@ -23,17 +23,18 @@ def _positive(text: str) -> int:
 _positive.__name__ = "int >= 1"
 
 
-def _csv(text: str | None, cast=str, option: str = "list") -> tuple:
+def _csv(text: str | None, cast=str, option: str = "list", what: str | None = None) -> tuple:
     """``"a,b"`` -> ``("a", "b")`` (``cast`` each); None -> (); an empty entry is a ValueError."""
     if text is None:
         return ()
+    what = what or cast.__name__
     items = [item.strip() for item in text.split(",")]
     if not all(items):
-        raise ValueError(f"{option} {text!r} has an empty entry; expected a comma-separated list of {cast.__name__}")
+        raise ValueError(f"{option} {text!r} has an empty entry; expected a comma-separated list of {what}")
     try:
         return tuple(cast(item) for item in items)
     except ValueError:
-        raise ValueError(f"{option} {text!r}: expected a comma-separated list of {cast.__name__}") from None
+        raise ValueError(f"{option} {text!r}: expected a comma-separated list of {what}") from None
 
 
 def parse_options(items) -> dict:
@@ -49,7 +50,8 @@ def parse_options(items) -> dict:
 
 def _policies(text: str | None) -> tuple:
     """Policy specs of ``--policies``; () (every policy) only when the option is left out."""
-    specs = _csv(text, option="--policies")
+    specs = _csv(text, option="--policies", what="policy names (see `kvpress policies`), or no --policies "
+                 "for every policy")
     for spec in specs:
         if "=" in spec and ":" not in spec:  # "duo:a=1,b=2": the comma split one entry in two
             raise ValueError(f"policy entry {spec!r} is a field without a policy: fields of one entry are "
@@ -64,7 +66,7 @@ def _tasks(text: str) -> tuple:
         if not all(specs):
             raise ValueError(f"--tasks {text!r} has an empty entry; expected task specs separated by ';'")
         return specs
-    return _csv(text, option="--tasks")
+    return _csv(text, option="--tasks", what="task specs")
 
 
 def check_out_folder(out: str, option: str = "--out") -> None:
@@ -102,7 +104,7 @@ def cmd_eval(args) -> int:
         dtype=args.dtype, device=args.device, max_new_tokens=args.max_new_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
     )
-    reuse = _csv(args.reuse, option="--reuse")
+    reuse = _csv(args.reuse, option="--reuse", what="folders")
     check_reuse_folders(reuse)
     check_lengths(grid.model, grid.lengths)
     check_device(grid.device)

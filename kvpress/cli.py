@@ -493,9 +493,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _load_extensions()
     parser = make_parser(calibrators=_command(argv) == "calibrate")
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "accepts_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version (0) or a usage error (2, one line already printed)
+        return exc.code if isinstance(exc.code, int) else 2
     args.extra = extra
     try:
         return int(args.func(args) or 0)
