@@ -52,7 +52,8 @@ def test_policy_table_read_from_source_is_the_registry():
     torch); the table must be the registry's, and every policy must be readable that way (no fallback)."""
     from_source = cli._summaries_from_source()
     assert from_source is not None, "a policy module states name/description/paper in a way the reader cannot"
-    registry = [(n, kvpress.policy_class(n).description, kvpress.policy_class(n).paper) for n in kvpress.list_policies()]
+    classes = [kvpress.policy_class(n) for n in kvpress.list_policies()]
+    registry = [(cls.name, cls.description, cls.paper) for cls in classes]
     assert sorted(from_source) == registry
     assert cli.policy_summaries() == registry
 
@@ -274,7 +275,8 @@ def test_import_fails_beside_an_installed_nvidia_kvpress(tmp_path):
 def test_generate_and_demo_on_smollm2(tmp_path, capsys):
     prompt = tmp_path / "p.txt"
     prompt.write_text("The pass key is 4821. Remember it. What is the pass key?")
-    assert cli.main(["generate", "--policy", "streaming", "--budget", "64", "--prompt-file", str(prompt), "--max-new-tokens", "16"]) == 0
+    assert cli.main(["generate", "--policy", "streaming", "--budget", "64", "--prompt-file", str(prompt),
+                     "--max-new-tokens", "16"]) == 0
     captured = capsys.readouterr()
     assert "4821" in captured.out
     assert "[streaming]" in captured.err and "ms/token" in captured.err

@@ -138,7 +138,7 @@ def test_wheel_and_sdist_hold_every_file_and_the_wheel_runs_installed(tmp_path):
         return _run(list(cmd), cwd=work, env=env).stdout
 
     out = run(str(python), "-c", "import kvpress, kvpress.evals.tasks, kvpress.evals.lm_eval_tasks as t; "
-                                 "print(kvpress.__file__); print(sorted(p.name for p in t.INCLUDE_PATH.glob('*.yaml')))")
+              "print(kvpress.__file__); print(sorted(p.name for p in t.INCLUDE_PATH.glob('*.yaml')))")
     installed = Path(out.splitlines()[0]).resolve()
     assert installed.is_relative_to(venv.resolve()), f"imported {installed}, not the wheel installed in {venv}"
     assert "kvpress_niah_single.yaml" in out.splitlines()[1]
