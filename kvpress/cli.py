@@ -41,6 +41,8 @@ def cmd_policies(args) -> int:
         print(f"{name:<{width}}  {cls.description:<52}  {cls.paper or '-'}")
         if args.verbose:
             print(textwrap.indent(kvpress.get_policy(name).__repr__(), " " * (width + 2)))
+    from kvpress.presets import describe
+    print("\n" + "\n".join(describe()))
     return 0
 
 
