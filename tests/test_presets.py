@@ -67,3 +67,12 @@ def test_results_files_are_valid_json():
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):
         data = json.loads(path.read_text(encoding="utf-8"))
         assert {"title", "command", "machine", "date", "columns", "rows"} <= set(data), path.name
+
+
+def test_kvpress_policies_lists_the_presets(capsys):
+    from kvpress import cli
+
+    assert cli.main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for preset in presets.PRESETS.values():
+        assert preset.name in out and preset.spec in out
