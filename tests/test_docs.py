@@ -20,6 +20,19 @@ def test_ci_runs_the_readme_test_command():
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_readme_quickstart_is_complete_python():
+    """The quickstart compiles, defines every input it uses, and names a policy that resolves (running it takes a
+    minute on CPU; the same calls run in tests/test_smollm2.py)."""
+    import kvpress
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    compile(code, "README quickstart", "exec")
+    assert code.index("input_ids =") < code.index("model.generate(input_ids")
+    for name in re.findall(r'get_policy\("([^"]+)"\)', code):
+        kvpress.get_policy(name)
+
+
 def test_benchmarks_md_is_generated_from_the_result_files():
     from kvpress.evals import benchmarks_md
 
