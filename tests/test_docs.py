@@ -21,8 +21,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_quickstart_is_complete_python():
-    """The quickstart compiles, defines every input it uses, and names a policy that resolves (running it takes a
-    minute on CPU; the same calls run in tests/test_smollm2.py)."""
+    """The quickstart compiles, defines its input before generating, and names a policy that resolves (running
+    it takes a minute on CPU; tests/test_smollm2.py generates with the embedded model under policies)."""
     import kvpress
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
