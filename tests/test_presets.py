@@ -76,3 +76,21 @@ def test_kvpress_policies_lists_the_presets(capsys):
     out = capsys.readouterr().out
     for preset in presets.PRESETS.values():
         assert preset.name in out and preset.spec in out
+
+
+# presets whose policy reads a calibration artifact made for SmolLM2 run on SmolLM2 only
+NEED_SMOLLM2 = {"duo-50", "double-sparsity-256"}
+
+
+@pytest.mark.parametrize("name", [n for n in presets.list_presets() if n not in NEED_SMOLLM2])
+def test_preset_generates_on_a_tiny_model(name):
+    """Each preset runs as given on a small random model with SmolLM2's head_dim (64)."""
+    import torch
+    from conftest import tiny_model
+
+    llama = tiny_model("llama", head_dim=64)
+    ids = torch.randint(2, 250, (1, 300), generator=torch.Generator().manual_seed(0))
+    with kvpress.apply(llama, kvpress.get_policy(name)):
+        out = llama.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape == (1, 304)
+    assert kvpress.cache_stats(out).tokens > 0
