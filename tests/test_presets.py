@@ -94,3 +94,10 @@ def test_preset_generates_on_a_tiny_model(name):
         out = llama.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert out.sequences.shape == (1, 304)
     assert kvpress.cache_stats(out).tokens > 0
+
+
+def test_lm_eval_policy_argument_takes_a_preset():
+    from kvpress.evals.lm_eval_model import build_policy
+
+    assert build_policy("double-sparsity-256", budget=512) == kvpress.get_policy("double-sparsity-256", budget=512)
+    assert build_policy("kivi-4bit") == kvpress.get_policy("kivi:bits=4")
