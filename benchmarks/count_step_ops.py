@@ -3,7 +3,7 @@
     TRITON_INTERPRET=1 python benchmarks/count_step_ops.py SPEC [--length 2048] [--batch 1] [--cuda-path]
         [--dtype bfloat16]
 
-On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS "Session 34"), and
+On a host-bound GPU machine a decode step's time is its launches (BENCHMARKS.md "End-to-end decode on an H200 at 32k"), and
 the count of ops is the same on any machine: this counts them on the CPU, for a one-layer
 random-weight Llama-3-8B-shaped model (``--model``), in one decode step after two warm ones, with a
 TorchDispatchMode (a Triton launch under TRITON_INTERPRET=1 counts once, as ``launch``, not as the

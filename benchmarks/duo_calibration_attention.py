@@ -5,7 +5,7 @@
 One layer of SmolLM2's attention shape (9 query heads, 3 KV heads, head_dim 64, fp32, batch 1)
 with sinks 16 and each ``--windows`` window: the streaming pattern (key ``j`` visible to query
 ``i`` when ``j <= i`` and ``j < sinks`` or ``i - j < window``) through one SDPA call with a
-[T, T] boolean mask (the calibration's route before session 41) against
+[T, T] boolean mask against
 ``kvpress.attention.sliding_causal_attention(..., sinks=16)`` (query chunks over the keys each
 can see; the route now). Each timed repeat is a forward plus a backward of the output's sum,
 the two routes alternating so machine noise falls on both; prints the median per route and

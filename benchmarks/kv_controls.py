@@ -13,8 +13,8 @@ from it (``kvpress.prefill.cache_from_dense``):
                         except the last 128 tokens and the tail that does not fill a group
 
 Greedy decode from the shared dense prefill; one JSON line per (variant, sample) with the score;
-resumable (rows already in OUT are skipped). Session 8 used it to split ``kivi:bits=4``'s loss
-on niah_multivalue between keys and values (BENCHMARKS "Session 8").
+resumable (rows already in OUT are skipped). It splits a quantizer's loss (e.g. ``kivi:bits=4`` on
+niah_multivalue) between keys and values.
 """
 import json
 import os

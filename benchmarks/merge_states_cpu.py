@@ -4,7 +4,7 @@
 
 Shapes: SmolLM2's decode step (1 row, 9 query heads, head_dim 64), and 8 rows of 32 heads of 128.
 ``shadowkv``'s compiled step merges its tail estimate once per layer and step (30 layers for
-SmolLM2), through `kvpress.kernels.native.merge_states` since session 37. Prints microseconds per
+SmolLM2), through `kvpress.kernels.native.merge_states`. Prints microseconds per
 call (median of 5 repeats of ``--iters`` calls each).
 """
 import argparse

@@ -3,8 +3,7 @@
     HF_HUB_OFFLINE=1 python benchmarks/shadowkv_fold_cost.py [LENGTH=4096] [STEPS=300]
 
 SmolLM2, a random-token prompt, ``shadowkv`` at budget 256 (folds of 64 tokens), greedy steps
-timed one by one on two threads; a step folds when the first layer's chunk count grows. Session
-27 ran it (BENCHMARKS "Session 27").
+timed one by one on two threads; a step folds when the first layer's chunk count grows.
 """
 import sys
 import time, statistics, torch, kvpress

@@ -8,8 +8,8 @@ Runs the ``kvpress`` command line given (any ``kvpress eval`` whose policy takes
 ``select="tokens"`` step) with `kvpress.kernels.native.shadowkv_tail` wrapped: each call also
 works out, in torch, how much of every group of ``tail_chunk // chunk_size`` chunks the estimate
 stands for (a chunk counts for the share of its tokens not attended) and counts the groups with
-something left and those with less than one chunk's worth (0 < kept < 1). Before session 37 the
-latter had their mean key divided by one chunk instead of ``kept`` (shrunk toward zero).
+something left and those with less than one chunk's worth (0 < kept < 1), whose mean key must be
+divided by ``kept``, not by one chunk (which would shrink it toward zero).
 Prints ``TAIL_GROUPS {calls, groups, under_one_chunk}`` after the command's own output.
 """
 import json

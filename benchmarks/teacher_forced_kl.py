@@ -7,7 +7,8 @@ each policy, from a cache built from the same prefill (`kvpress.prefill.cache_fr
 exactly those tokens. Printed per step: KL(full || policy) of the next-token distributions, with
 ``*`` where the policy's argmax differs from `full`'s. Free-running greedy agreement (the
 `agree` column of ``kvpress bench``) compounds the first differing token; this isolates each step.
-Session 20 used it to check the tail estimate on random prompts (BENCHMARKS "Session 20").
+Useful to check an estimate (e.g. ``tail_chunk``) on random prompts, where greedy agreement is
+meaningless.
 """
 import argparse
 

@@ -1,6 +1,6 @@
 """DuoAttention on SmolLM2: calibrated vs random head choice vs full, score and resident KV.
 
-Checks the issue's targets: with 50% retrieval heads, resident KV <= 55% of ``full`` and score
+Checks DuoAttention's targets: with 50% retrieval heads, resident KV <= 55% of ``full`` and score
 >= 95% of full's on tasks where full scores >= 0.5; the same number of *random* heads
 (``random_heads_seed``) should score clearly worse.
 

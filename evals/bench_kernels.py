@@ -12,7 +12,7 @@ Targets: >= 80% of device copy bandwidth at >= 32k; the all-blocks index within 
 SDPA; speedup within 1.5x of the ideal context/budget ratio at 32k. On CUDA ``sparse_ms`` and
 ``dense_ms`` are device time from CUDA-graph replays (`graph_timeit`), and ``eager_ms`` is one
 eager call between events (it adds the launcher's host time). H100 results: BENCHMARKS.md,
-"Session 8".
+"Block-sparse decode kernel against SDPA on an H100".
 
 CPU (torch backend, fp32, batch 1, contexts 8k..32k)::
 

@@ -3,9 +3,7 @@
 A layer the model slides (Gemma 3, hybrid Qwen) prefills through
 `kvpress.attention.sliding_causal_attention`: SDPA in the input dtype over query chunks, each
 reading only the keys its window reaches. The other route is the policies' streaming one,
-`kvpress.attention.streaming_attention` without sinks (what the sliding layers used before
-session 22; it gathers sinks and ring slots too, and computed fp32 scores by hand before that
-session). Both are checked against each other first; then every route runs interleaved
+`kvpress.attention.streaming_attention` without sinks (it gathers sinks and ring slots too). Both are checked against each other first; then every route runs interleaved
 (``kvpress.evals.bench_kernels.timeit``) and one table is printed::
 
     python -m kvpress.evals.bench_prefill --threads 1 --lengths 4096,8192 --windows 512,1024 \\

@@ -1,4 +1,4 @@
-"""Every GPU measurement the issues ask for, in stages that fit a short lease of a GPU machine.
+"""Every GPU test and benchmark of the project, in stages that fit a short lease of a GPU machine.
 
     pip install --no-deps --no-build-isolation -e .      # offline: uses the image's torch / triton / transformers
     python -m kvpress.evals.gpu_suite --out $OUT --stages env,tests,kernels            # ~10 minutes at most
@@ -90,7 +90,7 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
             ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]
         rows = ["--batches", "1", "--selected", "64", "--iters", "2", "--warmup", "1"] if smoke else []
         return [py + ["kvpress.evals.bench_kernels", "--device", dev, *sizes, "--out", str(work / "kernels")],
-                # one decode step's attention over split stores: one launch against 3 + 2 (session 34)
+                # one decode step's attention over split stores: one launch against 3 + 2
                 py + ["kvpress.evals.bench_rows", "--device", dev, *rows, "--json", str(work / "kernels" / "rows.json")]]
     if stage == "quant":
         sizes = ["--contexts", "1k", "--warmup", "0", "--iters", "1"] if smoke else ["--contexts", "8k,32k,128k"]
@@ -107,11 +107,10 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
         ]
     if stage == "shadowkv":
         # first the configurations that keep SmolLM2's needles, beside full and the same selection
-        # without its key correction, at two batches in one process (session 36 found the
-        # residual's batch-8 step 2.4x its plain twin's across two processes): the rebuilt keys
-        # with a 2-bit residual fetched beside the values (session 35), and exact keys fetched
-        # with rank-24 keys in the queries' metric selecting (session 33); then the default's
-        # largest batch (doubling until out of memory: ~290 s on an H200, session 36)
+        # without its key correction, at two batches in one process (so the residual's cost is
+        # compared within one process): the rebuilt keys with a 2-bit residual fetched beside the
+        # values, and exact keys fetched with rank-24 keys in the queries' metric selecting; then
+        # the default's largest batch (doubling until out of memory: ~290 s on an H200)
         fk = ["--length", "512", "--batches", "1", "--new-tokens", "3"] if smoke else \
             ["--length", length, "--batches", "1,8", "--new-tokens", "16"]
         tokens = "rerank=32:tail_chunk=64:select=tokens"

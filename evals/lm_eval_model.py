@@ -55,13 +55,16 @@ def _hflm_params() -> set[str]:
 
 
 def build_policy(policy: str = "full", budget=None, **fields):
-    """The policy ``policy`` (a name or a ``name:field=value`` spec) with ``fields`` and, when
-    given, ``budget``.
+    """The policy ``policy`` (a name, a preset or a ``name:field=value`` spec) with ``fields`` and,
+    when given, ``budget``.
 
     ``budget`` sets the field of that name when the policy has one, else goes through
     ``with_budget`` (ValueError for policies without a budget).
     """
-    cls = kvpress.policy_class(kvpress.parse_policy_spec(policy)[0])
+    from kvpress.presets import is_preset, preset_spec
+
+    spec = preset_spec(policy) if is_preset(policy) else policy
+    cls = kvpress.policy_class(kvpress.parse_policy_spec(spec)[0])
     names = {f.name for f in dataclasses.fields(cls)}
     if budget is not None and "budget" in names:
         fields["budget"] = budget

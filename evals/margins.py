@@ -10,7 +10,7 @@ runner-up token there, and the same minimum over the answer's own tokens only (`
 format steps such as a leading space are left out). Reading an eval with it separates a policy that loses retrieval from one
 that flips samples the model itself nearly got wrong.
 
-Measured on SmolLM2 at 4k (BENCHMARKS "Session 4"): the needle samples ``kivi:bits=4`` and
+Measured on SmolLM2 at 4k: the needle samples ``kivi:bits=4`` and
 ``duo`` lose are those where the full model's margin is below 1 nat (kivi answers exactly the
 runner-up digit), while samples with margins of 1.4 nats and more survive both.
 """

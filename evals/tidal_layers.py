@@ -26,7 +26,7 @@ failed even at budget 1024); searching ``s`` with the log score gives ``s = 3``,
 
 ``--text passkey`` measures on retrieval prompts instead (``duo``'s calibration data: 4 passkeys
 of 3 words per prompt), the queries being the teacher-forced answer's tokens -- the steps where
-a retrieval head must find the passkeys. On SmolLM2 (``--length 2048 --samples 4``, session 9)
+a retrieval head must find the passkeys. On SmolLM2 (``--length 2048 --samples 4``)
 it picks ``s = 3``, ``r = 14`` (score -0.213, geometric-mean recall 0.81 at budget 256): the same
 layers as the ppl text, so which layers select is not what limits ``tidal`` on this model.
 """

@@ -23,14 +23,14 @@ cheapest to produce (``unpack_planes``: bit plane 0 of every byte of a row, then
 shift and mask four bytes at a time), and the query, scales and outputs are permuted to match.
 Unpacking still dominates on CPU: one decode step over 8k tokens (H_q=32, H_kv=8, D=128, one
 thread) takes ~29 ms at 4 or 2 bits vs ~19 ms for fp32 SDPA over the dense cache (~54 ms at 4
-bits with the former lookup-table unpacking; BENCHMARKS "Sessions 13-14", ``python -m
-kvpress.evals.bench_quant kernel --device cpu --contexts 8k --threads 1 --clock cpu``). So a
+bits with lookup-table unpacking; ``python -m kvpress.evals.bench_quant kernel --device cpu
+--contexts 8k --threads 1 --clock cpu``). So a
 decode step on CPU (up to 8 query rows per KV head) goes to the compiled kernels of
 `kvpress.kernels.native` instead when they are built (``backend="auto"``; ``"torch"`` keeps this
 path, their reference): each packed row is unpacked in registers once for the whole GQA group,
-never written out (BENCHMARKS "Session 18"). A forward of a few tokens (up to
+never written out. A forward of a few tokens (up to
 `native.QUANT_NATIVE_READ_ROWS` rows per KV head: an assisted-decoding verification) reads
-natively too, eight rows per call (BENCHMARKS "Session 26"). On GPU the Triton kernel (``triton_quant.py``)
+natively too, eight rows per call. On GPU the Triton kernel (``triton_quant.py``)
 dequantizes each K/V tile in registers.
 """
 from __future__ import annotations
@@ -210,7 +210,7 @@ def long_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     On a GPU the token axis is cut into slices of `SPLIT_K_LEN` that are multiplied as one batch
     and summed (`split_k_matmul`): cuBLAS runs such a skinny product as one block per output tile
     walking all of K (a decode step's ``p @ codes`` over 32k tokens took ~1 ms per call on an
-    H200, BENCHMARKS "Session 43"). On CPU, or a short K, the plain product."""
+    H200). On CPU, or a short K, the plain product."""
     if not a.is_cuda or a.shape[-1] < 2 * SPLIT_K_LEN:
         return a @ b
     return split_k_matmul(a, b, SPLIT_K_LEN)

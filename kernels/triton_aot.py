@@ -4,9 +4,8 @@ Used by the compile tests (``tests/kernels/test_triton_compile.py``) and the off
 (``benchmarks/gpu/sass_quant.py``). ``triton.compile`` of an ``ASTSource`` is given what a CUDA
 launch would specialize on: ``tt.divisibility=16`` on every pointer (CUDA allocations are
 256-byte aligned) and on every integer divisible by 16, integers equal to 1 as constants. Without
-these hints the compiled code differs from a real launch's (session 29 read unpipelined loads
-from such a compile). Every constexpr is passed explicitly: left-out ones do not reliably take
-their defaults in Triton 3.9's ``ASTSource``.
+these hints the compiled code differs from a real launch's (its loads are not pipelined). Every
+constexpr is passed explicitly: left-out ones do not reliably take their defaults in Triton 3.9's ``ASTSource``.
 """
 from __future__ import annotations
 

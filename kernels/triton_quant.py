@@ -16,7 +16,7 @@ from .quant import check_quant_config
 from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
 
 TRITON_QUANT_HEAD_DIMS = (64, 128)
-# decode launch configuration, from session 30's H200 sweeps with PTX_CODES (BENCHMARKS "Session 30"): one warp per
+# decode launch configuration, from H200 sweeps (``benchmarks/gpu/tune_quant.py``) with PTX_CODES: one warp per
 # 32 tokens of a tile was the best warp count at every tile size; 64-token tiles were fastest for one row of 8 KV
 # heads, 32-token tiles for 2, 4 and 8 rows (more, smaller programs); 16 split-K programs per multiprocessor
 FEW_PAIRS = 8  # launches of at most this many (row, KV head) pairs take the larger tiles

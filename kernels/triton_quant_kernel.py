@@ -109,29 +109,23 @@ def _quant_decode_split_kernel(
     Key scales / zeros are read once per token group, value scales / zeros once per token.
     ``BLOCK_N`` is a multiple of ``GROUP_SIZE``; tiles start at multiples of ``BLOCK_N``.
 
-    Two switches keep the forms session 29's H100 A/B compared (BENCHMARKS "Session 29"); the
-    defaults won: ``EARLY_LOADS`` issues all of a tile's loads before its keys are scored (value
-    loads after the softmax were up to 20% slower); ``FP32_SCALES`` holds the query and the
+    Two switches keep alternative forms, compared on an H100; the defaults won: ``EARLY_LOADS``
+    issues all of a tile's loads before its keys are scored (value loads after the softmax were
+    up to 20% slower); ``FP32_SCALES`` holds the query and the
     broadcast scales in fp32 until the tile is formed in DT (DT throughout was up to 17% slower
-    at 2 bits). Tried there and dropped: folding the scales out of the tiles
-    (``q . k = (q * s) . code + q . z`` per key token group, ``(p * s) @ code + p @ z`` per value
-    channel group, as batched dots) and a register prefetch of the next tile, each slower at
-    every tile size and warp count tried; session 8's kernel (tiles as bit-offset parts in fp32 /
-    tf32) spilled registers.
+    at 2 bits). Folding the scales out of the tiles (``q . k = (q * s) . code + q . z``) and a
+    register prefetch of the next tile were slower at every tile size and warp count.
 
-    ``PTX_CODES`` (session 30): the codes become fp16 by bit operations (``_codes_f16``) instead
+    ``PTX_CODES``: the codes become fp16 by bit operations (``_codes_f16``) instead
     of one int -> fp16 conversion each, which the conversion unit issues at an eighth of the ALU
     rate; with it, 3 pipeline stages and the launch rule of ``triton_quant.launch_config`` (a warp
-    per 32 tile tokens), the kernel ran 1.31x / 1.54x faster than session 29's at 32k, batch 1 / 8,
-    on an H200 (BENCHMARKS "Session 30"). The tile loads
+    per 32 tile tokens), the kernel runs at 0.99-1.17x bf16 SDPA at 4 bits on an H200 (BENCHMARKS.md
+    "Fused dequantize-attention decode kernel"). The tile loads
     are pipelined through shared memory (``cp.async``) by Triton when the strides are multiples
     of 16 (what a launch specializes on); 2-bit takes as long as 4-bit, so the loop is bound by
-    its per-element work and latency, not by the bytes it reads. Session 43 read the sm_90 code of
-    two more forms and dropped both before timing: each code plane dotted on its own (no channel
-    reorder; Triton then stages the key planes through shared memory and spills) and codes shifted
-    to each byte's low bits and joined before one conversion (uint8 shifts and joins cost more
-    than the shuffles they save): 1662-2018 loop instructions against this form's 1286
-    (BENCHMARKS "Session 43 (GPU)").
+    its per-element work and latency, not by the bytes it reads: the batch-8 loop spends about 5
+    instructions per code it turns into fp16 (``benchmarks/gpu/sass_quant.py`` counts them), so a
+    faster kernel needs fewer instructions per code, not a retune.
 
     ``REFINE`` > 0 (a power of two): that many refined key channels per (row, KV head)
     (``kvpress.kernels.quant.quantize_refined_keys``): channel ids ``RIDX`` (B, H, REFINE), second

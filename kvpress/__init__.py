@@ -5,7 +5,8 @@ package where NVIDIA's ``kvpress`` distribution is also installed raises ImportE
 
 >>> import kvpress
 >>> model, tok = kvpress.load_model("smollm2")
->>> with kvpress.apply(model, kvpress.get_policy("streaming", window_size=252)):
+>>> ids = tok("A long document ... and a question?", return_tensors="pt").input_ids
+>>> with kvpress.apply(model, kvpress.get_policy("kivi-4bit")):  # a preset, a policy name or a spec
 ...     out = model.generate(ids, max_new_tokens=32, return_dict_in_generate=True)
 >>> kvpress.cache_stats(out)
 

@@ -303,6 +303,9 @@ def cmd_policies(args) -> int:
             import kvpress
 
             print(textwrap.indent(repr(kvpress.get_policy(name)), " " * (width + 2)))
+    from kvpress.presets import describe
+
+    print("\n" + "\n".join(describe()))
     return 0
 
 

@@ -271,8 +271,8 @@ def get_policy(name: str, **overrides: Any) -> Policy:
     Parameters
     ----------
     name : str
-        A registered name (see :func:`list_policies`), or a spec with fields as the command
-        lines take them: ``get_policy("kivi:bits=4:residual_length=64")`` is
+        A registered name (see :func:`list_policies`), a preset (``kvpress.presets``), or a spec
+        with fields as the command lines take them: ``get_policy("kivi:bits=4:residual_length=64")`` is
         ``get_policy("kivi", bits=4, residual_length=64)`` (:func:`parse_policy_spec`).
     **overrides
         Field values; strings are converted to the field's type (so CLI values work).
@@ -285,7 +285,12 @@ def get_policy(name: str, **overrides: Any) -> Policy:
     TypeError
         A value of the wrong type.
     """
-    if isinstance(name, str) and ":" in name:
+    from .presets import is_preset, preset_spec
+
+    if is_preset(name):  # a preset's fields are defaults that keyword overrides replace
+        name, fields = parse_policy_spec(preset_spec(name))
+        overrides = {**fields, **overrides}
+    elif isinstance(name, str) and ":" in name:
         spec = name
         name, fields = parse_policy_spec(spec)
         both = sorted(set(fields) & set(overrides))

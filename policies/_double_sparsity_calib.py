@@ -15,7 +15,7 @@ chunks)::
     I[h, c] = mean_{g, t} q[g, t, c]^2  *  var_s k[s, c]
 
 the expected variance of the channel's score term ``q_c k_c`` across keys (q and k taken as
-independent). The magnitude statistic ``mean |q_c| |k_c|`` over causal pairs (session 2; the
+independent). The magnitude statistic ``mean |q_c| |k_c|`` over causal pairs (the
 paper's own script ranks by ``mean |q_c k_c|`` of each token with itself) keeps such constant
 channels; measured on SmolLM2 at 4k (24 needle samples, budget 256, teacher-forced on full's
 answers) the variance ranking follows full closer: token agreement 0.965 vs 0.947, mean log-prob

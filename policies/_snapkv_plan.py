@@ -22,7 +22,7 @@ class PlannedSteps:
     # generated token leaving the recent window. So the n steps' slots are planned first, each key
     # gets the steps it is visible in (a kept key until the step that overwrites its slot, a new
     # token from its own step until its slot is reused), and the n queries attend at once under
-    # that mask. Before (session 25), a 256-token turn cost 256 decode steps per layer.
+    # that mask, instead of one decode step per token.
 
     def _plan(self, n: int) -> torch.Tensor | None:
         """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.

@@ -47,90 +47,37 @@ class DoubleSparsityPolicy(Policy):
 
     Channels are ranked offline by the variance their score term carries across keys
     (``mean q_c^2 * var k_c``, see ``kvpress.policies._double_sparsity_calib``); a channel whose
-    key part is the same for every token adds a constant to every score and ranks nothing. The
-    SmolLM2 artifact ranked by magnitude (``mean |q_c||k_c|``, session 2) lost digits of needles.
-
-    Measured (SmolLM2, 4096 tokens, 8 samples per task, greedy; full: niah_single 1.00,
-    niah_multikey 0.62, niah_multivalue 0.62)::
-
-        kvpress eval --model smollm2 --policies double_sparsity,shadowkv --budgets 128,256 \
-            --tasks niah_single,niah_multikey,niah_multivalue --lengths 4096 --samples 8 --out DIR
-
-        budget  channels ranked by  group_reduction  niah_single  niah_multikey  niah_multivalue
-        256     magnitude (before)  softmax_max      0.88         0.62           0.38
-        256     variance            softmax_max      1.00         0.75           0.47
-        256     variance (default)  max              1.00         0.75           0.56
-        128     magnitude (before)  softmax_max      0.75         0.62           0.34
-        128     variance            softmax_max      1.00         0.75           0.47
-        128     variance (default)  max              0.88         0.75           0.50
-
-    ("before": the same samples and greedy decode from the same dense prefill outside
-    ``kvpress eval``, at commit f0c51d3; the other rows are that command.) At budget 256 the default
-    keeps 100% / 120% / 90% of full over these 8 samples, on niah_multivalue exactly at the
-    threshold (one answer digit either way moves it). Over 32 samples (session 5, BENCHMARKS
-    "Session 5") it is 1.00 / 0.38 / 0.52 against full's 1.00 / 0.38 / 0.62: 84% on
-    niah_multivalue; over 64 niah_multivalue samples (session 6) 0.500 against 0.559, 89.5%
-    (``exact_topk@256``, the same budget filled by exact scores, 0.527: 94.2%); and
-    at 8192 tokens over 24 niah_single samples 0.42 against 0.54 (77%: budget 256 is 3% of that
-    context; the three needles it loses, at depths 0.78-0.96, answer other text from the first
-    digit on). ``exact_topk@256`` (every token scored on all 64 channels, the same sinks, window
-    and group reduction; session 10) answers the same 10 samples, sample for sample: at 8k the
-    labels lose nothing against exact scores, the budget of 256 tokens per KV head is the limit.
-    So the issue's >= 90% is not met. Larger budgets do not do better there:
-    512 and 1024 (same command, ``--budgets 512,1024``) give 1.00 / 0.75 / 0.50 and 1.00 / 0.75 /
-    0.53, i.e. 80% and 85% on niah_multivalue, whose scores move with which value the model repeats. At 8192 tokens (``--policies
-    full,double_sparsity --budgets 256 --tasks niah_single,niah_multikey --samples 2``) budget 256
-    answers exactly the samples full answers (1 of 2 per task; full misses depth 0). Teacher-forced on full's answers
-    (24 samples, budget 256) the reductions tie: token agreement 0.947 (softmax_max, magnitude
-    channels) / 0.944 (max) / 0.934 (mean), mean log-prob -0.435 / -0.429 / -0.487; the variance
-    ranking moves softmax_max to 0.965 / -0.340, and exact scores (all 64 channels, outside the
-    allowed ``r``) reach 0.976 / -0.312, so the labels are close to the best this budget allows.
+    key part is the same for every token adds a constant to every score and ranks nothing
+    (ranking by magnitude, ``mean |q_c||k_c|``, lost digits of needles on SmolLM2).
 
     ``artifact=None`` uses the artifact shipped for the embedded SmolLM2; any other model needs
     ``artifact=path`` from ``kvpress calibrate double_sparsity --model M --out F.safetensors``.
     ``label_channels=None`` means ``min(16, head_dim // 4)``; allowed: ``head_dim // 16 .. head_dim // 4``.
 
-    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024, channels calibrated on the
-    random model; BENCHMARKS "Session 8"): the decode kernel reads the budget 7.8x (batch 1) /
-    22x (batch 8) faster than dense SDPA, but a whole decode step there is host-bound (label
-    scoring, top-k and ~75 µs per Triton launch per layer), so end to end it is slower than
-    ``full`` (92.5 vs 79.4 ms/token with the per-layer attention timer, attention 59.7 vs 44.5).
-
-    ``tail_chunk=N`` (off by default; session 11, BENCHMARKS "Session 11") adds an estimate of
-    the tokens left out, from running N-token chunk means (`kvpress.kernels.tail_estimate`, see
-    ``exact_topk``). At 8k / 256 over 24 niah_single samples it scores 0.50 against ``full``'s
-    0.54 (92.3%, against 77% without: it keeps 11 of full's 13 needles and answers #10, which
-    full misses), but over 48 samples 82.8% (24 of full's 29); on niah_multivalue at 4k it
-    scores 55% of ``full`` over the first 8 samples (run stopped there); and at 8k it decodes
-    at 1.15x ``full``'s speed instead of 1.59x. With label-chosen tokens the estimate hurts as
-    often as it helps (with exact selection it keeps 96.6% over the same 48), so it is not the
-    way to the issue's 90% for this policy.
-
     ``rerank=M`` (default 1: the labels choose, as the paper) shortlists ``M`` times the kept
     tokens by label score and chooses among them by exact ``q . k`` on their keys, read from
     the resident cache (``M * keep * head_dim`` elements per KV head and step beside the labels'
     ``T * r``), reduced over the GQA group as the labels are; a shortlist of every candidate is
-    ``exact_topk``'s selection (tested). With the tail (session 12, BENCHMARKS "Session 12")
-    the label shortlist is what the estimate needed: at budget 256, ``rerank=4, tail_chunk=64``
-    keeps 89.7% of ``full`` over 48 niah_single samples at 8k (26 of 29 needles) and 93.8% on 32
-    niah_multivalue samples at 4k; ``rerank=8, tail_chunk=64`` keeps all 29 needles over the 48 at 8k
-    (100%), 97.5% on the 32 multivalue samples and 10 of 10 on 4k niah_single (first 10 of
-    32). The cost is speed: at 8k on CPU the default decodes at 1.62x ``full``'s speed,
-    ``rerank=8`` at 1.35x and ``rerank=8, tail_chunk=64`` at 1.13x (session 13, after the
-    shortlist's final top-k moved inside the shortlist and the exact part and the estimate
-    became one pass, `kvpress.kernels.sparse_decode_tail`; session 12: 1.59x / 1.23x / 0.94x;
-    BENCHMARKS "Session 13"). Defaults stay the paper's method.
+    ``exact_topk``'s selection (tested). ``tail_chunk=N`` (off by default) adds an estimate of
+    the tokens left out, from running N-token chunk means (`kvpress.kernels.tail_estimate`, see
+    ``exact_topk``). With label-chosen tokens alone the estimate hurts as often as it helps; with
+    a re-ranked shortlist it is what keeps the needles.
 
     On CPU with fp32 and no padding (``backend="auto"``), a decode step's selection (label scores,
     shortlist, exact re-rank, top-k) and its attention with the tail estimate run as two compiled
     calls per layer (`kvpress.kernels.native`; ``backend="torch"`` keeps the torch path, the
-    reference it is tested against). Session 17, one run of
-    ``OMP_NUM_THREADS=1 kvpress bench --model smollm2 --policies full,double_sparsity,double_sparsity:rerank=8:tail_chunk=64,double_sparsity:rerank=8:tail_chunk=64:backend=torch,exact_topk,quest,tidal --budget 256 --lengths 8192 --new-tokens 32 --interleave``:
-    ``rerank=8, tail_chunk=64`` decodes at 1.60x ``full``'s speed (108.6 vs 173.7 ms/token; the
-    torch path 1.17x in the same run), the default at 1.88x (BENCHMARKS "Session 17"). The
-    quality runs repeated on the native path give the same answers as the torch path's, sample
-    for sample: 100% of ``full`` at 8k (48 niah_single) and 4k (32), 97.5% on 4k niah_multivalue
-    (32). So ``rerank=8, tail_chunk=64`` meets the issue's >= 90% and >= 1.5x at budget 256 at once.
+    reference it is tested against).
+
+    Measured on SmolLM2-135M at budget 256 (BENCHMARKS.md, "`double_sparsity` at budget 256 with
+    its shortlist re-ranked on exact keys" and "Query-aware decode on CPU"):
+    ``rerank=8:tail_chunk=64`` (the ``double-sparsity-256`` preset) keeps all 29 of ``full``'s 8k
+    niah_single needles, 100% of its 4k niah_single and 97.5% of its 4k niah_multivalue score, and
+    decodes at 1.60x ``full``'s speed on one CPU thread (the default, 1.88x, loses needles at 8k,
+    where 256 exactly attended tokens without an estimate of the rest are too few). On a GPU (H100, random-weight
+    Llama-3-8B shape, 32k, budget 1024) the decode kernel reads the budget 7.8x (batch 1) / 22x
+    (batch 8) faster than dense SDPA, but a whole decode step is host-bound (label scoring, top-k
+    and kernel launches per layer), so end to end it is slower than ``full``. Defaults stay the
+    paper's method.
     """
 
     budget: int = 256

@@ -34,77 +34,28 @@ size 0.25 on the gate logits, L1 weight 0.05, seed 0 — far below the paper's 1
 Prefill. The paper deploys DuoAttention with chunked pre-filling, and the upstream code runs
 its needle and LongBench evaluations that way (chunks of 32000 tokens, sinks 64 + recent 256):
 a streaming head's queries see the sinks, the recent window kept from earlier chunks and their
-own chunk. ``prefill="chunked"`` (the default, chunks of 2048 tokens; 1024 before session 41)
+own chunk. ``prefill="chunked"`` (the default, chunks of ``prefill_chunk_size`` = 2048 tokens)
 does that inside one forward; ``"streaming"`` is the stricter pattern of the calibration (sinks +
-window at every position; the default before session 7); ``"dense"`` lets the streaming heads
-see the whole prompt. All three keep the same tokens afterwards, so resident KV and decode are identical.
+window at every position); ``"dense"`` lets the streaming heads see the whole prompt. All three
+keep the same tokens afterwards, so resident KV and decode are identical.
 
-Measured on SmolLM2 (50% retrieval heads, sinks 16 + window 240, greedy; 32 samples per 4k
-task and 24 at 8k, needle depths sweeping 0..1; 2026-11-22; BENCHMARKS "Session 7")::
+Measured on SmolLM2-135M with 50% retrieval heads (BENCHMARKS.md, "`duo` (50% retrieval heads):
+prefill chunk size" and "`duo` at 8k on samples not used to choose its chunk size"): with
+2048-token chunks it keeps 27 of ``full``'s 29 8k niah_single needles over samples 0-47 (and one
+``full`` misses) and 25 of 27 over samples 48-95, which were not used to choose the chunk size;
+at 4k, 100% of ``full`` on niah_single and 102.8% on niah_multivalue; resident KV is 0.52 / 0.51
+of ``full``'s at 4k / 8k. 1024-token chunks keep 24 of the 29. The needles lost are the ones
+``full`` itself writes with the smallest margin between the right digit and the next
+(``python -m kvpress.evals.margins``): the chunked prefill's approximation tips them. Random
+heads of the same count answer far fewer (``duo:random_heads_seed=S``), so the calibration
+matters. The calibration and the variants tried are described in ``_duo_calibrate``.
 
-    kvpress eval --model smollm2 --policies full,duo,duo:prefill=streaming,duo:prefill=dense
-        --tasks niah_single,niah_multivalue --lengths 4096 --samples 32 --out OUT
-        (8k: --tasks niah_single --lengths 8192 --samples 24)
-    kvpress eval --model smollm2 --policies full,duo:random_heads_seed=S --tasks niah_single
-        --lengths 4096 --samples 32 --out OUT                          (S = 0, 1, 2, 3)
-
-                                       4k: single  multivalue   8k: single   resident KV
-    full                                   1.00       0.62          0.54       184 / 361 MiB
-    duo (prefill="chunked", default)       0.97       0.53          0.50       96 / 186 MiB
-    duo:prefill=streaming                  0.72       0.53          0.33       96 / 186 MiB
-    duo:prefill=dense                      1.00       0.58          0.46       96 / 186 MiB
-    random heads (chunked), seeds 0/1/2/3  .97/.12/.31/.31   -             -          96 / - MiB
-
-(The streaming and dense rows are session 5's runs, when plain ``duo`` meant
-``prefill="streaming"``; full scores 0.38 on niah_multikey over 32 samples, which therefore
-does not count.) Calibration matters on average -- random splits of the same size keep 43% of
-full on niah_single at 4k against the gates' 97% -- but not against every draw: seed 0, which
-shares 29 of the gates' 45 retrieval heads, also answers 31 of 32. Resident KV is 0.52 of full
-at 4k and 0.51 at 8k (target <= 0.55: met) in every mode.
-
-Quality with the default since session 41, chunks of 2048 tokens (BENCHMARKS "Session 41"): at 8k
-27 of full's 29 niah_single needles over 48 samples (#22 and #46 lost, the two full itself writes
-with the smallest margins, 0.10 and 0.14 nats) plus #19, which full misses: 0.583 against 0.604,
-96.6% (the other 18 samples full misses were not run; they can only add); at 4k niah_single 32
-of 32 and niah_multivalue 0.574 against full's 0.559 over 64 samples (102.8%; scores differ on
-20 samples). 2048 was chosen on those 8k samples, so it was checked on 48 others (48-95,
-BENCHMARKS "Session 42"): 0.542 against full's 0.5625, 96.3% (25 of full's 27 needles, one
-gained; the two lost again full's two smallest margins, 0.09 and 0.20 nats). The rest of this
-paragraph and the next describe chunks of 1024 tokens, the default of sessions 7-40.
-
-Quality with chunks of 1024 tokens: 97% of full on niah_single at 4k and 92% at 8k over 24 samples, 86%
-over 48 (0.521 against 0.604, ``--samples 48``; the streaming pattern: 72% and 62% over 32 / 24); on niah_multivalue 85% over 32 samples and 95.8% over 64 (0.535 against
-full's 0.559, ``--samples 64``) -- so the issue's 95% is met at 4k on both counted tasks, not at
-8k. Where it is lost, on this 135M model: the chunked prefill's missed needles (1 of 32 at 4k, 5 of 48 at 8k)
-are answered with other text from the first token on, so the prefill
-approximation costs them; with ``prefill="dense"`` the first token is full's exactly and the
-8k misses come at later digits, from the decode-time eviction. Over 64 multivalue samples
-(session 6) ``prefill="dense"`` scores 0.5625 against full's 0.5586. On the 9 niah_single
-needles the streaming pattern loses at 4k, chunks of 512 / 1024 / 2048 tokens answer 7 / 8 / 9
-(``prefill="dense"`` fed one chunk per forward, the same computation as ``"chunked"``, as
-tests/policies/test_duo.py checks). On the six 8k samples where ``duo`` and full disagree
-(BENCHMARKS "Session 9", ``kvpress eval --sample-ids``), 60% or 70% retrieval heads keep 1 and 2
-of full's 5 lost needles, a 496-token window 1, the dense prefill 3 -- no setting moves them one
-way, and one of them is lost by every lossy policy measured at 8k. The gates' calibration and
-the variants tried (losses, steps, lengths, L1 weights; 38-43 of the same 45 heads each time;
-gates from 2k-4k contexts keep 24 of full's 29 8k needles too, other ones) are in
-``_duo_calibrate``. Every 8k needle either gate set loses is one full itself writes with a
-margin of 1.12 nats or less between the right digit and the next (``python -m
-kvpress.evals.margins``; none of the 15 with more is lost; BENCHMARKS "Session 41").
-Earlier tables in BENCHMARKS "Session 4" and "Session 5".
-
-``tail_chunk=N`` (off by default; session 16, BENCHMARKS "Session 16") lets streaming heads keep
-fp32 key / value sums of the tokens their window evicts, per N-token chunk, and attend each chunk
-as one mean key standing for its tokens (the estimate that brought ``exact_topk@256`` from 83% to
-97% at 8k). For ``duo`` it is worse, not better: over the 48 niah_single samples at 8k
-``duo:tail_chunk=64`` scores 0.458 (75.9% of ``full``; plain ``duo`` 86%), keeping 21 of ``full``'s
-29 needles against plain ``duo``'s 24; it wins back three of plain ``duo``'s five losses and loses
-six needles plain ``duo`` answers (188.6 against 186 MiB resident)::
-
-    kvpress eval --model smollm2 --policies full,duo:tail_chunk=64 --tasks niah_single --lengths 8192 --samples 48 --out OUT
-
-The gates chose heads that work *without* the middle of the context; a blurred chunk-mean of it
-is input they were never calibrated for. Kept as an option for experiments, not a recommendation.
+``tail_chunk=N`` (off by default) lets streaming heads keep fp32 key / value sums of the tokens
+their window evicts, per N-token chunk, and attend each chunk as one mean key standing for its
+tokens (the estimate ``exact_topk`` gains from at 8k). For ``duo`` it loses more needles than it
+wins back: the gates chose heads that work *without* the middle of the context, and a blurred
+chunk mean of it is input they were never calibrated for. Kept as an option for experiments,
+not a recommendation.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class ExactTopKPolicy(Policy):
     Prefill is full causal attention; when ``budget`` covers every real token the step attends
     densely, so outputs equal ``full``.
 
-    Measured (SmolLM2-135M, CPU, greedy; BENCHMARKS "Session 10")::
+    Measured (SmolLM2-135M, CPU, greedy)::
 
         kvpress eval --model smollm2 --policies exact_topk --budgets 128,256,512,1024 --tasks niah_single --lengths 4096 --samples 32
         kvpress eval --model smollm2 --policies exact_topk --budgets 256,1024 --tasks niah_single --lengths 8192 --samples 48
@@ -47,12 +47,12 @@ class ExactTopKPolicy(Policy):
     where ``quest`` keeps 9% and ``tidal`` 34% at 256: their estimates, not the budget, lose
     the needles. At 8k exact selection itself loses 3 of ``full``'s 13 needles at 256 (the very
     samples ``double_sparsity@256`` loses) and 2 at 1024: there no per-KV-head selection of
-    256 tokens reaches the issue's 90%. Over 48 samples at 8k the needles exact selection loses
+    256 tokens keeps 90% of ``full``. Over 48 samples at 8k the needles exact selection loses
     (#18, #20, #22, #30, #46 at 256; #20, #22, #30 at 1024) include #22 and #46, the ones
     ``kivi`` 4-bit and ``duo`` lose there: those answers break under any change to attention.
     On niah_multivalue at 4k ``double_sparsity@256`` keeps 89.5%, 4.7 points under this ceiling.
 
-    Why exact selection loses at 8k (session 11, samples #18, #20, #22): every failing answer
+    Why exact selection loses at 8k (samples #18, #20, #22): every failing answer
     goes wrong at its first sparse step (the first digit), and neither the group reduction
     (``max`` / ``softmax_max`` / ``softmax_mean``), ``dense_layers=2`` or ``6``, a 128-token
     window nor 64 sinks at the same budget recovers any of them; budget 2048 recovers all
@@ -62,8 +62,7 @@ class ExactTopKPolicy(Policy):
     not attended, after RetroInfer's estimation zone, arXiv 2505.02922) and keeps all 13 of
     ``full``'s needles over the 24 samples at budget 256 (28 of 29 over 48: 96.6%, against
     82.8% without), still 13 of 13 at budget 128, and 101.2% of ``full`` on 4k niah_multivalue
-    (32 samples; 88.7% without) (BENCHMARKS "Session 11", which lists the commands for samples
-    24-47 and budget 128)::
+    (32 samples; 88.7% without)::
 
         kvpress eval --model smollm2 --policies full,double_sparsity,double_sparsity:tail_chunk=64,exact_topk:tail_chunk=64,quest:tail_chunk=64,tidal:tail_chunk=64 --budgets 256 --tasks niah_single --lengths 8192 --samples 24
         kvpress eval --model smollm2 --policies full,exact_topk,exact_topk:tail_chunk=64 --budgets 256 --tasks niah_multivalue --lengths 4096 --samples 32

@@ -40,13 +40,13 @@ class QuestPolicy(Policy):
     exact, the loss is the bound's (see tests/policies/test_quest.py for the planted-page checks).
     Over 32 niah_single samples at 4k it keeps 3 / 9 / 34 / 72% of ``full``'s needles at budgets
     128 / 256 / 512 / 1024, where ``exact_topk`` (the same budgets filled by exact token scores)
-    keeps 97 / 100 / 100 / 100% (BENCHMARKS "Session 9" and "Session 10"). With 8-token pages
-    (``page_size=8``, a tighter bound) 13 of 32 at budget 256 (41%; "Session 44 (CPU)").
-    At 8192 tokens (24 niah_single samples, session 6) it answers 1 needle to full's 13.
+    keeps 97 / 100 / 100 / 100%. With 8-token pages (``page_size=8``, a tighter bound) 13 of 32
+    at budget 256 (41%; BENCHMARKS.md "Selection and eviction at budgets 128-1024").
+    At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13.
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
-    ~3x (``kvpress bench --interleave``, BENCHMARKS "Session 6").
-    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024; BENCHMARKS "Session 8"): the
+    ~3x (``kvpress bench --interleave``; BENCHMARKS.md "Query-aware decode on CPU" has the current run).
+    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024): the
     decode kernel reads the budget 7.8x (batch 1) / 22x (batch 8) faster than dense SDPA, but a
     whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
     end to end it is not faster than ``full`` yet (sync-timed attention 39.6 vs 44.5 ms/token
@@ -54,7 +54,7 @@ class QuestPolicy(Policy):
 
     ``tail_chunk`` (off by default) adds the chunk-mean estimate of the pages left out (see
     ``exact_topk``); it does not bring back what the bound misses: it keeps 1 of ``full``'s 13 needles
-    at 8k / 256 (BENCHMARKS "Session 11"), since a needle diluted in a chunk mean is not retrieved.
+    at 8k / 256, since a needle diluted in a chunk mean is not retrieved.
     """
 
     budget: int = 256

@@ -25,224 +25,54 @@ class ShadowKVPolicy(Policy):
     """ShadowKV: Sun et al., "ShadowKV: KV Cache in Shadows for High-Throughput Long-Context LLM
     Inference", arXiv 2410.21465.
 
-    At prefill (plain full attention) the pre-RoPE keys (RoPE inverted exactly through the
-    adapter) of each layer are factored by a truncated SVD over all KV heads (``rank``
-    components: a per-token factor and a shared basis). Post-RoPE keys give one landmark (mean
-    key) per ``chunk_size``-token chunk; the ``outlier_chunks`` chunks per KV head that their
-    landmark represents worst (lowest minimum cosine similarity), the partial chunk at the start
-    of each row and the last ``local_window`` tokens stay exact on the device. Values move to a
-    host tier (pinned memory on CUDA) in chunk-contiguous layout.
+    Prefill is plain full attention. Then, per layer, the pre-RoPE keys (RoPE inverted exactly by
+    the adapter) are factored by a truncated SVD over all KV heads (``rank`` components); each
+    ``chunk_size``-token chunk gets a landmark (its mean post-RoPE key); the ``outlier_chunks``
+    chunks per KV head their landmark represents worst, the partial chunk at each row's start and
+    the last ``local_window`` tokens stay exact on the device; values move to a host tier (pinned
+    memory on CUDA). Each decode step scores chunks by ``q . landmark``, shortlists ``rerank``
+    times what the budget allows, re-scores the shortlist on keys rebuilt from the factors (RoPE
+    at their original positions), fetches the chosen chunks' values (reusing the previous step's)
+    and attends exact + chosen + generated tokens under one softmax (`kvpress.kernels.rows.attend_rows`
+    on CUDA and as a compiled call on fp32 CPU; ``sparse_decode`` + ``merge_states`` otherwise).
 
-    Each decode step scores the chunks with ``q . landmark`` (GQA group reduced), picks the top
-    chunks per KV head that fit the budget, rebuilds their keys from the factors with RoPE at
-    their original positions (fused Triton kernel on GPU), fetches their values from the host
-    (chunks fetched for the previous step are reused) and attends over exact tokens + selected
-    chunks + generated tokens: on CUDA in one `kvpress.kernels.rows.attend_rows` launch (one
-    softmax over the three stores; session 34: the step is host-bound there, and this took 35%
-    of its launches off), with ``backend="torch"`` and on other devices through ``sparse_decode``
-    per store merged by ``merge_states`` (the reference), on fp32 CPU as compiled calls (below).
+    ``budget`` counts every token a KV head attends per step, the always-exact ones included; when
+    it covers the prompt nothing is factored and the policy equals ``full``. Deviations from the
+    paper's defaults: ``rank=None`` keeps a quarter of ``num_kv_heads * head_dim`` (the paper's
+    fixed 160 suits Llama-3-8B's 1024, not a 192-wide model), and ``rerank=8`` re-scores a
+    shortlist on rebuilt keys, since a mean key can hide the one key a query matches
+    (``rerank=1`` is the paper's landmark-only selection).
 
-    Two choices differ from the paper's Llama-3-8B setting, both measured on SmolLM2 (4k needle
-    tasks, budget ~3% of the context): ``rank=None`` (default) keeps a quarter of the key
-    dimension ``num_kv_heads * head_dim`` (48 of SmolLM2's 192; the paper's fixed 160 is 1/6.4 of
-    Llama-3-8B's 1024 but 5/6 of SmolLM2's, which left the device holding over half of ``full``),
-    so device bytes stay near 1/8 (factor) + 1/16 (landmarks) of ``full`` plus the exact parts.
-    ``rerank`` (default 8): landmarks shortlist ``rerank`` times the chunks the budget allows,
-    and exact scores on their rebuilt keys pick the final ones. A landmark is a mean key, so a
-    chunk holding one key the query matches (a needle in filler) can rank below chunks of
-    uniformly mediocre keys; the re-ranking costs a rebuild of the shortlist (``rank`` MACs per
-    key element) but fetches values only for the chosen chunks. ``rerank=1`` is the paper's
-    landmark-only selection.
+    Options (all off by default, so the default is the paper's method):
 
-    ``budget`` counts every token a KV head attends per step: exact tokens (row-start partial
-    chunk, outliers, window) + selected chunks * ``chunk_size`` + generated tokens. Generated
-    tokens are always attended, so once they alone exceed the budget the step attends more
-    (layer attribute ``max_attended`` reports it). When the budget covers the prompt every chunk
-    is kept exact and no SVD is made, so the policy equals ``full``.
+    - ``tail_chunk=N``: the selectable tokens a step leaves out are estimated per N-token group
+      (mean landmark as key, mean value as value; `kvpress.kernels.landmark_tail_estimate`) and
+      merged into the softmax, as in RetroInfer (arXiv 2505.02922).
+    - ``select="tokens"``: the shortlist's tokens are chosen one by one by their rebuilt keys'
+      exact scores instead of whole chunks (same attended and fetched counts).
+    - ``fetch_keys=True``: the host tier also holds exact keys, fetched beside the values of the
+      attended tokens; the low-rank keys only select. Doubles host bytes and traffic.
+    - ``residual_bits=N`` (2, 4, 8): the host tier holds each key's residual from its rebuild,
+      quantized per token in groups of ``residual_group`` channels, fetched beside the values and
+      added to the rebuilt keys (at 2 bits +19% of bf16 values' traffic). Excludes ``fetch_keys``.
+    - ``svd="query"``: the SVD minimises the error of the prompt's query-key scores (key channels
+      weighted by the queries' mean square, per rotary pair) instead of the keys' squared error;
+      needs the prompt's queries, so the policy runs its own prefill.
+    - ``fold_size=N`` (None: a quarter of the budget): tokens after the prompt are held exactly
+      until ``local_window + N`` of them, then the oldest fold into the store (factors, landmarks,
+      values to the host), so long generations and later turns keep the budget and device bytes
+      bounded; 0 keeps them all exact, as the paper does.
 
-    Measured limit (SmolLM2, 4096 tokens, 8 samples per task, greedy; full: niah_single 1.00,
-    niah_multikey 0.62, niah_multivalue 0.62; the command in ``double_sparsity``'s docstring).
-    Budget 256 is the issue's operating point: ~19 selected chunks (152 tokens, 3.7% of the
-    context) + the always-on 8 outlier chunks, 32-token window and row-start chunk, all counted::
+    A prompt in several forwards is held densely until it ends, then factorised as one forward's
+    would be; a new turn attends every stored token densely (keys rebuilt, values fetched once);
+    an assisted-decoding verification runs as that many decode steps.
 
-        budget  niah_single  niah_multikey  niah_multivalue
-        256     1.00         0.38           0.41
-        128     0.38         0.12           0.03
-
-    The target (>= 95% of full) is not met on the multi-needle tasks. At 4k the misses came
-    from the low-rank keys, not the selection: on niah_multikey sample 0 (answer of another
-    key) rank=192 (exact keys) answers and rank=56 does not; ``rerank=1`` (landmarks only), ``score_reduction=
-    "max"`` and ``outlier_chunks=4`` fix none of the failing samples (multikey 0, 2; multivalue 0, 3,
-    6). SmolLM2's pre-RoPE keys keep 95-98% of their energy at rank 48 (96.5-99% at 64, layers
-    2-29), against the near-lossless rank 160 of 1024 the paper reports for Llama-3-8B, and rank
-    above ~56 breaks the <= 25%-of-full device bytes at 8k (the factor alone is rank / 384 of full).
-    At 8192 tokens (session 6: ``--tasks niah_single --lengths 8192 --samples 24 --budgets 256``,
-    3.1% of the context) it answers 7 of full's 13 needles (54%; the misses keep the first digits
-    and then stop or stray, e.g. ``641021.`` for 6410216) with 21.8% of full's bytes on the device.
-    There the shortlist, not the keys, is the loss (session 10): on the 6 lost needles exact keys
-    (``rank=192``) with the default shortlist recover 1, ranks 96 and 128 none, while a longer
-    shortlist at the default rank recovers 4 (``rerank=32``; ``rerank=128``, every chunk, 3).
-    ``rerank=32`` answers 11 of the 13 over all 24 samples (85%; ``exact_topk@256``, exact token
-    selection of the same budget, 77%), and at 4k 81% of ``full`` on 32 niah_multivalue samples
-    against the default's 70%; but it rebuilds 32x the allowed chunks per step (56% of the
-    chunks at 8k, all of them at the GPU benchmark's 32k) and doubles the decode time on CPU, so
-    the default stays 8.
-
-    On a GPU (H100, random-weight Llama-3-8B shape, 32k prompts, budget 1120, rank 48;
-    ``bench_shadowkv speed``, BENCHMARKS "Session 8"): device bytes 0.107x of ``full``'s and
-    batch 8 fits where ``full`` stops at 4, but a step is 4-6x slower (30.8 tokens/s at batch 8
-    against ``full``'s 58.1 at batch 4): 61 MiB of values fetched per row per step from pinned
-    host memory with a reuse rate of 0.03 (random weights pick new chunks every step) and many
-    small launches per layer.
-
-    ``tail_chunk=N`` (0 = off, the default; a multiple of ``chunk_size``) adds an estimate of the
-    selectable chunks a step leaves out, merged by `merge_states` (RetroInfer's estimation zone,
-    arXiv 2505.02922; the same idea as the selection policies' ``tail_chunk``, see
-    ``exact_topk``): each N-token group of them stands for its tokens with the mean of their
-    landmarks as key and their mean value as value (`kvpress.kernels.landmark_tail_estimate`).
-    Keys come from the landmarks already on the device; the values' fp32 sums per group are new
-    device bytes (``4 / N`` per value element: 0.8% of ``full`` at N = 64 on fp32 SmolLM2), and
-    the chunks attended exactly are subtracted with the values they fetched.
-    Measured (session 12, BENCHMARKS "Session 12", 8k niah_single, 24 samples, budget 256; full
-    answers 13): the tail alone keeps 9 needles (69%; the default 7), since the shortlist still
-    misses chunks; with ``rerank=32`` (11 alone) it keeps all 13 (100%), at 22.6% of ``full``'s
-    bytes on the device. On 4k niah_multivalue (32 samples) the tail moves the default from 70.0%
-    to 72.5% of ``full``: there the low-rank keys are the loss (see above); ``rerank=32`` with the
-    tail scores 90.0% of ``full`` over all 32 (session 13; 92.2% over the first 22). At 8k over
-    39 samples that configuration keeps 20 of ``full``'s 22 needles (90.9%; sessions 13-14, two
-    digits dropped in the copy), over all 48 25 of 29 (86.2%; samples 39-47 in session 20 lose
-    #43 and #46). In that configuration the keys are not what loses at 4k (session
-    20, five of the multivalue samples it loses, BENCHMARKS "Session 20"): exact keys
-    (``rank=192``), ``rank=96``, no outlier chunks with every chunk re-scored on exact keys, and a
-    320-token budget each leave samples 8, 16 and 21 lost, which exact *token* selection
-    (``exact_topk@256``) keeps -- the chunk granularity at this budget is.
-
-    ``select="tokens"`` (default ``"chunks"``, the paper's): the re-ranked shortlist's tokens are
-    chosen one by one -- the top ``allow * chunk_size`` single tokens by their rebuilt keys' exact
-    scores, the same number of attended tokens and fetched values as the chunks would give --
-    instead of whole chunks, since at this budget the chunk granularity is what loses (above).
-    Values are read from the host tier a token at a time (reuse counted per token); with
-    ``tail_chunk`` a chunk partly attended stays in the estimate for the tokens it has left (its
-    landmark still stands for their keys). The compiled CPU step selects tokens too (session 30:
-    ``native.shadowkv_select(tokens=True)``; before, only the torch path did).
-    Measured with ``rerank=32:tail_chunk=64`` at budget 256 (session 29, BENCHMARKS "Session 29
-    (CPU)"): 27 of ``full``'s 29 8k niah_single needles (chunks: 25), and on 64 4k
-    niah_multivalue samples 93.0% of ``full`` (chunks 87.3% on the same): better at both, not
-    95%; session 30 added samples 0-63 (97.2%): 95.0% over 128 4k multivalue samples, still 27 of
-    29 at 8k; 4k niah_single 32 of 32 (session 31). CPU decode at 8k (session 30, one thread):
-    0.67x ``full`` with the compiled step, as fast as chunks in the same configuration (0.68x;
-    the torch path 0.33x); chunks stay the default as the paper's method. Of the two 8k needles
-    it loses (session 30, BENCHMARKS "Session 30 (CPU)"), #36 is lost by exact top-k selection
-    too (every selection drops the needle's last digit at this budget) and #46 by the low-rank
-    keys: ``rank=192`` keeps it, ranks 56 and 64, ``rerank`` 64 / 128 and ``tail_chunk=32`` do
-    not; rank 56 is the most the 25% device-bytes line allows at 8k (24.7% of ``full``).
-
-    ``fetch_keys=True`` (default False, the paper's rebuild): the host tier also holds the exact
-    post-RoPE keys, and the tokens a step attends (selected chunks or tokens, a new turn's every
-    chunk) use their exact keys, fetched beside their values (same reuse, the bytes counted);
-    the low-rank keys only select. On the device only the step's fetched keys are added (kept
-    for the next step's reuse, like its values); host bytes and fetched bytes double. On
-    SmolLM2 at 8k the rebuilt keys, not the selection, lose needle #46 (session 32: kept with
-    exact keys for the tokens a rank-48 selection picks): at rank 48 the attention of the
-    prompt's last queries is 0.22 in total variation from the exact keys' on average over the
-    layers, 0.13 at rank 96 (`benchmarks/shadowkv_key_error.py`). With
-    ``rerank=32:tail_chunk=64:select=tokens:fetch_keys=True`` at budget 256 (session 32,
-    BENCHMARKS "Session 32"): 28 of ``full``'s 29 8k niah_single needles (only #36, which exact
-    top-k loses too) with 23.3-23.7% of ``full``'s bytes on the device; 4k niah_multivalue 103.3%
-    [97.7-109.3%] of ``full`` over 128 samples (keys rebuilt: 95.0%), niah_single 32 of 32, so
-    this configuration meets the issue's 95% at both lengths; CPU decode at 8k 0.68x ``full``
-    (rebuilt: 0.73x in the same run). The default configuration with it: 78.8% of ``full`` on
-    32 4k niah_multivalue samples (rebuilt 70.0%). The paper's rebuild stays the default: on a
-    GPU it saves half the host link's traffic, which this option spends.
-
-    ``residual_bits=N`` (default 0: off; 2, 4 or 8): keeps the paper's rebuild and corrects it.
-    The host tier also holds, per token, the post-RoPE key less its rebuild from the factors,
-    quantized per token in groups of ``residual_group`` channels (None: 32, or the largest
-    allowed group dividing head_dim), and the tokens a step attends use rebuilt key + residual,
-    the residual fetched beside the values in the same plan (same reuse, bytes counted; a new
-    turn's dense pass too). Each fold rebuilds its chunks once to take their residual. At 2 bits
-    and head_dim 64 a token's residual is 24 bytes per KV head against 128 of bf16 values
-    (+19% fetched and host bytes; ``fetch_keys``: +100%), and on the device only the step's
-    fetched rows are added. On SmolLM2 (8k niah_single sample 46, the prompt's last 16 queries,
-    `benchmarks/shadowkv_key_error.py --residual-bits 2,4`, session 35) the attention's total
-    variation from the exact keys' falls from 0.219 at rank 48 to 0.086 with a 2-bit residual
-    (rank 96 alone: 0.126) and 0.017 with 4 bits. With
-    ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` at budget 256 it keeps 28 of
-    ``full``'s 29 8k niah_single needles (only #36, which exact top-k loses too; #46, lost by the
-    rebuilt keys alone at every rank the 25% line allows, comes back) with 22.7-22.9% of
-    ``full``'s bytes on the device, 100.3% [94.1-107.1%] of ``full`` over 128 4k niah_multivalue
-    samples (session 37, after the token tail estimate stopped shrinking a group with under one
-    chunk left; 102.3% before) and 32 of 32 4k niah_single needles; CPU decode at 8k 0.65-0.72x
-    ``full`` (0.67-0.73x without the residual in the same runs; on fp32 CPU the correction, the
-    tokens' tail estimate and its merge are compiled calls; BENCHMARKS "Session 35 (CPU)",
-    "Session 36", "Session 37 (CPU)"). On an H200 its batch-8 step took 2.4x that of
-    the same selection without it (one run, cause not yet found; "Session 36"). At rank 24 (``svd="query"``) the 2-bit residual
-    is not enough: 26 of the 29 8k needles.
-
-    ``svd="query"`` (default ``"plain"``, the paper's): the SVD minimises the error of the scores
-    the prompt's queries would compute instead of the keys' squared error -- each key channel
-    weighted by the mean square of the prompt's queries of its KV head's group in that channel,
-    averaged over each rotary pair (RoPE rotates a pair by the relative position, so only the
-    pair's total reaches every position; it is the same before and after RoPE). The basis is
-    then orthonormal in that metric and folded keys are projected in it; the weights (one per key
-    channel and row) stay on the device. It needs the prompt's queries, so the policy runs its
-    own prefill (``prefills_densely()`` is False). On SmolLM2 (8k niah_single sample 46, the
-    prompt's last 16 queries, `benchmarks/shadowkv_key_error.py`, session 32) it brings the
-    attention's total variation from the exact keys' to 0.135 at rank 48, against 0.219 for the
-    plain SVD at rank 48 and 0.126 at rank 96, i.e. about the plain SVD's accuracy at half the
-    rank. Task scores did not move: the default configuration with it scores 70.0% of ``full``
-    on 32 4k niah_multivalue samples, as without it (6 answers differ, 3 each way; session 32),
-    and rebuilt at rank 56 or 64 with it the keys still lose 8k needle #46 (session 33). Where
-    the low-rank keys only select (``fetch_keys=True``) it halves the rank the selection needs:
-    ``rerank=32:tail_chunk=64:select=tokens:fetch_keys=True:svd=query:rank=24`` at budget 256
-    keeps 28 of ``full``'s 29 8k niah_single needles (only #36, as rank 48 does) with 16.9-17.3%
-    of ``full``'s bytes on the device (rank 48: 23.3-23.7%), 103.6% [98.1-110.0%] of ``full``
-    over 128 4k niah_multivalue samples (rank 48: 103.3%) and 32 of 32 4k niah_single needles
-    (BENCHMARKS "Session 33 (CPU)").
-
-    CPU decode (session 20): on fp32 CPU tensors ``backend="auto"`` runs a step as two compiled
-    calls (`kvpress.kernels.native`): ``shadowkv_select`` (landmark scores, shortlist, the
-    shortlist's keys rebuilt with RoPE, exact re-scoring, the chosen chunks' keys) and
-    ``attend_rows`` (generated, exact and chosen tokens under one softmax), with the value fetch
-    (and the tail) in Python between them; same tokens and transfers as the torch path (tests).
-    At 8k on SmolLM2 (``kvpress bench --interleave``, budget 256, one / two threads) the default
-    decodes at 1.32x / 1.24x ``full`` (the torch path 0.74x / 0.69x) and ``rerank=32:tail_chunk=64``
-    at 0.82x / 0.77x (torch 0.38x) -- its 32x shortlist's key rebuild is the cost -- so defaults stay.
-    At 4k, where ``full``'s attention costs half as much, the default is at 0.85x (two threads;
-    torch 0.46x): per layer its step is mostly the 8x shortlist's rebuild (rank x head_dim
-    multiply-adds per key), which the paper's landmark-only selection (``rerank=1``) skips.
-
-    Several tokens after the prompt: assisted decoding's verification (past recording on) runs
-    as that many decode steps, so prompt lookup keeps plain decoding's tokens; a new turn (a
-    second ``generate`` on the cache, any other multi-token forward) is a prompt continuation, as
-    for the selection policies: its tokens attend every exact token, every selectable chunk (keys
-    rebuilt, values fetched once: counted as one fetch) and each other densely, then stay as
-    generated tokens (session 26; before, a turn ran as one decode step per token, 4.5x ``full``'s
-    turn at 4k; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26"). Session 27
-    tried letting each turn token attend only the chunks its own decode step would select: on
-    SmolLM2 it answered the same needles (a first turn's, asked in a 1024-token second turn) at a
-    higher cost, so the dense pass stays (BENCHMARKS "Session 27").
-
-    A prompt in several forwards (``generate(prefill_chunk_size=N)``) is held densely until it
-    ends, then factorised as one forward's would be (`kvpress.cache.PolicyCache.prompt`).
-
-    Tokens after the prompt (generated ones, a new turn's) are first kept exactly on the device
-    and count against the budget, so without folding a long turn leaves no chunk to select: on
-    SmolLM2 (4k, budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS "Session 27") a
-    needle of the first turn asked in a 1024-token second turn is lost every time with
-    ``fold_size=0`` and found with the default.
-    ``fold_size=N`` (default None: a quarter of the budget in whole chunks, 64 tokens at budget
-    256; 0 keeps them all exact, as the paper, which decodes short answers only): before a
-    decode step, once ``local_window + N`` are held, the oldest whole multiples of N join the
-    prompt's store -- keys as factors on the layer's basis (the prompt's SVD; a row without one,
-    whose prompt fit the budget, factors the first tokens it folds), landmarks, values to the
-    host tier, selectable like the prompt's middle chunks (no outlier chunks among them). So a
-    long generation or a long later turn keeps the budget and the device bytes bounded instead
-    of attending every token after the prompt at full precision. A row whose tokens so far still
-    fit the budget keeps its folded tokens exact (so the policy still equals ``full`` there).
-    Folds happen in decode steps only (a turn in one forward and in pieces fold alike); with
-    past recording on, a fold inside a verification is undone when ``crop`` takes back the step
-    that made it (the store before it is held until the next forward).
+    On SmolLM2-135M at budget 256, ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` (the
+    ``shadowkv-offload`` preset) keeps 28 of ``full``'s 29 8k niah_single needles and 100.3% of its
+    4k niah_multivalue score with 22.7-22.9% of ``full``'s bytes on the device; on CPU it decodes
+    at 0.62-0.65x ``full``, and on an H200 the default decodes host-bound at a fraction of
+    ``full``'s speed (BENCHMARKS.md: "`shadowkv` at budget 256", "`shadowkv` decode and bytes on
+    CPU", "`shadowkv` (default) against `full` on an H200").
     """
 
     budget: int = 2048

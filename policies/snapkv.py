@@ -28,10 +28,10 @@ class SnapKVPolicy(Policy):
     averaged over each KV head's query group. ``kernel_size`` defaults to 21, three times the
     paper's 7: tokenizers that split numbers into single digits (SmolLM2, Llama-3) spread a
     7-digit value over 7+ tokens after the key phrase the window attends to. A +-3 pool kept only
-    its first digits (SmolLM2 at 4k: needle answers cut to 4 digits even at budget 1024); +-7 (15,
-    the default until session 28) still dropped the last digit at budget 256: on 4k niah_single
-    (32 samples) 15 keeps 9 / 22 / 75% of ``full``'s needles at budgets 128 / 256 / 1024 (session
-    9), 21 keeps 72 / 84 / 100% (BENCHMARKS "Session 28"). Every KV head keeps the window plus its own top
+    its first digits (SmolLM2 at 4k: needle answers cut to 4 digits even at budget 1024); +-7 (15)
+    still dropped the last digit at budget 256: on 4k niah_single (32 samples) 15 keeps 9 / 22 /
+    75% of ``full``'s needles at budgets 128 / 256 / 1024, 21 keeps 72 / 84 / 100% (BENCHMARKS.md
+    "Selection and eviction at budgets 128-1024"). Every KV head keeps the window plus its own top
     ``budget - window_size`` tokens; the other keys and values are dropped, so resident bytes
     shrink to ``budget`` tokens per head.
 
@@ -50,8 +50,7 @@ class SnapKVPolicy(Policy):
     positions, evicted ones counting 0) and each KV head keeps its top ``budget`` with the turn's
     window; later decode steps evict by these scores. A first turn's token the first selection
     dropped stays lost: the question that needed it came too late. With a 3k-token first turn and a
-    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``, BENCHMARKS
-    "Session 28") this answers 6 of 8 needles placed in the second turn (0 of 8 without; 3 of 8
+    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``) this answers 6 of 8 needles placed in the second turn (0 of 8 without; 3 of 8
     with the older 15-token pool, whose misses dropped the value's last digit) and, as before,
     none of the first turn's. A turn shorter than the window is
     scored by its few queries (the older window tokens stay); ``reselect_turns=False`` keeps the
@@ -62,7 +61,7 @@ class SnapKVPolicy(Policy):
     token takes does not depend on the queries, so the steps' slots are planned first and the
     queries attend at once, each over the keys its step would see (a 256-token turn after a
     4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s; as one decode step per
-    token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``, BENCHMARKS "Session 26"). Left-padded
+    token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``). Left-padded
     rows filling their free slots are planned too; more evictions by score than a row has scored
     prompt tokens (a budget barely above ``window_size``) falls back to one step per token. There
     the turn's tokens pass through the window as generated ones do (only its last ``window_size``

@@ -77,7 +77,7 @@ class TidalPolicy(Policy):
     attends what KV head ``h`` of the selection layer chose, although the two heads share only
     an index. On SmolLM2 (3 KV heads), 32 niah_single samples at 4k, sharing keeps 62 / 72 /
     84 / 97% of ``full``'s needles at budgets 128 / 256 / 512 / 1024 against the default's
-    19 / 34 / 53 / 75% (BENCHMARKS "Session 10"), but at 8k and budget 256 it answers 1 of
+    19 / 34 / 53 / 75%, but at 8k and budget 256 it answers 1 of
     ``full``'s 13 needles, as the default does.
 
     Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
@@ -91,21 +91,22 @@ class TidalPolicy(Policy):
     budget, GQA reduction, index and kernel) answers 4 of 4, so the loss is the reuse itself.
     Over 32 niah_single samples at 4k: 19 / 34 / 53 / 75% of ``full``'s needles at budgets
     128 / 256 / 512 / 1024, against ``exact_topk``'s 97 / 100 / 100 / 100% (every layer
-    selecting by exact scores; BENCHMARKS "Session 9" and "Session 10").
-    At 8192 tokens (24 niah_single samples, session 6) it answers 1 needle to full's 13: the
+    selecting by exact scores; ``tidal``'s row in BENCHMARKS.md "Selection and eviction at budgets
+    128-1024").
+    At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13: the
     first digits come out right and the number then breaks off or goes astray.
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
-    ~3x (``kvpress bench --interleave``, BENCHMARKS "Session 6").
-    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024; BENCHMARKS "Session 8"): the
+    ~3x (``kvpress bench --interleave``; BENCHMARKS.md "Query-aware decode on CPU" has the current run).
+    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024): the
     decode kernel reads the budget 7.8x (batch 1) / 22x (batch 8) faster than dense SDPA, but a
     whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
     end to end it is slower than ``full`` (97.3 vs 79.4 ms/token with the per-layer attention
     timer, attention 60.1 vs 44.5 ms).
 
     ``tail_chunk`` (off by default) adds the chunk-mean estimate of the tokens left out in the
-    reusing layers (see ``exact_topk``); at 8k / 256 it answers 1 of ``full``'s 13 needles
-    (BENCHMARKS "Session 11"): the reused selection, not the tail, loses them.
+    reusing layers (see ``exact_topk``); at 8k / 256 it answers 1 of ``full``'s 13 needles:
+    the reused selection, not the tail, loses them.
     """
 
     budget: int = 256

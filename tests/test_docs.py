@@ -18,3 +18,49 @@ def test_ci_runs_the_readme_test_command():
     match = re.search(r"<!-- test-command -->\n```bash\n(.+)\n```", readme)
     assert match and "pytest" in match.group(1) and "torch==2.13.0" in match.group(1)
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_quickstart_is_complete_python():
+    """The quickstart compiles, defines its input before generating, and names a policy that resolves (running
+    it takes a minute on CPU; tests/test_smollm2.py generates with the embedded model under policies)."""
+    import kvpress
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    code = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    compile(code, "README quickstart", "exec")
+    assert code.index("input_ids =") < code.index("model.generate(input_ids")
+    for name in re.findall(r'get_policy\("([^"]+)"\)', code):
+        kvpress.get_policy(name)
+
+
+def test_benchmarks_md_is_generated_from_the_result_files():
+    from kvpress.evals import benchmarks_md
+
+    text = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert benchmarks_md.render(ROOT / "benchmarks" / "results") == text, (
+        "BENCHMARKS.md is generated: edit benchmarks/results/*.json and run `python -m kvpress.evals.benchmarks_md`"
+    )
+
+
+def test_a_bad_result_file_is_a_clear_error(tmp_path):
+    import json
+
+    import pytest
+
+    from kvpress.evals import benchmarks_md
+
+    good = {"title": "t", "section": "cpu", "order": 1, "command": "c", "machine": "m", "date": "d",
+            "columns": ["a", "b"], "rows": [["1", "2"]]}
+    (tmp_path / "t.json").write_text(json.dumps(good))
+    assert "| 1 | 2 |" in benchmarks_md.render(tmp_path)
+    (tmp_path / "t.json").write_text(json.dumps({**good, "rows": [["1"]]}))
+    with pytest.raises(ValueError, match="1 cells for 2 columns"):
+        benchmarks_md.render(tmp_path)
+    (tmp_path / "t.json").write_text(json.dumps({**good, "section": "misc"}))
+    with pytest.raises(ValueError, match="allowed"):
+        benchmarks_md.render(tmp_path)
+    bad = dict(good)
+    del bad["command"]
+    (tmp_path / "t.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="missing \\['command'\\]"):
+        benchmarks_md.render(tmp_path)

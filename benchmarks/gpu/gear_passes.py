@@ -1,11 +1,11 @@
-"""gear's CUDA decode (torch reads of the packed store) with session 29's pass sizes and the old
-ones, in one run (CUDA only).
+"""gear's CUDA decode (torch reads of the packed store) with the GPU's pass sizes and the CPU's,
+in one run (CUDA only).
 
     python benchmarks/gpu/gear_passes.py [--length 32768] [--new-tokens 6]
 
 ``kvpress bench`` on the random Llama-3-8B shape, ``full`` and ``gear`` with the GPU's pass sizes
 (``CUDA_CHUNK_BYTES``, ``CUDA_OUTLIER_CHUNK``), then ``gear`` again with the CPU's (4 MiB
-chunks, 1024-token outlier passes: what CUDA used before session 29).
+chunks, 1024-token outlier passes), which are several times slower there.
 """
 import argparse
 
@@ -21,5 +21,5 @@ args = ap.parse_args()
 loaded = load_eval_model("random-llama3-8b-32l", device="cuda")
 run_bench("random-llama3-8b-32l", ("full", "gear"), lengths=(args.length,), new_tokens=args.new_tokens, loaded=loaded)
 kq.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK = kq.CHUNK_BYTES, gear.OUTLIER_CHUNK
-print("# gear with the CPU's pass sizes (before session 29 on CUDA):")
+print("# gear with the CPU's pass sizes:")
 run_bench("random-llama3-8b-32l", ("gear",), lengths=(args.length,), new_tokens=args.new_tokens, loaded=loaded)

@@ -4,7 +4,7 @@
 
 For each context and index: host time per eager call (launches queued without a sync), host +
 device time per call, and device time alone from CUDA-graph replays; then a cProfile of the
-sparse_decode launcher. Session 8 ran it on an H100 (BENCHMARKS "Session 8").
+sparse_decode launcher.
 """
 import cProfile, pstats, io, time, torch
 import torch.nn.functional as F

@@ -5,8 +5,8 @@
 Prefills a random prompt, times 5 greedy decode steps (synchronised), then prints torch.profiler
 tables (self CPU time, self device time) of 2 more steps for each SPEC: ``plain`` (the unpatched
 model with its DynamicCache) or a policy spec (``full``, ``quest:budget=1024``, ``shadowkv:...``).
-Default: plain, full, quest:budget=1024 -- session 8's run on an H100 (BENCHMARKS "Session 8").
-``BATCH`` (environment, default 1): prompts per batch (session 36: ShadowKV's residual at batch 8).
+Default: plain, full, quest:budget=1024.
+``BATCH`` (environment, default 1): prompts per batch.
 """
 import contextlib, os, sys, time, torch, kvpress
 from torch.profiler import profile, ProfilerActivity

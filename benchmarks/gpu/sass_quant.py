@@ -6,12 +6,11 @@ Runs the launcher (`kvpress.kernels.triton_quant.triton_quant_decode`) on CPU te
 sweep's shapes (Llama-3-8B attention, 32k tokens, fp16 queries) with the kernel replaced by a
 recorder, then compiles the recorded launch for sm_90 (`kvpress.kernels.triton_aot`) **with the
 specialization a CUDA launch adds**: ``tt.divisibility=16`` on every pointer and on every integer
-argument divisible by 16, integers equal to 1 as constants (session 29 compiled without these
-hints and wrongly concluded that Triton pipelines none of the loads; with them the tile loads go
-through ``cp.async``). Prints the resource use (registers, spill stack, static shared memory) from
+argument divisible by 16, integers equal to 1 as constants (without these hints
+Triton pipelines none of the loads; with them the tile loads go through ``cp.async``). Prints the resource use (registers, spill stack, static shared memory) from
 ``cuobjdump -res-usage`` and instruction counts from ``cuobjdump -sass`` (the cuobjdump bundled
 with Triton's NVIDIA backend): the whole kernel's, and the tile loop's (``loop``, what a warp
-issues per tile, with its most frequent opcodes; session 43).
+issues per tile, with its most frequent opcodes).
 """
 from __future__ import annotations
 
@@ -107,7 +106,7 @@ def main(argv=None):
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--pps", type=int, default=16)
     ap.add_argument("--stages", type=int, default=None)
-    ap.add_argument("--no-ptx", action="store_true", help="codes by int -> float conversions (session 29's form)")
+    ap.add_argument("--no-ptx", action="store_true", help="codes by int -> float conversions (the form without PTX_CODES)")
     args = ap.parse_args(argv)
     saved = (tq.OVERRIDE, tq.NUM_STAGES, tq.PTX_CODES)
     if args.tile is not None:

@@ -11,8 +11,7 @@ at 32k / 128k, batch 1 and 8. Device time per call from CUDA-graph replays
 (``graph_timeit``) against bf16 SDPA, each configuration checked against the dequantizing
 reference first (relative error, NaN-free). Batch 1 rotates over ``--sets`` copies of its
 inputs (4-bit at 32k is 42 MB, under an H100's 50 MB L2: one copy would be timed from cache).
-Session 29 also swept scales folded out of the tiles and a register prefetch (slower; see the
-kernel's docstring). Ends with a table; ``--out`` gets the rows as JSON.
+Ends with a table; ``--out`` gets the rows as JSON.
 """
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ def main(argv=None):
           f"{time.time() - t_start:.0f} s", flush=True)
 
 
-# EARLY_LOADS, FP32_SCALES, PTX_CODES; session 29 compared the first two against its default
-# (= "conversions"), session 30 "conversions" against "default"
+# EARLY_LOADS, FP32_SCALES, PTX_CODES; "conversions" is the form without PTX_CODES
 FORMS = {"late_v": (False, False, True), "loads_first": (True, False, True), "conversions": (True, True, False),
          "default": (True, True, True)}
 
@@ -182,7 +180,7 @@ def forms(args, dev):
                 for name in names:
                     tq.EARLY_LOADS, tq.FP32_SCALES, tq.PTX_CODES = FORMS[name]
                     for bn in ((64, 128) if bits == 4 else (128,)):
-                        tq.OVERRIDE = (bn, 4, 8)  # the configuration of the session 29 and 30 A/Bs
+                        tq.OVERRIDE = (bn, 4, 8)  # one fixed configuration for every form
                         t, err = _measure(ins, bits, dev)
                         rows.append(dict(form=name, block_n=bn, bits=bits, B=B, T=T, rep=rep, us=t * 1e3, err=err,
                                          dense_us=dense * 1e3))

@@ -1,6 +1,6 @@
 """The benchmark scripts behind BENCHMARKS.md run end to end on CPU with the tiny random model.
 
-The GPU figures the issues ask for come from these same scripts with a bigger model and
+The GPU figures come from these same scripts with a bigger model and
 ``--device cuda``; these runs keep their code paths (model loading, policy options, correctness
 gates, tables, JSON) working on a machine without a GPU.
 """

@@ -1,5 +1,5 @@
 """benchmarks/count_step_ops.py: counts a decode step's torch ops on the CPU (the launches a
-host-bound GPU step issues; BENCHMARKS "Session 34")."""
+host-bound GPU step issues)."""
 import sys
 from pathlib import Path
 
@@ -23,8 +23,7 @@ def test_counts_ops_per_step_and_a_sparse_policy_issues_more_than_full(capsys):
 
 def test_an_interpreted_triton_launch_counts_once():
     """Under TRITON_INTERPRET=1 a launch runs through the interpreter's own torch ops (copies of its
-    arguments, hundreds per launch): they are not the step's, so a launch counts once (session 38;
-    before, ShadowKV's CUDA route read 1911 ops per step instead of 1411 on random-tiny at 768 tokens)."""
+    arguments, hundreds per launch): they are not the step's, so a launch counts once."""
     import os
     import subprocess
 
@@ -40,7 +39,7 @@ def test_an_interpreted_triton_launch_counts_once():
 
 def test_ops_that_wait_for_the_device_are_found():
     """``item``, ``nonzero`` and indexing by a boolean mask make the host wait when their input is
-    on a CUDA device (session 43's zipcache: ``q[:, :, keep]``); views launch nothing."""
+    on a CUDA device (e.g. ``q[:, :, keep]`` with a device mask); views launch nothing."""
     import torch
 
     x, mask = torch.randn(4, 5), torch.tensor([True, False, True, False, True])
@@ -57,8 +56,7 @@ def test_ops_that_wait_for_the_device_are_found():
 
 def test_zipcache_cuda_path_waits_for_nothing_and_attends_its_window_in_one_launch():
     """zipcache's fused (GPU) decode, counted under the interpreter: no line waits for the device
-    (session 43 profiled 4 waits per layer from its probe masks) and the window goes through
-    `attend_rows` (session 44)."""
+    (its probe bookkeeping is on the host) and the window goes through `attend_rows`."""
     import os
     import subprocess
 
@@ -73,7 +71,7 @@ def test_zipcache_cuda_path_waits_for_nothing_and_attends_its_window_in_one_laun
 
 def test_batch_rows_issue_no_more_ops_than_one_row():
     """``--batch``: a step whose op count grew with the rows would loop over them on the host
-    (session 38 checked ShadowKV's residual this way: the same count at batch 1 and 8)."""
+    (ShadowKV's residual, for one, gives the same count at batch 1 and 8)."""
     one = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96"])
     three = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96",
                                  "--batch", "3"])
@@ -82,8 +80,8 @@ def test_batch_rows_issue_no_more_ops_than_one_row():
 
 def test_a_full_window_decode_step_builds_no_index(capsys):
     """Once its sinks and window are full, a `streaming` / `window` decode step writes its slot by
-    a host index and reuses one dense index (session 37): a few ops per layer beyond `full`'s
-    (before, ~50 per layer: the slot, visibility and index tensors rebuilt every step)."""
+    a host index and reuses one dense index: a few ops per layer beyond `full`'s (not the slot,
+    visibility and index tensors rebuilt every step)."""
     layers = 4  # random-tiny
     full = count_step_ops.main(["full", "--model", "random-tiny", "--length", "96"])
     for spec in ["streaming:sink_tokens=4:window_size=28", "window:window_size=32"]:
@@ -94,7 +92,7 @@ def test_a_full_window_decode_step_builds_no_index(capsys):
 
 def test_a_snapkv_eviction_step_is_a_few_ops_per_layer():
     """A full `snapkv` row evicts by one argmin and four scatters; its free-slot bookkeeping for
-    padded rows is skipped on the host (session 38; before, ~31 ops per layer beyond `full`'s)."""
+    padded rows is skipped on the host."""
     layers = 4  # random-tiny
     full = count_step_ops.main(["full", "--model", "random-tiny", "--length", "96"])
     ops = count_step_ops.main(["snapkv:budget=48:window_size=8", "--model", "random-tiny", "--length", "96"])

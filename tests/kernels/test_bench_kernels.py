@@ -15,8 +15,8 @@ def test_bench_kernels_cpu_smoke(tmp_path):
 
 
 def test_rotation_copies_cover_l2_and_alternate():
-    """GPU timings rotate over copies of inputs that would fit in L2 (session 29: the 4-bit cache
-    at 32k, 42 MB, was timed from cache at batch 1); large working sets are not copied."""
+    """GPU timings rotate over copies of inputs that would fit in L2 (the 4-bit cache at 32k,
+    42 MB, would be timed from an H100's 50 MB L2 at batch 1); large working sets are not copied."""
     from kvpress.evals.bench_kernels import L2_BYTES, copies_beyond_l2, rotating
 
     assert copies_beyond_l2(42e6) == 4 and copies_beyond_l2(134e6) == 2 and copies_beyond_l2(336e6) == 1

@@ -1,5 +1,5 @@
 """The fused quantized decode's launch configuration (``triton_quant.launch_config``): the rule
-session 30's H200 sweeps chose, whole key groups per tile, and the sweep's override."""
+the H200 sweeps chose, whole key groups per tile, and the sweep's override."""
 import pytest
 
 pytest.importorskip("triton")

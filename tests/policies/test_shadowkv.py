@@ -190,7 +190,7 @@ def test_low_budget_still_attends_exact_parts(model):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("extra", [{}, {"fetch_keys": True},
-                                   # the configuration that keeps SmolLM2's 8k needles (session 33)
+                                   # a configuration that keeps SmolLM2's 8k needles
                                    {"fetch_keys": True, "svd": "query", "select": "tokens", "rerank": 32},
                                    {"residual_bits": 4, "select": "tokens", "rerank": 32}],
                          ids=["default", "fetch_keys", "fetch_keys-svd_query-tokens", "residual4-tokens"])
@@ -538,8 +538,8 @@ def _token_tail_by_loops(q, landmarks, selectable, v, ids, *, cs, tail_chunk, sc
 @pytest.mark.parametrize("compiled", [False, True])
 def test_token_tail_keeps_a_group_mean_key_when_under_a_chunk_is_left(compiled):
     """A group with fewer tokens left than one chunk holds (``select="tokens"``: its chunks count
-    for their unattended tokens) keeps the mean of its landmarks as its key (until session 37 it
-    was divided by one chunk instead, shrinking it), in the torch code and the compiled twin."""
+    for their unattended tokens) keeps the mean of its landmarks as its key (not divided by one
+    chunk, which would shrink it), in the torch code and the compiled twin."""
     from kvpress.kernels import native
     from kvpress.policies._shadowkv_select import tail_estimate_tokens, tail_value_sums
 
