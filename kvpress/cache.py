@@ -44,6 +44,9 @@ class CacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     croppable = False  # transformers reads ``is_croppable``; see ``crop``
+    # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
+    # device positions over buffers sized in advance, so ``torch.compile`` captures it as one graph
+    static_decode = False
 
     def __init__(self, cache: "PolicyCache", layer_idx: int):
         super().__init__()

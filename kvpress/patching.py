@@ -333,7 +333,7 @@ def _make_pre_hook(session: _Session, base):
             )
         if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
             _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
-        past.begin_forward(mask, batch, new_tokens)
+        past.begin_forward(mask, batch, new_tokens, device=inputs.device)
         session.current_cache = past
         return args, kwargs
 
