@@ -59,10 +59,10 @@ class KVBuffer:
 
     def write_at(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one token per row ``k`` / ``v`` [B, H_kv, 1, D] at the index held by the device
-        tensor ``pos`` ([1] long; a static decode step), and count it. The caller has made room."""
+        tensor ``pos`` ([1] long; a static decode step). The caller has made room and counts it
+        (``length``)."""
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
-        self.length += k.shape[2]
 
     @property
     def keys(self) -> torch.Tensor:

@@ -45,9 +45,13 @@ class DenseLayer(CacheLayer):
             self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
         plan = self.cache.plan
         self.buffer.write_at(plan.start, k_new, v_new)
-        self.seen += 1
+        self.count_static_step()
         return static_decode_attention(q, self.buffer.k, self.buffer.v, scaling, end=plan.end,
                                        row_start=self.row_start)
+
+    def count_tokens(self, n: int) -> None:
+        self.seen += n
+        self.buffer.length += n
 
     def ingest_prefill(self, k, v):
         if not self.is_initialized:

@@ -42,7 +42,9 @@ class ForwardPlan:
 
     ``static`` is True for a decode step traced by ``torch.compile``: layers that support it then
     write and attend at the device positions ``start`` / ``end`` over their whole preallocated
-    capacity (fixed shapes, no host integer in any tensor operation).
+    capacity (fixed shapes, no host integer in any tensor operation). With ``defer_counts`` they
+    also leave their host token counts alone and mark themselves (``CacheLayer.counts_deferred``);
+    the code that called the compiled step advances them (:meth:`PolicyCache.count_deferred`).
     """
 
     kind: ForwardKind
@@ -50,6 +52,9 @@ class ForwardPlan:
     start: torch.Tensor  # [1] long: sequence index of the forward's first token
     end: torch.Tensor  # [1] long: start + new_tokens
     static: bool = False
+    # the caller advances the host counts after the step (``PolicyCache.count_deferred``): a compiled
+    # step then reads and writes no host integer at all
+    defer_counts: bool = False
 
     @property
     def is_decode(self) -> bool:

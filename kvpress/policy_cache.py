@@ -50,6 +50,7 @@ class PolicyCache(Cache):
         self.plan: ForwardPlan | None = None  # the forward in flight, decided once in `begin_forward`
         self.capacity: int | None = None  # tokens to preallocate for (`plan_capacity`), None: grow in buckets
         self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
+        self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
         self._end: torch.Tensor | None = None
         from .window_layers import SlidingWindowLayer  # kvpress.window_layers builds on this module
 
@@ -257,8 +258,17 @@ class PolicyCache(Cache):
         else:
             self._start.fill_(seen)
             self._end.fill_(seen + new_tokens)
-        self.plan = ForwardPlan(kind, new_tokens, self._start, self._end, static=static)
+        self.plan = ForwardPlan(kind, new_tokens, self._start, self._end, static=static,
+                                defer_counts=static and self.defer_counts)
         return self.plan
+
+    def count_deferred(self) -> None:
+        """Count the token each layer's static step stored with its host counts deferred (the caller
+        of a compiled decode step runs this after it; see ``ForwardPlan.defer_counts``)."""
+        for layer in self.layers:
+            if layer.counts_deferred:
+                layer.counts_deferred = False
+                layer.count_tokens(1)
 
     def _extend_padding(self, row_start: torch.Tensor, seen: int) -> None:
         """A later piece of an open prompt continues the padding of rows that were all padding so

@@ -377,7 +377,7 @@ class SinkWindowLayer(RecordingLayer):
         self.k.index_copy_(2, slot, k_new)
         self.v.index_copy_(2, slot, v_new)
         self.pos.index_copy_(1, slot, plan.start.expand(batch, 1))
-        self.seen += 1
+        self.count_static_step()
         pos = self._visible_pos(self._row_start(batch, q.device))
         visible = (pos >= 0) & ((plan.start - pos < self.window) | (self._slot[None, :] < self.sinks))
         return masked_decode_attention(q, self.k, self.v, scaling, visible)
