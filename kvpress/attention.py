@@ -76,6 +76,30 @@ def whole_cache_index(k: torch.Tensor, row_start: torch.Tensor | None, device) -
     return index
 
 
+def static_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
+                            end: torch.Tensor, row_start: torch.Tensor | None) -> torch.Tensor:
+    """One query per head ``q [B, H_q, 1, D]`` over a preallocated cache ``k, v [B, H_kv, C, D]`` whose
+    first ``end`` slots hold tokens (``end``: a [1] long device tensor; rows start at ``row_start``).
+
+    The shapes depend only on the capacity ``C`` and the visible slots come from a device tensor,
+    so a compiled decode step keeps one graph while the cache fills. The masked slots cost their
+    share of the work: the price of fixed shapes (a capacity bucket leaves at most ~12.5% slack).
+    """
+    slots = torch.arange(k.shape[2], device=q.device)
+    visible = (slots < end)[None, :]  # [1, C]
+    if row_start is not None:
+        visible = visible & (slots[None, :] >= row_start[:, None])  # [B, C]
+    return masked_decode_attention(q, k, v, scaling, visible)
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                            visible: torch.Tensor) -> torch.Tensor:
+    """One query per head ``q [B, H_q, 1, D]`` over the slots of ``k, v [B, H_kv, C, D]`` that
+    ``visible`` ([B or 1, C] bool, every row seeing at least one) marks; returns [B, H_q, 1, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None, None, :], scale=scaling,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def masked_group_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
                            scaling: float) -> torch.Tensor:
     """Grouped queries over keys each query row chooses, through SDPA with a boolean mask.

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from .plan import capacity_bucket
+
 
 class KVBuffer:
-    """Append-only K/V storage [B, H_kv, capacity, D] that grows in chunks.
+    """Append-only K/V storage [B, H_kv, capacity, D] that grows in buckets.
 
-    Capacity grows in fixed ``grow``-token steps, so a decode step copies the cache once every
-    ``grow`` tokens instead of on every token (``torch.cat``), and the slack never exceeds
-    ``grow`` tokens; the unused capacity is real memory and ``cache_stats`` counts it.
+    Capacity is a bucket of :func:`kvpress.plan.capacity_bucket` (a multiple of ``grow`` and of an
+    eighth of the power of two below the length, so the slack stays under ~12.5% past ``8 * grow``
+    tokens and a growing buffer reallocates a logarithmic number of times), or what
+    :meth:`reserve` asked for: a cache planned for a generation's whole length never reallocates
+    while it decodes. The unused capacity is real memory and ``cache_stats`` counts it.
     """
 
     def __init__(self, grow: int = 128):
@@ -20,17 +24,28 @@ class KVBuffer:
         self.v: torch.Tensor | None = None
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = k.shape[2]
+    @property
+    def capacity(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def reserve(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """Make room for ``tokens`` tokens in all (rounded up to a bucket); ``like_k`` / ``like_v``
+        give the batch, heads, head size, dtype and device of a first allocation."""
+        if tokens <= self.capacity:
+            return
+        cap = capacity_bucket(tokens, self.grow)
         if self.k is None:
-            cap = _round_up(n, self.grow)
             # Zeroed, not empty: masked kernels multiply unused slots by 0, and 0 * NaN is NaN.
-            self.k = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
-            self.v = v.new_zeros(v.shape[0], v.shape[1], cap, v.shape[3])
-        elif self.length + n > self.k.shape[2]:
-            cap = _round_up(self.length + n, self.grow)
+            self.k = like_k.new_zeros(like_k.shape[0], like_k.shape[1], cap, like_k.shape[3])
+            self.v = like_v.new_zeros(like_v.shape[0], like_v.shape[1], cap, like_v.shape[3])
+        else:
             self.k = _grow(self.k, self.length, cap)
             self.v = _grow(self.v, self.length, cap)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        if self.length + n > self.capacity:
+            self.reserve(self.length + n, k, v)
         self.k[:, :, self.length : self.length + n] = k
         self.v[:, :, self.length : self.length + n] = v
         self.length += n
@@ -42,6 +57,13 @@ class KVBuffer:
             self.v[:, :, length : self.length] = 0
         self.length = min(self.length, length)
 
+    def write_at(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token per row ``k`` / ``v`` [B, H_kv, 1, D] at the index held by the device
+        tensor ``pos`` ([1] long; a static decode step). The caller has made room and counts it
+        (``length``)."""
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+
     @property
     def keys(self) -> torch.Tensor:
         return self.k[:, :, : self.length]
@@ -49,10 +71,6 @@ class KVBuffer:
     @property
     def values(self) -> torch.Tensor:
         return self.v[:, :, : self.length]
-
-
-def _round_up(n: int, m: int) -> int:
-    return max(m, -(-n // m) * m)
 
 
 def _grow(x: torch.Tensor, length: int, cap: int) -> torch.Tensor:

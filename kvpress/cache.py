@@ -44,6 +44,9 @@ class CacheLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     croppable = False  # transformers reads ``is_croppable``; see ``crop``
+    # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
+    # device positions over buffers sized in advance, so ``torch.compile`` captures it as one graph
+    static_decode = False
 
     def __init__(self, cache: "PolicyCache", layer_idx: int):
         super().__init__()
@@ -51,6 +54,7 @@ class CacheLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.seen = 0  # tokens this layer has processed (left padding included)
         self.record_past = False  # set by activate_past_recording (assisted decoding)
+        self.counts_deferred = False  # a static step stored a token its caller still has to count
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -78,6 +82,18 @@ class CacheLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.seen
+
+    def count_tokens(self, n: int) -> None:
+        """Advance the host counts by ``n`` stored tokens (a static step's, maybe deferred: see
+        :attr:`kvpress.plan.ForwardPlan.defer_counts`)."""
+        self.seen += n
+
+    def count_static_step(self) -> None:
+        """A static decode step stored one token: count it now, or mark it for the caller."""
+        if self.cache.plan.defer_counts:
+            self.counts_deferred = True
+        else:
+            self.count_tokens(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0

@@ -3,7 +3,7 @@ model's own sliding window in ``kvpress.window_layers``, re-exported with ``Chun
 
 from __future__ import annotations
 
-from .attention import dense_causal_attention
+from .attention import dense_causal_attention, static_decode_attention
 from .cache import CacheLayer, KVBuffer
 from .chunk_tail import ChunkTail
 from .window_layers import SinkWindowLayer, SlidingWindowLayer, slot_index
@@ -19,22 +19,45 @@ class DenseLayer(CacheLayer):
     """
 
     croppable = True
+    static_decode = True
 
     def __init__(self, cache, layer_idx: int):
         super().__init__(cache, layer_idx)
         self.buffer = KVBuffer()
 
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static:
+            return self.static_step(q, k_new, v_new, scaling)
         q_start = self.seen
+        if self.buffer.k is None and self.cache.capacity:
+            self.buffer.reserve(self.cache.capacity, k_new, v_new)
         self.buffer.append(k_new, v_new)
         self.seen += k_new.shape[2]
         return dense_causal_attention(
             q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
         )
 
+    def static_step(self, q, k_new, v_new, scaling):
+        """One decode token at the plan's device position, attended over the whole capacity (the
+        slots past the position masked): the same shapes every step of a capacity bucket."""
+        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
+            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
+        plan = self.cache.plan
+        self.buffer.write_at(plan.start, k_new, v_new)
+        self.count_static_step()
+        return static_decode_attention(q, self.buffer.k, self.buffer.v, scaling, end=plan.end,
+                                       row_start=self.row_start)
+
+    def count_tokens(self, n: int) -> None:
+        self.seen += n
+        self.buffer.length += n
+
     def ingest_prefill(self, k, v):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
+        if self.buffer.k is None and self.cache.capacity:
+            self.buffer.reserve(self.cache.capacity, k, v)
         self.buffer.append(k, v)
         self.seen += k.shape[2]
 

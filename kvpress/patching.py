@@ -177,6 +177,8 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     handle = base.register_forward_pre_hook(_make_pre_hook(session, base), with_kwargs=True)
     modules = adapter.attention_modules()
     wrappers = {"_prepare_cache_for_generation": lambda f: _policy_cache_for_generate(session, f),
+                "prepare_inputs_for_generation": _inputs_keep_padding_mask,
+                "get_compiled_call": _compiled_call_counts_on_host,
                 "_prefill": _prompt_for_prefill,
                 "generate": lambda f: _generate_ends_recording(session, f),
                 "init_continuous_batching": _no_continuous_batching}
@@ -217,12 +219,66 @@ def _policy_cache_for_generate(session: _Session, prepare):
             past = model_kwargs.get(key)
             if isinstance(past, Cache) and not isinstance(past, PolicyCache) and past.get_seq_length() == 0:
                 model_kwargs[key] = _session_cache(session)
+                max_length = getattr(generation_config, "max_length", None)
+                if isinstance(max_length, int) and max_length > 0:
+                    model_kwargs[key].plan_capacity(max_length)
                 asked = getattr(generation_config, "cache_implementation", None)
                 if asked not in (None, "dynamic"):
                     warnings.warn(f"generate(cache_implementation={asked!r}) runs with the kvpress policy's cache "
                                   f"instead ({session.policy.name}); the requested cache is not used inside "
                                   "kvpress.apply", UserWarning, stacklevel=4)
         return out
+
+    return wrapped
+
+
+def _inputs_keep_padding_mask(prepare):
+    """``generate``'s per-forward input preparation, with the 2D padding mask handed to a policy
+    cache's forward as it is: transformers turns it into the 4D mask of a compileable cache, which
+    carries no left padding for kvpress (it builds its own masks). A decode step gets no mask at
+    all: the cache knows the rows' padding from the prompt, and a mask that grows by a column every
+    step would give a compiled step a new input shape every step."""
+    params = inspect.signature(prepare).parameters
+
+    def wrapped(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        cache = inputs.get("cache", inputs.get("past_key_values"))
+        if not isinstance(cache, PolicyCache) or "attention_mask" not in params:
+            return inputs
+        bound = inspect.signature(prepare).bind_partial(*args, **kwargs).arguments
+        mask = bound.get("attention_mask")
+        tokens = inputs.get("input_ids")
+        if tokens is None:
+            tokens = inputs.get("inputs_embeds")
+        decode = (tokens is not None and tokens.shape[1] == 1 and cache.get_seq_length() > 0
+                  and not cache.prompt_open)
+        inputs["attention_mask"] = None if decode or mask is None or mask.dim() != 2 else mask
+        return inputs
+
+    return wrapped
+
+
+def _compiled_call_counts_on_host(get_compiled_call):
+    """transformers' compiled forward (``generate``'s decode on a compileable cache), called with a
+    policy cache's host token counts deferred to after each call: the compiled step then reads no
+    host integer that changes every step (one graph; no per-step input a CUDA graph would re-record
+    for), and the counts are advanced here, outside the graph."""
+
+    def wrapped(*args, **kwargs):
+        compiled = get_compiled_call(*args, **kwargs)
+
+        def call(*c_args, **c_kwargs):
+            cache = c_kwargs.get("cache", c_kwargs.get("past_key_values"))
+            if not isinstance(cache, PolicyCache):
+                return compiled(*c_args, **c_kwargs)
+            cache.defer_counts = True
+            try:
+                return compiled(*c_args, **c_kwargs)
+            finally:
+                cache.defer_counts = False
+                cache.count_deferred()
+
+        return call
 
     return wrapped
 
@@ -333,7 +389,7 @@ def _make_pre_hook(session: _Session, base):
             )
         if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
             _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
-        past.begin_forward(mask, batch, new_tokens)
+        past.begin_forward(mask, batch, new_tokens, device=inputs.device)
         session.current_cache = past
         return args, kwargs
 

@@ -13,6 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import _tokens_to_remove
+from .plan import ForwardKind, ForwardPlan, capacity_bucket, classify
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -46,6 +47,11 @@ class PolicyCache(Cache):
         self._min_row_start = self._max_row_start = 0
         self._session = None
         self.prompt_open = False  # forwards continue a prompt given in several pieces (`prompt`)
+        self.plan: ForwardPlan | None = None  # the forward in flight, decided once in `begin_forward`
+        self.capacity: int | None = None  # tokens to preallocate for (`plan_capacity`), None: grow in buckets
+        self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
+        self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
+        self._end: torch.Tensor | None = None
         from .window_layers import SlidingWindowLayer  # kvpress.window_layers builds on this module
 
         # layers the model itself slides keep its window exactly; the policy runs the others
@@ -73,7 +79,32 @@ class PolicyCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """True when every layer's decode step is static (``CacheLayer.static_decode``): fixed shapes,
+        positions read from device tensors, no host synchronisation; transformers' ``generate``
+        then may run its compiled decode (on CUDA by default)."""
+        return all(layer.static_decode for layer in self.layers)
+
+    def plan_capacity(self, total_tokens: int) -> int:
+        """Preallocate for ``total_tokens`` (prompt + new tokens; ``generate`` under ``apply`` calls
+        this with its ``max_length``), rounded up to a bucket (:func:`kvpress.plan.capacity_bucket`).
+        Layers with static decode size their buffers to it when they first store, so decode steps
+        write in place and keep one shape; a cache that outgrows it grows to the next bucket."""
+        if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
+            raise ValueError(f"plan_capacity takes a positive number of tokens, got {total_tokens!r}")
+        self.capacity = capacity_bucket(total_tokens)
+        return self.capacity
+
+    def sync_positions(self, device: torch.device | str | None = None) -> None:
+        """Set the device positions from the host count (after anything that changes the cache
+        outside a forward: ``crop``, a dense prefill handed over, a prompt closed); ``device``
+        creates them if no forward did yet."""
+        if self._end is None and device is not None:
+            self._start = torch.zeros(1, dtype=torch.long, device=device)
+            self._end = torch.zeros(1, dtype=torch.long, device=device)
+        if self._end is not None:
+            seen = self.get_seq_length()
+            self._start.fill_(seen)
+            self._end.fill_(seen)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:
@@ -129,6 +160,7 @@ class PolicyCache(Cache):
         for layer in self.layers:
             layer.crop(-n)
         self.step_shared.clear()
+        self.sync_positions()
 
     # ------------------------------------------------------------ a prompt in several forwards
     @contextlib.contextmanager
@@ -177,34 +209,66 @@ class PolicyCache(Cache):
         for layer in self.layers:
             layer.end_prompt()
         self.step_shared.clear()
+        self.sync_positions()
 
     def reset(self) -> None:
         raise RuntimeError("kvpress caches are built fresh for each generation; make a new one instead of reset()")
 
     # ------------------------------------------------------------ padding bookkeeping
-    def begin_forward(self, attention_mask: torch.Tensor | None, batch: int, new_tokens: int) -> None:
-        """Record the batch's left padding (first forward) and check later masks agree."""
+    def begin_forward(self, attention_mask: torch.Tensor | None, batch: int, new_tokens: int,
+                      device: torch.device | str | None = None) -> ForwardPlan:
+        """Plan the forward about to run (:attr:`plan`): classify it once for every layer, record the
+        batch's left padding (first forward) and check that later masks agree.
+
+        A decode step (one token per row after the prompt) reads nothing on the host: its mask is
+        checked for shape only, and its device positions advance in place, so the step can be
+        captured as one graph.
+        """
         seen = self.get_seq_length()
-        if attention_mask is None:
-            if self._row_start is None:
-                self._set_row_start(None)
-            return
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"kvpress needs a 2D attention mask [batch, tokens] (left padding); got shape {tuple(attention_mask.shape)}"
-            )
-        if attention_mask.shape != (batch, seen + new_tokens):
-            raise ValueError(
-                f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {seen + new_tokens}) "
-                f"= (batch, cached tokens + new tokens)"
-            )
-        mask = attention_mask.to(torch.bool)
-        if seen == 0:
-            self._set_row_start(left_padding(mask))
-        elif not bool(mask[:, seen:].all()):
-            if not self.prompt_open:
-                raise ValueError("new tokens after the prompt must not be padding (left padding only)")
-            self._extend_padding(left_padding(mask), seen)
+        kind = classify(seen=seen, new_tokens=new_tokens, prompt_open=self.prompt_open,
+                        recording=any(layer.record_past for layer in self.layers))
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"kvpress needs a 2D attention mask [batch, tokens] (left padding); got shape "
+                    f"{tuple(attention_mask.shape)}")
+            if attention_mask.shape != (batch, seen + new_tokens):
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}; expected ({batch}, {seen + new_tokens}) "
+                    f"= (batch, cached tokens + new tokens)")
+            if kind is not ForwardKind.DECODE:
+                mask = attention_mask.to(torch.bool)
+                if seen == 0:
+                    self._set_row_start(left_padding(mask))
+                elif not bool(mask[:, seen:].all()):
+                    if not self.prompt_open:
+                        raise ValueError("new tokens after the prompt must not be padding (left padding only)")
+                    self._extend_padding(left_padding(mask), seen)
+        elif self._row_start is None:
+            self._set_row_start(None)
+        if device is None:
+            device = attention_mask.device if attention_mask is not None else "cpu"
+        static = kind is ForwardKind.DECODE and torch.compiler.is_compiling()
+        if self._end is None:
+            self._start = torch.zeros(1, dtype=torch.long, device=device)
+            self._end = torch.zeros(1, dtype=torch.long, device=device)
+        if static:  # in place from the previous forward's end: no host integer enters the graph
+            self._start.copy_(self._end)
+            self._end.add_(new_tokens)
+        else:
+            self._start.fill_(seen)
+            self._end.fill_(seen + new_tokens)
+        self.plan = ForwardPlan(kind, new_tokens, self._start, self._end, static=static,
+                                defer_counts=static and self.defer_counts)
+        return self.plan
+
+    def count_deferred(self) -> None:
+        """Count the token each layer's static step stored with its host counts deferred (the caller
+        of a compiled decode step runs this after it; see ``ForwardPlan.defer_counts``)."""
+        for layer in self.layers:
+            if layer.counts_deferred:
+                layer.counts_deferred = False
+                layer.count_tokens(1)
 
     def _extend_padding(self, row_start: torch.Tensor, seen: int) -> None:
         """A later piece of an open prompt continues the padding of rows that were all padding so

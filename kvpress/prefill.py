@@ -34,4 +34,5 @@ def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.T
             layer.copy_from(dense)
         else:
             layer.ingest_prefill(dense.buffer.keys.clone(), dense.buffer.values.clone())
+    cache.sync_positions(device=dense_cache.layers[0].device)
     return cache

@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .attention import dense_causal_attention, sliding_causal_attention, streaming_attention, whole_cache_index
+from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
+                        streaming_attention, whole_cache_index)
 from .cache import RecordingLayer
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
@@ -108,7 +109,8 @@ class SinkWindowLayer(RecordingLayer):
 
     @property
     def row_start(self):
-        return self._rows_row_start if self._rows_row_start is not None else super().row_start
+        # (not ``super().row_start``: torch.compile's tracer reads a property through super() as the property)
+        return self._rows_row_start if self._rows_row_start is not None else self.cache.row_start_on(self.device)
 
     def _allocate(self, k_new, v_new) -> None:
         batch, heads, _, dim = k_new.shape
@@ -128,10 +130,17 @@ class SinkWindowLayer(RecordingLayer):
         duplicate = (self._slot[None, :] >= self.sinks) & (real < self.sinks)
         return torch.where(duplicate | (real < 0), torch.full_like(self.pos, -1), self.pos)
 
+    @property
+    def static_decode(self) -> bool:  # the re-rotated sinks and the tail estimate are not static yet
+        return self.tail is None and not self.rerotate
+
     def attend(self, q, k_new, v_new, scaling):
         batch, _, n_new, _ = k_new.shape
         if self.k is None:
             self._allocate(k_new, v_new)
+        plan = self.cache.plan
+        if plan is not None and plan.static and self.static_decode and self.seen >= self.cache.max_row_start + self.sinks:
+            return self._static_step(q, k_new, v_new, scaling, plan)
         if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
             out = self._decode(q, k_new, v_new, scaling)
             self.seen += n_new
@@ -359,6 +368,19 @@ class SinkWindowLayer(RecordingLayer):
         k_ev = ks[0] if len(ks) == 1 else torch.cat(ks, dim=2)
         v_ev = vs[0] if len(vs) == 1 else torch.cat(vs, dim=2)
         self.tail.append(k_ev, v_ev, lo, self.row_start)
+
+    def _static_step(self, q, k_new, v_new, scaling, plan):
+        """A decode step at the plan's device position (every row's sinks already stored): the ring
+        slot and the visible slots come from device tensors, so the step keeps one graph."""
+        batch = k_new.shape[0]
+        slot = plan.start % self.window + self.sinks  # [1]
+        self.k.index_copy_(2, slot, k_new)
+        self.v.index_copy_(2, slot, v_new)
+        self.pos.index_copy_(1, slot, plan.start.expand(batch, 1))
+        self.count_static_step()
+        pos = self._visible_pos(self._row_start(batch, q.device))
+        visible = (pos >= 0) & ((plan.start - pos < self.window) | (self._slot[None, :] < self.sinks))
+        return masked_decode_attention(q, self.k, self.v, scaling, visible)
 
     def _decode(self, q, k_new, v_new, scaling):
         """One new token: write it into its ring slot, then attend over the slots in place."""

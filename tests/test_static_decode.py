@@ -1,0 +1,100 @@
+"""Static decode: every policy's one-token decode step compiles as one graph per capacity bucket.
+
+``torch.compile(model.forward, fullgraph=True)`` with a counting backend (no code generation: the
+check is that dynamo captures the step without a break and does not recompile as the cache fills)
+runs 300 greedy one-token steps after a prompt, which crosses page boundaries, ring wraps,
+quantizer flushes and selection refreshes at the policies' small example settings; the tokens must
+equal the eager run's. Graphs allowed per capacity bucket: 2 (dynamo specialises the first call's
+Python integers, then traces them as symbols once they change).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import kvpress
+from kvpress.adapters import get_adapter
+from kvpress.registry import list_policies, policy_class
+
+from conftest import random_ids, sliding_model, tiny_model
+
+STEPS = 300
+PROMPT = 40
+
+# Policies whose decode step is not yet static, each with what stands in the way. The goal is none.
+NOT_YET_STATIC = {
+    "double_sparsity": "label scores, shortlist and top-k sized by host integers that change with the length; "
+                       "the compiled CPU kernel is called through ctypes",
+    "duo": "streaming heads' ring slot and retrieval heads' buffer length are host integers in tensor shapes",
+    "exact_topk": "top-k size and the selection index built from host lengths",
+    "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
+    "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
+    "quest": "page count and the selected pages' index sized by host integers",
+    "shadowkv": "host-tier fetch of the selected chunks issued from host ids",
+    "snapkv": "free-slot bookkeeping on the host decides the write position",
+    "tidal": "selection layers' top-k and index sized by host lengths",
+    "zipcache": "probe bookkeeping and the window flush sized on the host; ctypes kernels",
+}
+
+
+def _models():
+    return {"llama": tiny_model("llama"), "qwen2": tiny_model("qwen2"),
+            "gemma3": sliding_model("gemma3_text", layers=3, full_layers=2, window=16)}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _models()
+
+
+def _decode(model, policy, prompt, steps, compiled):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        cache.plan_capacity(prompt.shape[1] + steps)
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        forward = torch.compile(model.forward, fullgraph=True, backend=counter) if compiled else model.forward
+        tok = out.logits[:, -1:].argmax(-1)
+        tokens = [int(tok)]
+        for i in range(steps - 1):
+            pos = torch.tensor([[prompt.shape[1] + i]])
+            tok = forward(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+            tokens.append(int(tok))
+    return tokens, counter.frame_count
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", list_policies())
+def test_decode_step_compiles_as_one_graph(models, model_name, name):
+    if name in NOT_YET_STATIC:
+        pytest.skip(f"{name}: not yet static ({NOT_YET_STATIC[name]})")
+    model = models[model_name]
+    policy = policy_class(name).example(get_adapter(model))
+    prompt = random_ids(PROMPT, seed=1)
+    eager, _ = _decode(model, policy, prompt, STEPS, compiled=False)
+    compiled, graphs = _decode(model, policy, prompt, STEPS, compiled=True)
+    assert compiled == eager
+    assert 1 <= graphs <= 2, f"{graphs} graphs for one capacity bucket"
+
+
+def test_not_yet_static_names_registered_policies():
+    assert set(NOT_YET_STATIC) <= set(list_policies())
+
+
+@pytest.mark.parametrize("name", sorted(set(list_policies()) - set(NOT_YET_STATIC)))
+def test_static_policies_report_compileable_caches(models, name):
+    model = models["llama"]
+    policy = policy_class(name).example(get_adapter(model))
+    with kvpress.apply(model, policy):
+        assert kvpress.make_cache(model, policy).is_compileable
+
+
+@pytest.mark.parametrize("name", sorted(NOT_YET_STATIC))
+def test_other_policies_do_not_claim_compileable_caches(models, name):
+    model = models["llama"]
+    policy = policy_class(name).example(get_adapter(model))
+    with kvpress.apply(model, policy):
+        assert not kvpress.make_cache(model, policy).is_compileable
