@@ -2,7 +2,7 @@
 
 Subcommands: ``policies`` (the registry), ``check`` (is a model supported; from its config only),
 ``generate`` (one prompt under one policy), ``demo``
-(the README's main job: every policy side by side on a ~4k-token retrieval prompt). Other
+(the README's main job: recommended policies side by side on a ~2k-token retrieval prompt). Other
 modules add their subcommands in :data:`SUBCOMMANDS`.
 """
 
@@ -71,8 +71,8 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from kvpress.demo import run_demo
 
-    return run_demo(model=args.model, length=args.length, budget=args.budget, policies=args.policies,
-                    prefill_chunk_size=args.prefill_chunk_size)
+    return run_demo(model=args.model, length=args.length, budget=args.budget or None, policies=args.policies,
+                    all_policies=args.all, prefill_chunk_size=args.prefill_chunk_size)
 
 
 def _config_model(name: str):
@@ -170,11 +170,13 @@ def make_parser() -> argparse.ArgumentParser:
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="every policy side by side on a long-context retrieval prompt")
+    p = sub.add_parser("demo", help="recommended policy configurations side by side on a retrieval prompt")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--length", type=int, default=4096, help="prompt length in tokens")
-    p.add_argument("--budget", type=int, default=256)
-    p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
+    p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
+    p.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: their own)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policy specs (name:field=value; default: kvpress.demo.DEFAULT_POLICIES)")
+    p.add_argument("--all", action="store_true", help="every registered policy at its defaults")
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_demo)
 
