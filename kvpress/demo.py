@@ -154,11 +154,10 @@ def answer_all(model, tokenizer, input_ids: torch.Tensor, policies, *, max_new_t
     if len(sharers) >= 2:
         progress.say(f"prefill of {ids.shape[1]} tokens, shared by {', '.join(r.spec for r in sharers)}")
         shared = shared_prefill(model, ids)
-    else:
-        sharers = []
+    sharing = {id(r) for r in sharers} if shared is not None else set()
     for i, row in enumerate(rows, 1):
         start = time.perf_counter()
-        if any(row is r for r in sharers):
+        if id(row) in sharing:
             _sync(device)
             copy_start = time.perf_counter()
             row.cache = cache_from_dense(model, row.policy, shared.cache)
@@ -178,8 +177,7 @@ def answer_all(model, tokenizer, input_ids: torch.Tensor, policies, *, max_new_t
         verdict = ("correct" if row.correct else "wrong") if score is not None else "answered"
         progress.say(f"[{i}/{len(rows)}] {row.spec}: {verdict} {row.text[:24]!r}, "
                      f"{time.perf_counter() - start:.1f} s")
-    if shared is not None:
-        del shared  # the dense prompt cache is no longer needed
+    shared = None  # the dense prompt cache is no longer needed
     if timing_rounds > 0:
         progress.say(f"timing decode: {timing_rounds} steps of each policy, in turn")
         _time_steps(model, rows, timing_rounds)
