@@ -176,7 +176,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=256, help="token budget of the policies that take one (0: their own)")
     p.add_argument("--policies", default=None,
                    help="comma-separated policy specs (name:field=value; default: kvpress.demo.DEFAULT_POLICIES)")
-    p.add_argument("--all", action="store_true", help="every registered policy at its defaults")
+    p.add_argument("--all", action="store_true", help="every registered policy, at its defaults but for --budget")
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_demo)
 

@@ -258,8 +258,8 @@ def run_demo(model: str = "smollm2", length: int = 2048, budget: int | None = 25
         Policy specs (``name:field=value``), comma-separated in a string; default
         :data:`DEFAULT_POLICIES`. Each must run on the model (else ValueError).
     all_policies : bool
-        Every registered policy at its defaults instead (those that cannot run on the model are
-        skipped with a note).
+        Every registered policy at its defaults, ``budget`` applied, instead (those that cannot
+        run on the model are skipped with a note).
     prefill_chunk_size : int, optional
         Each policy runs its own prefill in forwards of this many tokens.
     loaded : (model, tokenizer), optional
