@@ -16,6 +16,7 @@ import dataclasses
 import math
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 
@@ -241,7 +242,7 @@ def _footnotes(rows: list[DemoRow], rounds: int) -> str:
                      "(`kvpress bench --interleave`).")
     if any(r.shared_prefill for r in rows):
         notes.append("prefill s*: the shared dense prefill plus the copy into this policy's cache.")
-    return "\n".join(notes)
+    return "\n".join(textwrap.fill(note, 100, subsequent_indent="  ") for note in notes)
 
 
 def run_demo(model: str = "smollm2", length: int = 2048, budget: int | None = 256, policies=None,
