@@ -8,6 +8,7 @@ matplotlib. Every option is checked before a model loads; a bad value is one lin
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from kvpress.cli import SUBCOMMANDS, check_device, check_lengths, device_name, dtype_name, int_at_least
@@ -207,12 +208,21 @@ def configure_lm_eval(p) -> None:
 
 
 def cmd_report(args) -> int:
-    from .report import format_report, load
+    from .report import format_report, load, write_report
 
     records = load(args.dirs)
     if not records:
         raise ValueError(f"no kvpress eval results (results.jsonl) in {args.dirs}")
     print(format_report(records, args.min_full, n_boot=args.bootstrap))
+    import importlib.util
+
+    plots = not args.no_plots
+    if plots and importlib.util.find_spec("matplotlib") is None:
+        print("kvpress: matplotlib is not installed: report.md without plots (pip install matplotlib)",
+              file=sys.stderr)
+        plots = False
+    written = write_report(records, args.out or args.dirs[0], args.min_full, n_boot=args.bootstrap, plots=plots)
+    print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 
 
@@ -225,6 +235,9 @@ def configure_report(p) -> None:
     p.add_argument("--bootstrap", type=int_at_least(0), default=BOOTSTRAP_RESAMPLES, metavar="N",
                    help="paired bootstrap resamples behind each retention cell's 95%% interval "
                         f"(default {BOOTSTRAP_RESAMPLES}; 0: no intervals)")
+    p.add_argument("--out", default=None,
+                   help="folder for report.md and the PNG plots (default: the first folder)")
+    p.add_argument("--no-plots", action="store_true", help="write report.md without the plots")
     p.set_defaults(func=cmd_report)
 
 

@@ -24,6 +24,7 @@ policy and its fields are validated before the model loads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -47,6 +48,33 @@ _UNSUPPORTED = ("parallelize", "peft", "delta", "autogptq", "gptqmodel", "tp_pla
 # HFLM arguments passed on to kvpress.load_model instead.
 _LOAD_KWARGS = ("revision", "trust_remote_code", "gguf_file")
 _OWN = ("pretrained", "policy", "budget", "chunk_size", "prefill_chunk_size", "tokenizer")
+
+
+# HFLM's warnings about a model object passed as `pretrained`: this model type always loads the
+# weights itself and hands HFLM the object (multi-process runs set their accelerator after), so
+# they say nothing a user can change.
+_PRELOADED_NOTICES = ("model kwarg is not of type `str`", "Passed an already-initialized model through `pretrained`")
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, fragments):
+        super().__init__()
+        self.fragments = tuple(fragments)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in self.fragments)
+
+
+@contextlib.contextmanager
+def _without_lm_eval_notices(logger_name: str, fragments):
+    """Drop the log records of ``logger_name`` containing one of ``fragments`` inside the block."""
+    target, dropper = logging.getLogger(logger_name), _DropMessages(fragments)
+    target.addFilter(dropper)
+    try:
+        yield
+    finally:
+        target.removeFilter(dropper)
 
 
 def _hflm_params() -> set[str]:
@@ -171,7 +199,8 @@ class KVPressLM(HFLM):
             model, tokenizer = load_eval_model(pretrained, dtype=dtype, device=device)
         else:
             model, tokenizer = kvpress.load_model(pretrained, dtype=dtype, device=device, **load_kwargs)
-        super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **hf_kwargs)
+        with _without_lm_eval_notices("lm_eval.models.huggingface", _PRELOADED_NOTICES):
+            super().__init__(pretrained=model, tokenizer=tokenizer, backend="causal", **hf_kwargs)
         self.pretrained = pretrained
         if accelerator is not None and accelerator.num_processes > 1:
             self.accelerator = accelerator

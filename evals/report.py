@@ -18,6 +18,9 @@ every input length:
   ``full``'s perplexity divided by it (100% = as good as ``full``).
 
 Scores are means over samples; ``full`` must be in the results at each length it reports.
+:func:`write_report` writes the same markdown to ``report.md`` with the PNG plots of
+:mod:`kvpress.evals.plots` beside it (``kvpress report`` does so into ``--out``, by default the
+first folder).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ import math
 import random
 from collections import defaultdict
 from operator import itemgetter
+from pathlib import Path
 
 from . import results as res
 
 REFERENCE = "full"
+REPORT_FILE = "report.md"
 BOOTSTRAP_RESAMPLES = 2000  # `kvpress report --bootstrap`'s default
 
 
@@ -280,3 +285,26 @@ def format_report(records: list[dict], min_full: float = 0.5, n_boot: int = BOOT
         lines.append("")
         lines += _perplexity_lines(ppl) if ppl else []
     return "\n".join(lines)
+
+
+def write_report(records: list[dict], out_dir, min_full: float = 0.5, n_boot: int = BOOTSTRAP_RESAMPLES,
+                 seed: int = 0, plots: bool = True) -> list[Path]:
+    """Write :func:`format_report`'s markdown to ``out_dir/report.md`` and the plots beside it.
+
+    The markdown ends with links to the PNGs (:func:`kvpress.evals.plots.write_plots`: score
+    against budget, resident KV and decode latency against length). Returns the written paths,
+    ``report.md`` first. ``plots=False`` writes the markdown alone.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = format_report(records, min_full, n_boot=n_boot, seed=seed)
+    written = []
+    if plots:
+        from .plots import write_plots
+
+        written = write_plots(records, out_dir)
+        text += "\n## Plots\n\nMeans over samples with 95% bootstrap intervals; `n`: samples behind a point.\n\n"
+        text += "\n".join(f"![{p.stem.replace('_', ' ')}]({p.name})" for p in written) + "\n"
+    report = out_dir / REPORT_FILE
+    report.write_text(text, encoding="utf-8")
+    return [report, *written]

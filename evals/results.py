@@ -32,8 +32,15 @@ SUMMARY_COLUMNS = [
 
 
 def environment() -> dict:
-    """Package versions and the git commit of the kvpress checkout (None outside a repository)."""
+    """Package versions, kvpress's own version, and the git commit of kvpress's checkout.
+
+    ``git_sha`` / ``git_dirty`` are None unless kvpress itself runs from a git checkout (an
+    editable install of its repository): a kvpress installed inside some other repository (a
+    virtual environment in a project folder) records no commit rather than that project's.
+    """
     import importlib.metadata as md
+
+    import kvpress
 
     versions = {"python": platform.python_version()}
     for dist in ("torch", "transformers", "kvpress-toolkit", "lm_eval", "triton", "accelerate"):
@@ -41,17 +48,32 @@ def environment() -> dict:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             versions[dist] = None
-    root = Path(__file__).resolve().parent.parent
-    sha = dirty = None
+    sha, dirty = checkout_commit(Path(kvpress.__file__).resolve())
+    return {"versions": versions, "kvpress_version": kvpress.__version__, "git_sha": sha, "git_dirty": dirty}
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True).stdout
+
+
+def checkout_commit(package_init: Path) -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the git checkout ``package_init`` (kvpress/__init__.py) is tracked in.
+
+    The checkout must be the package's own: its top level is the folder above the package and it
+    tracks ``package_init``; otherwise, or without git, ``(None, None)``. ``dirty``: tracked files
+    differ from the commit.
+    """
+    root = package_init.parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip() or None
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, timeout=10, check=True).stdout
-        dirty = bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"versions": versions, "git_sha": sha, "git_dirty": dirty}
+        top = Path(_git(root, "rev-parse", "--show-toplevel").strip()).resolve()
+        if top != root.resolve():
+            return None, None
+        _git(root, "ls-files", "--error-unmatch", str(package_init.relative_to(root)))  # fails if untracked
+        sha = _git(root, "rev-parse", "HEAD").strip() or None
+        dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None, None
+    return sha, dirty
 
 
 def write_jsonl(path, rows: list[dict]) -> None:

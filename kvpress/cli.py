@@ -1,9 +1,9 @@
 """The ``kvpress`` command line.
 
 Subcommands: ``policies`` (the registry), ``check`` (is a model supported; from its config only),
-``generate`` (one prompt under one policy), ``demo`` (the README's main job: every policy side by
-side on a ~4k-token retrieval prompt), ``calibrate``. Other modules add their subcommands in
-:data:`SUBCOMMANDS`.
+``generate`` (one prompt under one policy), ``demo`` (the README's main job: the recommended
+configurations side by side on a ~2k-token retrieval prompt), ``calibrate``. Other modules add their
+subcommands in :data:`SUBCOMMANDS`.
 
 Startup stays cheap: this module imports only the standard library, ``kvpress policies`` reads the
 policy names and descriptions from the policy modules' source (:func:`policy_summaries`), and
@@ -341,14 +341,14 @@ def cmd_demo(args) -> int:
     if args.policies is not None:
         names = [n.strip() for n in args.policies.split(",")]
         if not all(names):
-            raise ValueError(f"--policies {args.policies!r} has an empty entry; give comma-separated policy names "
-                             "(see `kvpress policies`), or leave it out for every policy")
+            raise ValueError(f"--policies {args.policies!r} has an empty entry; give comma-separated policy specs "
+                             "(see `kvpress policies`), or leave it out for the recommended ones")
         for name in names:
             build_policy(name)  # an unknown name fails here, listing the known ones
     check_model_name(args.model, "demo")
     check_lengths(args.model, [args.length], "--length")
-    return run_demo(model=args.model, length=args.length, budget=args.budget, policies=args.policies,
-                    prefill_chunk_size=args.prefill_chunk_size)
+    return run_demo(model=args.model, length=args.length, budget=args.budget or None, policies=args.policies,
+                    all_policies=args.all, prefill_chunk_size=args.prefill_chunk_size)
 
 
 def cmd_check(args) -> int:
@@ -443,11 +443,14 @@ def make_parser(calibrators: bool = True) -> argparse.ArgumentParser:
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="every policy side by side on a long-context retrieval prompt")
+    p = sub.add_parser("demo", help="recommended policy configurations side by side on a retrieval prompt")
     p.add_argument("--model", default="smollm2", help="'smollm2', a local HF directory or a hub id")
-    p.add_argument("--length", type=int_at_least(1), default=4096, help="prompt length in tokens")
-    p.add_argument("--budget", type=int_at_least(1), default=256)
-    p.add_argument("--policies", default=None, help="comma-separated names (default: all registered)")
+    p.add_argument("--length", type=int_at_least(1), default=2048, help="prompt length in tokens")
+    p.add_argument("--budget", type=int_at_least(0), default=256,
+                   help="token budget of the policies that take one (0: their own)")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated policy specs (name:field=value; default: kvpress.demo.DEFAULT_POLICIES)")
+    p.add_argument("--all", action="store_true", help="every registered policy, at its defaults but for --budget")
     _add_prefill_chunk_arg(p)
     p.set_defaults(func=cmd_demo)
 

@@ -41,3 +41,18 @@ def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 2  # full + streaming@128, one sample
     png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_committed_notebook_is_executed_and_uses_the_figure_api():
+    import nbformat
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    source = "\n".join(cell.source for cell in nb.cells)
+    assert "matplotlib.use(" not in source and "pyplot" not in source  # no global backend switch
+    assert "from matplotlib.figure import Figure" in source
+    headings = [cell.source.splitlines()[0] for cell in nb.cells if cell.cell_type == "markdown"]
+    assert "## How to read this" in headings and "## Conclusions" in headings
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the plots inline
+    assert any("text/markdown" in o.get("data", {}) for o in outputs)  # the summary table
+    assert all(cell.get("execution_count") for cell in nb.cells if cell.cell_type == "code")

@@ -23,9 +23,27 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from pathlib import Path
 
 from ..tasks import DEFAULT_PPL_TOKENS, get_task, score_prediction
+
+
+class _QuietCustomDatasetNotice(logging.Filter):
+    """Drops lm-eval's notice, logged as a warning for every task with a ``custom_dataset``, that
+    such tasks read ``--metadata``: it comes whether or not ``--metadata`` was given."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+def _quiet_lm_eval_notice() -> None:
+    logger = logging.getLogger("lm_eval.api.task")
+    if not any(isinstance(f, _QuietCustomDatasetNotice) for f in logger.filters):
+        logger.addFilter(_QuietCustomDatasetNotice())
+
+
+_quiet_lm_eval_notice()  # lm-eval imports this module while it loads the task YAMLs
 
 DEFAULT_SEQ_LENGTHS = (4096,)
 DEFAULT_NUM_SAMPLES = 20
@@ -116,23 +134,18 @@ def make_ppl_dataset(**kwargs):
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """RULER string-match-all score, under ``score`` and the sample's length.
+    """RULER string-match-all score, under ``score`` and under the sample's length.
 
-    The other reported lengths get -1, which :func:`aggregate` skips.
+    A sample reports its own length's metric only (when that length is one of
+    ``REPORTED_LENGTHS``), so lm-eval averages each length over its samples and lists no row for
+    a length that was not run.
     """
     prediction = results[0].strip()
     value = score_prediction(prediction, list(doc["outputs"]))
-    metrics = {str(length): -1.0 for length in REPORTED_LENGTHS}
+    metrics = {"score": value}
     if doc["max_length"] in REPORTED_LENGTHS:
         metrics[str(doc["max_length"])] = value
-    metrics["score"] = value
     return metrics
-
-
-def aggregate(values: list[float]) -> float:
-    """Mean over the samples that have this metric (-1 marks "not this length")."""
-    kept = [v for v in values if v != -1]
-    return sum(kept) / len(kept) if kept else -1.0
 
 
 def process_ppl_results(doc: dict, results: list[float]) -> dict[str, tuple[float, int]]:

@@ -176,3 +176,13 @@ def test_two_process_data_parallel(tiny_dir, tmp_path):
     (samples_file,) = tmp_path.rglob("samples_kvpress_niah_single_*.jsonl")
     docs = [json.loads(line)["doc_id"] for line in samples_file.read_text().splitlines()]
     assert sorted(docs) == [0, 1, 2, 3]  # gathered from both ranks, each once
+
+
+def test_no_warning_about_the_model_object_it_hands_to_hflm(tiny_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        KVPressLM(pretrained=tiny_dir, policy="window", budget=16, device="cpu")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("not of type `str`" in m or "already-initialized model" in m for m in messages), messages
+    assert not logging.getLogger("lm_eval.models.huggingface").filters  # the filter ends with the constructor

