@@ -26,6 +26,8 @@ that would start too late is skipped and says so):
 ``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
               quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
               weights; speed does not depend on which heads) and the eviction baselines against full
+``compiled``  ``bench_compiled`` at 32k: ``generate``'s compiled decode (CUDA graphs) of the policies
+              with a static decode step against their eager decode and transformers' ``StaticCache``
 ``prefill``   ``bench_prefill``: the sliding-window layers' prefill (SDPA over query chunks against
               the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk;
               then ``bench_chunked_prefill`` at 32k: peak memory of generate with the prompt in one
@@ -54,10 +56,10 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill")
+STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
 LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
-          "prefill": 300}
+          "prefill": 300, "compiled": 420}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
 
@@ -131,6 +133,11 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
                       "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
                       "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",
                       "--out", str(work / "bench")]]
+    if stage == "compiled":  # the static decode step through transformers' compiled generate (CUDA graphs)
+        sizes = ["--length", "256", "--new-tokens", "4", "--iters", "1", "--backend", "eager"] if smoke else \
+            ["--length", length, "--new-tokens", "64", "--iters", "3", "--dtype", "bfloat16", "--mode", "reduce-overhead"]
+        return [py + ["kvpress.evals.bench_compiled", "--model", model, "--device", dev, *sizes,
+                      "--out", str(work / "compiled.json")]]
     if stage == "prefill":  # the sliding-window layers' prefill routes (Gemma 3 / hybrid Qwen)
         sizes = ["--lengths", "512", "--windows", "64", "--chunks", "64,256", "--warmup", "0", "--iters", "1"] \
             if smoke else ["--lengths", "8192,32768", "--windows", "1024,4096", "--chunks", "128,512,1024,4096"]

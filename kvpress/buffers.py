@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import capacity_bucket
+from .plan import capacity_bucket, static_address
 
 
 class KVBuffer:
@@ -41,6 +41,7 @@ class KVBuffer:
         else:
             self.k = _grow(self.k, self.length, cap)
             self.v = _grow(self.v, self.length, cap)
+        static_address(self.k, self.v)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]

@@ -19,11 +19,15 @@ class DenseLayer(CacheLayer):
     """
 
     croppable = True
-    static_decode = True
 
     def __init__(self, cache, layer_idx: int):
         super().__init__(cache, layer_idx)
         self.buffer = KVBuffer()
+
+    @property
+    def static_decode(self) -> bool:
+        """This class's decode step is static; a subclass with its own ``attend`` says so itself."""
+        return type(self).attend is DenseLayer.attend
 
     def attend(self, q, k_new, v_new, scaling):
         plan = self.cache.plan

@@ -81,3 +81,14 @@ def capacity_bucket(tokens: int, minimum: int = 128) -> int:
         return minimum
     step = max(minimum, 1 << max(0, tokens.bit_length() - 4))
     return -(-tokens // step) * step
+
+
+def static_address(*tensors: torch.Tensor | None) -> None:
+    """Tag state tensors that a static decode step mutates in place as living at a fixed address,
+    so a compiled step captured in a CUDA graph writes them where they are (no copy in and out,
+    no skipped capture). Not while tracing (prefill is never the compiled part)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.mark_static_address(t)

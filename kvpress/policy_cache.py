@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import _tokens_to_remove
-from .plan import ForwardKind, ForwardPlan, capacity_bucket, classify
+from .plan import ForwardKind, ForwardPlan, capacity_bucket, classify, static_address
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -99,8 +99,7 @@ class PolicyCache(Cache):
         outside a forward: ``crop``, a dense prefill handed over, a prompt closed); ``device``
         creates them if no forward did yet."""
         if self._end is None and device is not None:
-            self._start = torch.zeros(1, dtype=torch.long, device=device)
-            self._end = torch.zeros(1, dtype=torch.long, device=device)
+            self._make_positions(device)
         if self._end is not None:
             seen = self.get_seq_length()
             self._start.fill_(seen)
@@ -250,8 +249,7 @@ class PolicyCache(Cache):
             device = attention_mask.device if attention_mask is not None else "cpu"
         static = kind is ForwardKind.DECODE and torch.compiler.is_compiling()
         if self._end is None:
-            self._start = torch.zeros(1, dtype=torch.long, device=device)
-            self._end = torch.zeros(1, dtype=torch.long, device=device)
+            self._make_positions(device)
         if static:  # in place from the previous forward's end: no host integer enters the graph
             self._start.copy_(self._end)
             self._end.add_(new_tokens)
@@ -261,6 +259,11 @@ class PolicyCache(Cache):
         self.plan = ForwardPlan(kind, new_tokens, self._start, self._end, static=static,
                                 defer_counts=static and self.defer_counts)
         return self.plan
+
+    def _make_positions(self, device) -> None:
+        self._start = torch.zeros(1, dtype=torch.long, device=device)
+        self._end = torch.zeros(1, dtype=torch.long, device=device)
+        static_address(self._start, self._end)
 
     def count_deferred(self) -> None:
         """Count the token each layer's static step stored with its host counts deferred (the caller

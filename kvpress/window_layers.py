@@ -15,6 +15,7 @@ import torch
 from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
                         streaming_attention, whole_cache_index)
 from .cache import RecordingLayer
+from .plan import static_address
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
 
@@ -119,6 +120,7 @@ class SinkWindowLayer(RecordingLayer):
         self.v = v_new.new_zeros(batch, heads, slots, dim)
         self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
         self._slot = torch.arange(slots, device=k_new.device)
+        static_address(self.k, self.v, self.pos)
 
     def _row_start(self, batch, device):
         row_start = self.row_start
