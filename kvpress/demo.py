@@ -27,12 +27,12 @@ import torch
 DEFAULT_POLICIES = (
     "full",
     "streaming",
-    "kivi:bits=4",
-    "zipcache:bits_low=4:bits_high=8:salient_ratio=0.0625:refine_key_channels=8",
-    "double_sparsity:rerank=8:tail_chunk=64",
+    "kivi-4bit",
+    "zipcache-4bit",
+    "double-sparsity-256",
     "duo",
-    "snapkv",
-    "shadowkv:rerank=32:tail_chunk=64:select=tokens:residual_bits=2",
+    "snapkv-256",
+    "shadowkv-offload",
 )
 TIMING_ROUNDS = 8  # decode steps per policy in the timing phase; the first is left out of the median
 
