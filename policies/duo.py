@@ -118,7 +118,7 @@ from kvpress.attention import dense_causal_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.layers import SinkWindowLayer
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
 
 ARTIFACT_VERSION = 1
 SHIPPED = "duo-smollm2.safetensors"
@@ -201,10 +201,10 @@ class DuoPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("window_size", self.window_size, 1)
-        check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("window_size", self.window_size, 1)
+        check_tokens("prefill_chunk_size", self.prefill_chunk_size, 1)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
         if self.tail_chunk and self.prefill == "streaming":
@@ -213,7 +213,7 @@ class DuoPolicy(Policy):
         if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
-            check_int("random_heads_seed", self.random_heads_seed, 0)
+            check_int("random_heads_seed", self.random_heads_seed, 0, MAX_SEED)
         if self.gates is not None:
             rows = self.gates
             if not rows or not all(isinstance(r, (tuple, list)) and len(r) == len(rows[0]) > 0 for r in rows):

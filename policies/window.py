@@ -3,7 +3,7 @@
 from dataclasses import dataclass, replace
 
 from kvpress.layers import SinkWindowLayer
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 @register_policy
@@ -26,7 +26,7 @@ class WindowPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("window_size", self.window_size, 1)
+        check_tokens("window_size", self.window_size, 1)
 
     def make_layer(self, cache, layer_idx):
         return SinkWindowLayer(cache, layer_idx, sinks=0, window=self.window_size)
