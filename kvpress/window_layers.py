@@ -17,6 +17,8 @@ from .cache import RecordingLayer
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
 
+RING_STEP = 128  # the smallest ring a SinkWindowLayer allocates; it doubles up to the window
+
 
 def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) -> SparseIndex:
     """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
@@ -41,12 +43,15 @@ class SinkWindowLayer(RecordingLayer):
     slots, during prefill too, so resident memory and per-token attention cost are bounded at
     any length.
 
-    Storage: k/v [B, H_kv, sinks + window, D], allocated once, and ``pos`` [B, sinks + window]
-    (long), the sequence index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each
-    row's sinks; slots ``[sinks, sinks + window)`` are a ring: the token at sequence index i lives
-    in slot ``sinks + i % window``, so a decode step writes one slot in place instead of copying
-    the window. A sink token that is still inside the window also has a ring copy; the ring copy
-    is never attended (no double counting).
+    Storage: k/v [B, H_kv, sinks + ring, D] and ``pos`` [B, sinks + ring] (long), the sequence
+    index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each row's sinks; slots
+    ``[sinks, sinks + ring)`` are a ring: the token at sequence index i lives in slot
+    ``sinks + i % window``, so a decode step writes one slot in place instead of copying the
+    window. A sink token that is still inside the window also has a ring copy; the ring copy is
+    never attended (no double counting). The ring grows with the tokens seen, not the configured
+    window: ``ring`` is ``RING_STEP`` slots, doubled whenever a token would land past its end, up to
+    ``window`` (before the window is full no index wraps, so growing keeps every slot in place);
+    a 40-token prompt under ``window_size=65536`` holds 128 ring slots.
 
     With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
     before the window) rather than at their true distance; see :func:`streaming_attention`.
@@ -110,13 +115,34 @@ class SinkWindowLayer(RecordingLayer):
     def row_start(self):
         return self._rows_row_start if self._rows_row_start is not None else super().row_start
 
-    def _allocate(self, k_new, v_new) -> None:
+    def _reserve(self, k_new, v_new, tokens: int) -> None:
+        """Slots for every sequence index below ``tokens``: allocate, or grow the ring."""
+        ring = self.window
+        if tokens < self.window:
+            ring = RING_STEP
+            while ring < tokens:
+                ring *= 2
+            ring = min(ring, self.window)
+        slots = self.sinks + ring
+        if self.k is not None and self.k.shape[2] >= slots:
+            return
         batch, heads, _, dim = k_new.shape
-        slots = self.sinks + self.window
+        old = (self.k, self.v, self.pos)
         self.k = k_new.new_zeros(batch, heads, slots, dim)
         self.v = v_new.new_zeros(batch, heads, slots, dim)
         self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
-        self._slot = torch.arange(slots, device=k_new.device)
+        if old[0] is not None:  # no index has wrapped yet: slot i keeps its place
+            n = old[0].shape[2]
+            self.k[:, :, :n], self.v[:, :, :n], self.pos[:, :n] = old
+
+    @property
+    def _slot(self) -> torch.Tensor:
+        """long ``(slots,)``: ``0 .. slots - 1`` for the current storage."""
+        slots, device = self.k.shape[2], self.k.device
+        cached = getattr(self, "_slot_ids", None)
+        if cached is None or cached.shape[0] != slots or cached.device != device:
+            cached = self._slot_ids = torch.arange(slots, device=device)
+        return cached
 
     def _row_start(self, batch, device):
         row_start = self.row_start
@@ -130,8 +156,7 @@ class SinkWindowLayer(RecordingLayer):
 
     def attend(self, q, k_new, v_new, scaling):
         batch, _, n_new, _ = k_new.shape
-        if self.k is None:
-            self._allocate(k_new, v_new)
+        self._reserve(k_new, v_new, self.seen + n_new)
         if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
             out = self._decode(q, k_new, v_new, scaling)
             self.seen += n_new
@@ -297,8 +322,7 @@ class SinkWindowLayer(RecordingLayer):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
         if not self.dense_prefill:
             raise NotImplementedError("a streaming-prefill SinkWindowLayer cannot take a dense prefill")
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -413,8 +437,7 @@ class SinkWindowLayer(RecordingLayer):
             self.tail.restore(saved["tail"])
 
     def store_again(self, k, v):
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -453,8 +476,7 @@ class SlidingWindowLayer(SinkWindowLayer):
     def attend(self, q, k_new, v_new, scaling):
         if self.seen or k_new.shape[2] == 1:  # decode, or a later chunk that also reads the ring
             return super().attend(q, k_new, v_new, scaling)
-        if self.k is None:
-            self._allocate(k_new, v_new)
+        self._reserve(k_new, v_new, k_new.shape[2])
         # the first forward: SDPA over each query chunk's reachable keys (the model's own kernels)
         out = sliding_causal_attention(q, k_new, v_new, scaling, window=self.window, row_start=self.row_start)
         self._write(k_new, v_new, self._row_start(k_new.shape[0], k_new.device))
@@ -463,8 +485,7 @@ class SlidingWindowLayer(SinkWindowLayer):
 
     def ingest_prefill(self, k, v):
         """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -475,7 +496,6 @@ class SlidingWindowLayer(SinkWindowLayer):
         for name in ("k", "v", "pos"):
             t = getattr(other, name)
             setattr(self, name, None if t is None else t.clone())
-        self._slot = getattr(other, "_slot", None)
         if self.k is not None:
             self.lazy_initialization(self.k, self.v)
         self.seen = other.seen

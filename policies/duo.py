@@ -109,6 +109,7 @@ is input they were never calibrated for. Kept as an option for experiments, not 
 
 from __future__ import annotations
 
+import math
 import pathlib
 from dataclasses import dataclass, replace
 
@@ -210,6 +211,8 @@ class DuoPolicy(Policy):
         if self.tail_chunk and self.prefill == "streaming":
             raise ValueError('tail_chunk needs prefill="chunked" or "dense" (the per-token streaming prefill '
                              "evicts inside the forward)")
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"threshold={self.threshold!r} is out of range; allowed: a finite number")
         if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
@@ -220,6 +223,8 @@ class DuoPolicy(Policy):
                 raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in rows for x in r):
                 raise ValueError("gates must hold numbers")
+            if not all(math.isfinite(x) for r in rows for x in r):
+                raise ValueError("gates must hold finite numbers (no NaN or inf)")
             if self.artifact is not None:
                 raise ValueError("give either gates or artifact, not both")
 
@@ -249,10 +254,12 @@ class DuoPolicy(Policy):
             if path.suffix == ".tsv":
                 gates = read_upstream_pattern(path)
             else:
-                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter, check=_CHECK)
-                if "gates" not in tensors:
-                    raise ValueError(f"{path} holds no 'gates' tensor")
+                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter, check=_CHECK,
+                                           required=("gates",))
                 gates = tensors["gates"].to(torch.float32)
+        if not bool(torch.isfinite(gates).all()):
+            raise ValueError(f"duo gates from {source} hold NaN or inf; every gate must be a finite number "
+                             "(remake the pattern with `kvpress calibrate duo`)")
         expected = (adapter.num_layers, adapter.num_kv_heads)
         if tuple(gates.shape) != expected:
             raise ValueError(

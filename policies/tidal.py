@@ -38,7 +38,7 @@ def measured_layers(model_id: str, num_layers: int, num_kv_heads: int, head_dim:
     path = shipped_artifact(artifact_name(model_id))
     if not path.is_file():
         return None
-    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION)
+    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION, required=("layers",))
     if (meta.get("num_layers"), meta.get("num_kv_heads"), meta.get("head_dim")) != (
             str(num_layers), str(num_kv_heads), str(head_dim)):
         return None  # same name, another model shape
