@@ -254,8 +254,8 @@ class DuoPolicy(Policy):
             if path.suffix == ".tsv":
                 gates = read_upstream_pattern(path)
             else:
-                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter, check=_CHECK,
-                                           required=("gates",))
+                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter,
+                                           check=_CHECK, required=("gates",))
                 gates = tensors["gates"].to(torch.float32)
         if not bool(torch.isfinite(gates).all()):
             raise ValueError(f"duo gates from {source} hold NaN or inf; every gate must be a finite number "
