@@ -17,7 +17,7 @@ from .cache import RecordingLayer
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
 
-RING_STEP = 128  # the smallest ring a SinkWindowLayer allocates; it doubles up to the window
+RING_STEP = 128  # the fewest sink / ring slots a SinkWindowLayer allocates; they double up to sinks / window
 
 
 def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) -> SparseIndex:
@@ -36,6 +36,17 @@ def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) 
                        torch.full((batch,), slots, dtype=torch.int32, device=visible.device))
 
 
+def _grown(tokens: int, limit: int) -> int:
+    """Slots of a part holding at most ``limit`` for ``tokens`` tokens: ``RING_STEP`` doubled until
+    they fit, at most ``limit``."""
+    if tokens >= limit:
+        return limit
+    slots = RING_STEP
+    while slots < tokens:
+        slots *= 2
+    return min(slots, limit)
+
+
 class SinkWindowLayer(RecordingLayer):
     """Keeps the first ``sinks`` real tokens of each row and the most recent ``window`` tokens.
 
@@ -43,15 +54,15 @@ class SinkWindowLayer(RecordingLayer):
     slots, during prefill too, so resident memory and per-token attention cost are bounded at
     any length.
 
-    Storage: k/v [B, H_kv, sinks + ring, D] and ``pos`` [B, sinks + ring] (long), the sequence
-    index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each row's sinks; slots
-    ``[sinks, sinks + ring)`` are a ring: the token at sequence index i lives in slot
-    ``sinks + i % window``, so a decode step writes one slot in place instead of copying the
-    window. A sink token that is still inside the window also has a ring copy; the ring copy is
-    never attended (no double counting). The ring grows with the tokens seen, not the configured
-    window: ``ring`` is ``RING_STEP`` slots, doubled whenever a token would land past its end, up to
-    ``window`` (before the window is full no index wraps, so growing keeps every slot in place);
-    a 40-token prompt under ``window_size=65536`` holds 128 ring slots.
+    Storage: k/v [B, H_kv, S + ring, D] and ``pos`` [B, S + ring] (long), the sequence index
+    held by each slot (-1: empty). Slots ``[0, S)`` hold each row's sinks; slots ``[S, S + ring)``
+    are a ring: the token at sequence index i lives in slot ``S + i % window``, so a decode step
+    writes one slot in place instead of copying the window. A sink token that is still inside the
+    window also has a ring copy; the ring copy is never attended (no double counting). Both parts
+    grow with the tokens seen, not with the configured sizes: each is ``RING_STEP`` slots, doubled
+    whenever a token would land past its end, up to ``sinks`` (``S``) and ``window`` (``ring``);
+    before the window is full no index wraps, so growing moves the ring whole. A 40-token prompt
+    under ``window_size=65536`` holds 128 ring slots.
 
     With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
     before the window) rather than at their true distance; see :func:`streaming_attention`.
@@ -99,6 +110,7 @@ class SinkWindowLayer(RecordingLayer):
         self.tail = ChunkTail(tail_chunk, skip=sinks) if tail_chunk else None
         self.sinks = sinks
         self.window = window
+        self._ring_at = 0  # S: the sink slots allocated (sinks, once that many tokens were seen)
         self.rerotate = rerotate
         self.dense_prefill = dense_prefill
         self.prefill_chunk = prefill_chunk
@@ -116,24 +128,25 @@ class SinkWindowLayer(RecordingLayer):
         return self._rows_row_start if self._rows_row_start is not None else super().row_start
 
     def _reserve(self, k_new, v_new, tokens: int) -> None:
-        """Slots for every sequence index below ``tokens``: allocate, or grow the ring."""
-        ring = self.window
-        if tokens < self.window:
-            ring = RING_STEP
-            while ring < tokens:
-                ring *= 2
-            ring = min(ring, self.window)
-        slots = self.sinks + ring
-        if self.k is not None and self.k.shape[2] >= slots:
+        """Slots for every sequence index below ``tokens`` (a row's sink j is token row_start + j,
+        so ``min(sinks, tokens)`` sink slots hold every sink seen): allocate, or grow."""
+        old_sinks = self._ring_at
+        old_ring = 0 if self.k is None else self.k.shape[2] - old_sinks
+        sinks, ring = max(old_sinks, _grown(tokens, self.sinks)), max(old_ring, _grown(tokens, self.window))
+        if self.k is not None and (sinks, ring) == (old_sinks, old_ring):
             return
         batch, heads, _, dim = k_new.shape
         old = (self.k, self.v, self.pos)
-        self.k = k_new.new_zeros(batch, heads, slots, dim)
-        self.v = v_new.new_zeros(batch, heads, slots, dim)
-        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
-        if old[0] is not None:  # no index has wrapped yet: slot i keeps its place
-            n = old[0].shape[2]
-            self.k[:, :, :n], self.v[:, :, :n], self.pos[:, :n] = old
+        self.k = k_new.new_zeros(batch, heads, sinks + ring, dim)
+        self.v = v_new.new_zeros(batch, heads, sinks + ring, dim)
+        self.pos = torch.full((batch, sinks + ring), -1, dtype=torch.long, device=k_new.device)
+        self._ring_at = sinks
+        if old[0] is not None:  # no ring index has wrapped yet: the ring moves whole
+            self.k[:, :, :old_sinks], self.v[:, :, :old_sinks] = old[0][:, :, :old_sinks], old[1][:, :, :old_sinks]
+            self.pos[:, :old_sinks] = old[2][:, :old_sinks]
+            end = sinks + old_ring
+            self.k[:, :, sinks:end], self.v[:, :, sinks:end] = old[0][:, :, old_sinks:], old[1][:, :, old_sinks:]
+            self.pos[:, sinks:end] = old[2][:, old_sinks:]
 
     @property
     def _slot(self) -> torch.Tensor:
@@ -151,7 +164,7 @@ class SinkWindowLayer(RecordingLayer):
     def _visible_pos(self, row_start):
         """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
         real = self.pos - row_start[:, None]
-        duplicate = (self._slot[None, :] >= self.sinks) & (real < self.sinks)
+        duplicate = (self._slot[None, :] >= self._ring_at) & (real < self.sinks)
         return torch.where(duplicate | (real < 0), torch.full_like(self.pos, -1), self.pos)
 
     def attend(self, q, k_new, v_new, scaling):
@@ -334,14 +347,14 @@ class SinkWindowLayer(RecordingLayer):
         if self.tail is not None:
             self._evict_to_tail(k_new, v_new)
         if n_new == 1:  # a decode step: its slot is known on the host (one copy each, no index tensors)
-            slot = self.sinks + self.seen % self.window
+            slot = self._ring_at + self.seen % self.window
             self.k[:, :, slot] = k_new[:, :, 0]
             self.v[:, :, slot] = v_new[:, :, 0]
             self.pos[:, slot].fill_(self.seen)
         else:
             keep = min(n_new, self.window)
             idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
-            slots = self.sinks + idx % self.window
+            slots = self._ring_at + idx % self.window
             self.k[:, :, slots] = k_new[:, :, n_new - keep :]
             self.v[:, :, slots] = v_new[:, :, n_new - keep :]
             self.pos[:, slots] = idx
@@ -351,13 +364,14 @@ class SinkWindowLayer(RecordingLayer):
             if self.seen < self.cache.max_row_start + self.sinks:
                 if row_start is None:
                     row_start = self._row_start(batch, k_new.device)
-                local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
+                S = self._ring_at  # (the sinks not allocated yet come after these new tokens)
+                local = row_start[:, None] - self.seen + torch.arange(S, device=k_new.device)  # (B, S)
                 fresh = (local >= 0) & (local < n_new)
-                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
+                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, S, dim)
                 take = fresh[:, None, :, None]
-                self.k[:, :, : self.sinks] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, : self.sinks])
-                self.v[:, :, : self.sinks] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, : self.sinks])
-                self.pos[:, : self.sinks] = torch.where(fresh, local + self.seen, self.pos[:, : self.sinks])
+                self.k[:, :, :S] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, :S])
+                self.v[:, :, :S] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, :S])
+                self.pos[:, :S] = torch.where(fresh, local + self.seen, self.pos[:, :S])
 
     def _evict_to_tail(self, k_new, v_new) -> None:
         """Add the tokens this write pushes out of the window (sequence indices
@@ -370,11 +384,11 @@ class SinkWindowLayer(RecordingLayer):
         if lo < self.seen:  # ring slots about to be overwritten (they hold indices lo .. )
             old_hi = min(self.seen, hi)
             if old_hi - lo == 1:
-                slot = self.sinks + lo % w
+                slot = self._ring_at + lo % w
                 ks.append(self.k[:, :, slot:slot + 1])
                 vs.append(self.v[:, :, slot:slot + 1])
             else:
-                slots = self.sinks + torch.arange(lo, old_hi, device=k_new.device) % w
+                slots = self._ring_at + torch.arange(lo, old_hi, device=k_new.device) % w
                 ks.append(self.k[:, :, slots])
                 vs.append(self.v[:, :, slots])
         if hi > self.seen:  # new tokens that never enter the ring
@@ -397,7 +411,7 @@ class SinkWindowLayer(RecordingLayer):
         else:
             row_start = self._row_start(batch, q.device)
             pos = self._visible_pos(row_start)
-            visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
+            visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self._ring_at)
             index = None if self.rerotate else slot_index(visible, h_kv)
         if not self.rerotate:
             # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
@@ -414,7 +428,8 @@ class SinkWindowLayer(RecordingLayer):
         qs = q_sink.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)
         keys = self.k.to(torch.float32)
         scores = torch.cat(
-            [qs @ keys[:, :, : self.sinks].transpose(-1, -2), qg @ keys[:, :, self.sinks :].transpose(-1, -2)], dim=-1
+            [qs @ keys[:, :, : self._ring_at].transpose(-1, -2), qg @ keys[:, :, self._ring_at :].transpose(-1, -2)],
+            dim=-1
         ) * scaling  # (B, H_kv, G, slots)
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ self.v.to(torch.float32)  # (B, H_kv, G, D)
@@ -427,12 +442,13 @@ class SinkWindowLayer(RecordingLayer):
 
     def snapshot(self) -> dict:
         saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}
+        saved["ring_at"] = self._ring_at
         if self.tail is not None:
             saved["tail"] = self.tail.snapshot()
         return saved
 
     def restore(self, saved: dict) -> None:
-        self.k, self.v, self.pos = saved["k"], saved["v"], saved["pos"]
+        self.k, self.v, self.pos, self._ring_at = saved["k"], saved["v"], saved["pos"], saved["ring_at"]
         if self.tail is not None:
             self.tail.restore(saved["tail"])
 
@@ -496,6 +512,7 @@ class SlidingWindowLayer(SinkWindowLayer):
         for name in ("k", "v", "pos"):
             t = getattr(other, name)
             setattr(self, name, None if t is None else t.clone())
+        self._ring_at = other._ring_at
         if self.k is not None:
             self.lazy_initialization(self.k, self.v)
         self.seen = other.seen
