@@ -218,6 +218,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         if not exposed and _trusted(folder):
             handle = _load(lib)
         else:
+            if exposed:  # whatever others could have put here (files, symlinks) goes before we write
+                for entry in folder.iterdir():
+                    if not stat.S_ISDIR(os.lstat(entry).st_mode):
+                        entry.unlink()
             tmp = folder / f"libkvpress_cpu.{os.getpid()}.tmp.so"
             done = _compile(cc, tmp)
             if done.returncode != 0:

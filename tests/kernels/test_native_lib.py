@@ -79,12 +79,16 @@ def test_planted_library_in_a_world_writable_folder_is_never_loaded(cache, tmp_p
     cache["compiled"].clear(), cache["loaded"].clear()
     planted = genuine_bytes + b"planted"  # with a matching record: others could have written both
     _plant(folder, planted, hashlib.sha256(planted).hexdigest())
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    os.symlink(victim, folder / f"{nl.DIGEST_NAME}.{os.getpid()}.tmp")  # a trap for the record we write
     os.chmod(folder if level == "key" else folder.parent, 0o777)
     handle, why = nl._build()
     assert handle is not None, why
     assert cache["compiled"] and folder / nl.LIB_NAME not in cache["loaded"]
     assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700 and stat.S_IMODE(os.lstat(folder.parent).st_mode) == 0o700
     assert (folder / nl.LIB_NAME).read_bytes() == genuine_bytes  # rebuilt over the planted file
+    assert victim.read_text() == "untouched"
 
 
 @pytest.mark.parametrize("record", [None, "0" * 64, "not a hash"])
