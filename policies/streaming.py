@@ -13,7 +13,9 @@ class StreamingPolicy(Policy):
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
     The first tokens absorb attention mass ("attention sinks"); keeping them makes a bounded
-    cache behave far better than a plain window. Budget = ``sink_tokens + window_size``.
+    cache behave far better than a plain window. Budget = ``sink_tokens + window_size``
+    (``sink_tokens`` 0 .. 2**24, ``window_size`` 1 .. 2**24; the storage grows with the tokens
+    seen, up to the budget).
 
     ``rerotate=True`` gives the sinks in-cache positions, as the paper does, so the model never
     sees a relative distance beyond ``sink_tokens + window_size`` and stays fluent past its

@@ -13,7 +13,8 @@ class WindowPolicy(Policy):
 
     The baseline StreamingLLM (arXiv 2309.17453) improves on: without attention sinks, quality
     collapses once the first tokens leave the window. Prefill uses the same window for every
-    query, so memory stays bounded at any prompt length.
+    query, so memory stays bounded at any prompt length; it grows with the tokens seen, up to the
+    window (`kvpress.window_layers.SinkWindowLayer`). ``window_size``: 1 .. 2**24 tokens.
     """
 
     window_size: int = 256
