@@ -1,7 +1,9 @@
 """Result files of ``kvpress eval``: the JSONL log, per-cell and summary CSVs, the printed table.
 
 One JSONL line per finished cell (policy config x length x task x sample); everything else is
-derived from that file, so an interrupted run loses at most the cell in flight.
+derived from that file, so an interrupted run loses at most the cell in flight. A line that is
+not a record (cut by a kill, edited by hand, another tool's output) is skipped with a warning
+that counts them. One run writes an output folder at a time (`lock_out_dir`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ import math
 import os
 import platform
 import subprocess
+import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 RESULTS_FILE = "results.jsonl"
+LOCK_FILE = ".kvpress-eval.lock"
+# what every record holds, with its type(s): resume, the CSVs and the report read these
+RECORD_FIELDS = {"key": (str,), "policy_label": (str,), "policy_name": (str,), "task": (str,), "length": (int,),
+                 "sample": (int,), "score": (int, float, type(None)), "resident_bytes": (int, float, type(None))}
 CELLS_CSV = "cells.csv"
 SUMMARY_CSV = "summary.csv"
 MIB = 2.0**20
@@ -90,21 +98,70 @@ def cell_key(model: str, policy: dict, task_spec: str, length: int, sample: int,
     return json.dumps([model, policy, task_spec, int(length), int(sample), int(seed)], sort_keys=True)
 
 
+class OutDirLockedError(ValueError):
+    """Another ``kvpress eval`` holds the lock of this output folder."""
+
+
+@contextmanager
+def lock_out_dir(out_dir):
+    """Hold an exclusive ``flock`` on ``out_dir/.kvpress-eval.lock`` for the block.
+
+    Raises `OutDirLockedError` at once (no waiting) when another process holds it: two runs
+    appending to one ``results.jsonl`` would compute, and count, every cell twice. Where
+    ``fcntl`` does not exist (Windows) the block runs unlocked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    path = Path(out_dir) / LOCK_FILE
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutDirLockedError(f"another kvpress eval is writing to {out_dir} (it holds {path}); wait for it "
+                                    "to finish or give another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def is_record(value) -> bool:
+    """Whether ``value`` (one parsed JSON line) is a cell record: an object with `RECORD_FIELDS`."""
+    return isinstance(value, dict) and all(
+        isinstance(value.get(name, _ABSENT), types) and not isinstance(value.get(name), bool)
+        for name, types in RECORD_FIELDS.items())
+
+
+_ABSENT = object()
+
+
 def read_records(out_dir) -> list[dict]:
-    """Every complete line of ``out_dir/results.jsonl`` (a line cut by a kill is ignored)."""
+    """Every record of ``out_dir/results.jsonl``; lines that are not records (a line cut by a
+    kill, invalid JSON, JSON that is not a cell record) are skipped with one warning counting them."""
     path = Path(out_dir) / RESULTS_FILE
     if not path.exists():
         return []
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
+    records, skipped = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
             try:
-                records.append(json.loads(line))
+                value = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                value = None
+            if is_record(value):
+                records.append(value)
+            else:
+                skipped.append(number)
+    if skipped:
+        shown = ", ".join(map(str, skipped[:10])) + (", ..." if len(skipped) > 10 else "")
+        warnings.warn(f"{path}: skipped {len(skipped)} line(s) that are not result records (line {shown})",
+                      UserWarning, stacklevel=2)
     return records
 
 
@@ -147,9 +204,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "n": len(cells),
             "score": _mean(c["score"] for c in cells),
             "resident_mib": _mean(c["resident_bytes"] for c in cells) / MIB,
-            "offloaded_mib": _mean(c["offloaded_bytes"] for c in cells) / MIB,
-            "decode_ms_per_token": _mean(c["decode_ms_per_token"] for c in cells),
-            "prefill_s": _mean(c["prefill_s"] for c in cells),
+            "offloaded_mib": _mean(c.get("offloaded_bytes") for c in cells) / MIB,
+            "decode_ms_per_token": _mean(c.get("decode_ms_per_token") for c in cells),
+            "prefill_s": _mean(c.get("prefill_s") for c in cells),
         })
     return rows
 

@@ -253,13 +253,26 @@ def run_eval(grid: EvalGrid, out_dir, *, model=None, tokenizer=None, max_cells: 
         Output folders of earlier runs: a cell of this grid whose key (model, every policy field,
         task, length, sample, seed) is finished there is copied into ``out_dir`` with a
         ``reused_from`` field instead of being computed (e.g. ``full``'s cells for a new policy).
+
+    Raises
+    ------
+    kvpress.evals.results.OutDirLockedError
+        Another run is writing to ``out_dir`` (a ValueError; the run stops before any cell).
     """
     out_dir = Path(out_dir)
     variants = grid.variants()
     tasks = grid.task_objects()
     reusable = _reusable_cells(reuse, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    done = {r["key"] for r in res.read_records(out_dir) if "key" in r}
+    with res.lock_out_dir(out_dir):
+        return _run_locked(grid, out_dir, variants, tasks, reusable, model, tokenizer, max_cells, progress, plots,
+                           quiet, reuse)
+
+
+def _run_locked(grid: EvalGrid, out_dir: Path, variants, tasks, reusable: dict, model, tokenizer,
+                max_cells: int | None, progress: bool, plots: bool, quiet: bool, reuse) -> list[dict]:
+    """`run_eval` once it holds ``out_dir``'s lock."""
+    done = {r["key"] for r in res.read_records(out_dir)}
     if model is None:
         model, tokenizer = load_eval_model(grid.model, dtype=grid.dtype, device=grid.device or default_device())
     elif tokenizer is None:

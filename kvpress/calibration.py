@@ -65,8 +65,14 @@ def save_artifact(path, tensors: dict[str, torch.Tensor], *, policy: str, versio
     return path
 
 
-def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_layers", "num_kv_heads", "head_dim")):
-    """Read an artifact; check its policy, version and (with ``adapter``) the model fields in ``check``.
+def _remake(policy: str, path) -> str:
+    return f"remake it with `kvpress calibrate {policy} --model MODEL --out {path}`"
+
+
+def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_layers", "num_kv_heads", "head_dim"),
+                  required: tuple[str, ...] = ()):
+    """Read an artifact; check its policy, version, that it holds the tensors named in
+    ``required`` and (with ``adapter``) the model fields in ``check``.
 
     Returns
     -------
@@ -77,22 +83,34 @@ def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_
     FileNotFoundError
         No file at ``path`` (the message tells the ``kvpress calibrate`` command).
     ValueError
-        Wrong format/policy/version, or a model field that does not match ``adapter``.
+        A file that is not a readable safetensors file (empty, truncated, random bytes, another
+        format), wrong format/policy/version, a missing required tensor, or a model field that
+        does not match ``adapter``; each names the file and the command that remakes it.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"no {policy} artifact at {path}; make one with `kvpress calibrate {policy} --model MODEL --out {path}`"
         )
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
+                         f"{_remake(policy, path)}") from None
     if meta.get("format") != FORMAT or meta.get("policy") != policy:
-        raise ValueError(f"{path} is not a kvpress {policy} artifact (format={meta.get('format')}, policy={meta.get('policy')})")
+        raise ValueError(f"{path} is not a kvpress {policy} artifact (format={meta.get('format')}, "
+                         f"policy={meta.get('policy')}); {_remake(policy, path)}")
     if meta.get("version") != str(version):
-        raise ValueError(f"{path} has {policy} artifact version {meta.get('version')}; this kvpress reads version {version}")
+        raise ValueError(f"{path} has {policy} artifact version {meta.get('version')}; this kvpress reads version "
+                         f"{version}; {_remake(policy, path)}")
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise ValueError(f"{path} holds no {', '.join(repr(m) for m in missing)} tensor (it holds "
+                         f"{sorted(tensors)}); {_remake(policy, path)}")
     if adapter is not None:
         expected = model_metadata(adapter)
         wrong = {k: (meta.get(k), expected[k]) for k in check if meta.get(k) != expected[k]}

@@ -15,7 +15,10 @@ Integration points are transformers' own, and nothing is patched at import time:
 * and ``generate`` itself, to end the past recording assisted decoding leaves on in the cache it
   returns (:meth:`PolicyCache.end_past_recording`);
 * and ``init_continuous_batching`` (behind ``generate_batch``), refused with a clear error: its
-  paged cache is not a policy's.
+  paged cache is not a policy's;
+* and an instance ``__deepcopy__``: ``copy.deepcopy(model)`` inside the block returns a copy as
+  the model is outside it (its own attention implementation and config, no hook, no wrapper), a
+  plain model inside the block and after it.
 
 Attention modules are mapped to their session in a weak dictionary, so the attention function
 finds the cache of the forward in flight without touching transformers' objects.
@@ -24,6 +27,7 @@ finds the cache of the forward in flight without touching transformers' objects.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import warnings
 import weakref
@@ -182,11 +186,14 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
                 "_prefill": _prompt_for_prefill,
                 "generate": lambda f: _generate_ends_recording(session, f),
                 "init_continuous_batching": _no_continuous_batching}
-    own_before = {name: vars(model)[name] for name in wrappers if name in vars(model)}
+    own_before = {name: vars(model)[name] for name in (*wrappers, "__deepcopy__") if name in vars(model)}
     try:
         for name, wrap in wrappers.items():
             if hasattr(model, name):
                 setattr(model, name, wrap(getattr(model, name)))
+        # (copy.deepcopy looks __deepcopy__ up on the instance, so an attribute is enough)
+        vars(model)["__deepcopy__"] = _copy_outside_apply(model, base, handle, (*wrappers, "__deepcopy__"),
+                                                          own_before, config_before, attn_before)
         _SESSIONS_BY_MODEL[model] = session
         for module in modules:
             _SESSIONS_BY_MODULE[module] = session
@@ -197,7 +204,7 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
         session.active = False
         session.current_cache = None
         handle.remove()
-        for name in wrappers:
+        for name in (*wrappers, "__deepcopy__"):
             if name in own_before:
                 setattr(model, name, own_before[name])
             else:
@@ -208,6 +215,32 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
         if model.config._attn_implementation != attn_before:
             model.set_attn_implementation(attn_before)
         _restore_config(model.config, config_before)
+
+
+def _copy_outside_apply(model, base, handle, attributes, own_before: dict, config_before: dict, attn_before: str):
+    """The model's ``__deepcopy__`` inside ``apply``: a deep copy, then undone in the copy what
+    ``apply`` did to the model (the attributes it set, the pre-hook, the attention implementation
+    and config), so the copy runs as the model does outside the block."""
+
+    def deepcopy(memo):
+        mine = vars(model).pop("__deepcopy__")
+        try:
+            clone = copy.deepcopy(model, memo)
+        finally:
+            vars(model)["__deepcopy__"] = mine
+        for name in attributes:
+            vars(clone).pop(name, None)
+            if name in own_before:
+                vars(clone)[name] = copy.deepcopy(own_before[name], memo)
+        clone_base = memo.get(id(base), clone)
+        for hooks in (clone_base._forward_pre_hooks, clone_base._forward_pre_hooks_with_kwargs):
+            hooks.pop(handle.id, None)
+        if clone.config._attn_implementation != attn_before:
+            clone.set_attn_implementation(attn_before)
+        _restore_config(clone.config, copy.deepcopy(config_before, memo))
+        return clone
+
+    return deepcopy
 
 
 def _policy_cache_for_generate(session: _Session, prepare):

@@ -25,7 +25,12 @@ class Policy:
 
     Subclasses are ``@dataclass(frozen=True)`` and set the class attributes below. Field values
     are checked in :meth:`validate` (called from ``__post_init__``), which raises ``ValueError``
-    naming the allowed range.
+    naming the allowed range. Every int field has a range with an upper bound: token counts
+    (budgets, windows, sinks, chunk, flush and fold sizes) at most `MAX_TOKENS` = 2**24 (16M
+    tokens), layer counts and indices at most `MAX_LAYERS`, channel counts at most `MAX_CHANNELS`,
+    seeds in ``0 .. MAX_SEED`` (2**31 - 1); a policy that leaves an int field unbounded still gets
+    ``|value| <= MAX_SEED`` from ``__post_init__``, so no field reaches the kernels as a value
+    that overflows or allocates without limit.
 
     Capability flags (class attributes, read by the runner/CLI instead of type checks):
 
@@ -70,6 +75,7 @@ class Policy:
     def __post_init__(self) -> None:
         _check_field_types(self)
         self.validate()
+        _check_int_fields(self)
 
     def prefills_densely(self) -> bool:
         """Whether this configured policy's prefill is plain dense attention (see ``full_prefill``)."""
@@ -124,12 +130,31 @@ class Policy:
 
 
 # --------------------------------------------------------------------- validation helpers
+MAX_TOKENS = 2**24  # 16M tokens: far beyond any context a model here runs, far below an overflow
+MAX_LAYERS = 2**12
+MAX_CHANNELS = 2**16
+MAX_SEED = 2**31 - 1
+
+
+def check_tokens(name: str, value: int, low: int = 0) -> None:
+    """Raise ValueError unless ``low <= value <= MAX_TOKENS`` (a token count)."""
+    check_int(name, value, low, MAX_TOKENS)
+
+
 def check_int(name: str, value: int, low: int | None = None, high: int | None = None) -> None:
     """Raise ValueError unless ``low <= value <= high`` (either bound may be None)."""
     if (low is not None and value < low) or (high is not None and value > high):
         lo = "-inf" if low is None else str(low)
         hi = "inf" if high is None else str(high)
         raise ValueError(f"{name}={value!r} is out of range; allowed: {lo} <= {name} <= {hi}")
+
+
+def _check_int_fields(policy: Policy) -> None:
+    """The bound every int field keeps even where a policy's `validate` sets none."""
+    for name, tp in _field_types(type(policy)).items():
+        value = getattr(policy, name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SEED:
+            raise ValueError(f"{name}={value!r} is out of range; allowed: |{name}| <= {MAX_SEED}")
 
 
 def check_choice(name: str, value: Any, allowed) -> None:

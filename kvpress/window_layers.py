@@ -19,6 +19,8 @@ from .plan import static_address
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
 
+RING_STEP = 128  # the fewest sink / ring slots a SinkWindowLayer allocates; they double up to sinks / window
+
 
 def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) -> SparseIndex:
     """Token-level :class:`SparseIndex` of the visible slots ``visible`` [B, slots] (bool), the
@@ -36,6 +38,17 @@ def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) 
                        torch.full((batch,), slots, dtype=torch.int32, device=visible.device))
 
 
+def _grown(tokens: int, limit: int) -> int:
+    """Slots of a part holding at most ``limit`` for ``tokens`` tokens: ``RING_STEP`` doubled until
+    they fit, at most ``limit``."""
+    if tokens >= limit:
+        return limit
+    slots = RING_STEP
+    while slots < tokens:
+        slots *= 2
+    return min(slots, limit)
+
+
 class SinkWindowLayer(RecordingLayer):
     """Keeps the first ``sinks`` real tokens of each row and the most recent ``window`` tokens.
 
@@ -43,12 +56,15 @@ class SinkWindowLayer(RecordingLayer):
     slots, during prefill too, so resident memory and per-token attention cost are bounded at
     any length.
 
-    Storage: k/v [B, H_kv, sinks + window, D], allocated once, and ``pos`` [B, sinks + window]
-    (long), the sequence index held by each slot (-1: empty). Slots ``[0, sinks)`` hold each
-    row's sinks; slots ``[sinks, sinks + window)`` are a ring: the token at sequence index i lives
-    in slot ``sinks + i % window``, so a decode step writes one slot in place instead of copying
-    the window. A sink token that is still inside the window also has a ring copy; the ring copy
-    is never attended (no double counting).
+    Storage: k/v [B, H_kv, S + ring, D] and ``pos`` [B, S + ring] (long), the sequence index
+    held by each slot (-1: empty). Slots ``[0, S)`` hold each row's sinks; slots ``[S, S + ring)``
+    are a ring: the token at sequence index i lives in slot ``S + i % window``, so a decode step
+    writes one slot in place instead of copying the window. A sink token that is still inside the
+    window also has a ring copy; the ring copy is never attended (no double counting). Both parts
+    grow with the tokens seen, not with the configured sizes: each is ``RING_STEP`` slots, doubled
+    whenever a token would land past its end, up to ``sinks`` (``S``) and ``window`` (``ring``);
+    before the window is full no index wraps, so growing moves the ring whole. A 40-token prompt
+    under ``window_size=65536`` holds 128 ring slots.
 
     With ``rerotate=True`` the sinks are scored at StreamingLLM's in-cache positions (right
     before the window) rather than at their true distance; see :func:`streaming_attention`.
@@ -96,6 +112,7 @@ class SinkWindowLayer(RecordingLayer):
         self.tail = ChunkTail(tail_chunk, skip=sinks) if tail_chunk else None
         self.sinks = sinks
         self.window = window
+        self._ring_at = 0  # S: the sink slots allocated (sinks, once that many tokens were seen)
         self.rerotate = rerotate
         self.dense_prefill = dense_prefill
         self.prefill_chunk = prefill_chunk
@@ -113,14 +130,39 @@ class SinkWindowLayer(RecordingLayer):
         # (not ``super().row_start``: torch.compile's tracer reads a property through super() as the property)
         return self._rows_row_start if self._rows_row_start is not None else self.cache.row_start_on(self.device)
 
-    def _allocate(self, k_new, v_new) -> None:
+    def _reserve(self, k_new, v_new, tokens: int) -> None:
+        """Slots for every sequence index below ``tokens`` (a row's sink j is token row_start + j,
+        so ``min(sinks, tokens)`` sink slots hold every sink seen): allocate, or grow. A cache planned
+        for a generation's length (``cache.capacity``) gets room for all of it at once, so its decode
+        steps keep one shape."""
+        tokens = max(tokens, self.cache.capacity or 0)
+        old_sinks = self._ring_at
+        old_ring = 0 if self.k is None else self.k.shape[2] - old_sinks
+        sinks, ring = max(old_sinks, _grown(tokens, self.sinks)), max(old_ring, _grown(tokens, self.window))
+        if self.k is not None and (sinks, ring) == (old_sinks, old_ring):
+            return
         batch, heads, _, dim = k_new.shape
-        slots = self.sinks + self.window
-        self.k = k_new.new_zeros(batch, heads, slots, dim)
-        self.v = v_new.new_zeros(batch, heads, slots, dim)
-        self.pos = torch.full((batch, slots), -1, dtype=torch.long, device=k_new.device)
-        self._slot = torch.arange(slots, device=k_new.device)
+        old = (self.k, self.v, self.pos)
+        self.k = k_new.new_zeros(batch, heads, sinks + ring, dim)
+        self.v = v_new.new_zeros(batch, heads, sinks + ring, dim)
+        self.pos = torch.full((batch, sinks + ring), -1, dtype=torch.long, device=k_new.device)
+        self._ring_at = sinks
         static_address(self.k, self.v, self.pos)
+        if old[0] is not None:  # no ring index has wrapped yet: the ring moves whole
+            self.k[:, :, :old_sinks], self.v[:, :, :old_sinks] = old[0][:, :, :old_sinks], old[1][:, :, :old_sinks]
+            self.pos[:, :old_sinks] = old[2][:, :old_sinks]
+            end = sinks + old_ring
+            self.k[:, :, sinks:end], self.v[:, :, sinks:end] = old[0][:, :, old_sinks:], old[1][:, :, old_sinks:]
+            self.pos[:, sinks:end] = old[2][:, old_sinks:]
+
+    @property
+    def _slot(self) -> torch.Tensor:
+        """long ``(slots,)``: ``0 .. slots - 1`` for the current storage."""
+        slots, device = self.k.shape[2], self.k.device
+        cached = getattr(self, "_slot_ids", None)
+        if cached is None or cached.shape[0] != slots or cached.device != device:
+            cached = self._slot_ids = torch.arange(slots, device=device)
+        return cached
 
     def _row_start(self, batch, device):
         row_start = self.row_start
@@ -129,7 +171,7 @@ class SinkWindowLayer(RecordingLayer):
     def _visible_pos(self, row_start):
         """``pos`` with ring copies of sink tokens (and padding) hidden: each token counted once."""
         real = self.pos - row_start[:, None]
-        duplicate = (self._slot[None, :] >= self.sinks) & (real < self.sinks)
+        duplicate = (self._slot[None, :] >= self._ring_at) & (real < self.sinks)
         return torch.where(duplicate | (real < 0), torch.full_like(self.pos, -1), self.pos)
 
     @property
@@ -138,11 +180,12 @@ class SinkWindowLayer(RecordingLayer):
 
     def attend(self, q, k_new, v_new, scaling):
         batch, _, n_new, _ = k_new.shape
-        if self.k is None:
-            self._allocate(k_new, v_new)
         plan = self.cache.plan
         if plan is not None and plan.static and self.static_decode and self.seen >= self.cache.max_row_start + self.sinks:
+            if self.k.shape[2] < self.sinks + self.window:  # (a ring sized by a planned capacity does not grow)
+                self._reserve(k_new, v_new, self.seen + 1)
             return self._static_step(q, k_new, v_new, scaling, plan)
+        self._reserve(k_new, v_new, self.seen + n_new)
         if n_new == 1 and self.seen > 0 and not (self.dense_prefill and self.cache.prompt_open):
             out = self._decode(q, k_new, v_new, scaling)
             self.seen += n_new
@@ -308,8 +351,7 @@ class SinkWindowLayer(RecordingLayer):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
         if not self.dense_prefill:
             raise NotImplementedError("a streaming-prefill SinkWindowLayer cannot take a dense prefill")
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -321,14 +363,14 @@ class SinkWindowLayer(RecordingLayer):
         if self.tail is not None:
             self._evict_to_tail(k_new, v_new)
         if n_new == 1:  # a decode step: its slot is known on the host (one copy each, no index tensors)
-            slot = self.sinks + self.seen % self.window
+            slot = self._ring_at + self.seen % self.window
             self.k[:, :, slot] = k_new[:, :, 0]
             self.v[:, :, slot] = v_new[:, :, 0]
             self.pos[:, slot].fill_(self.seen)
         else:
             keep = min(n_new, self.window)
             idx = torch.arange(self.seen + n_new - keep, self.seen + n_new, device=k_new.device)
-            slots = self.sinks + idx % self.window
+            slots = self._ring_at + idx % self.window
             self.k[:, :, slots] = k_new[:, :, n_new - keep :]
             self.v[:, :, slots] = v_new[:, :, n_new - keep :]
             self.pos[:, slots] = idx
@@ -338,13 +380,14 @@ class SinkWindowLayer(RecordingLayer):
             if self.seen < self.cache.max_row_start + self.sinks:
                 if row_start is None:
                     row_start = self._row_start(batch, k_new.device)
-                local = row_start[:, None] - self.seen + torch.arange(self.sinks, device=k_new.device)  # (B, S)
+                S = self._ring_at  # (the sinks not allocated yet come after these new tokens)
+                local = row_start[:, None] - self.seen + torch.arange(S, device=k_new.device)  # (B, S)
                 fresh = (local >= 0) & (local < n_new)
-                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, self.sinks, dim)
+                src = local.clamp(0, n_new - 1)[:, None, :, None].expand(batch, heads, S, dim)
                 take = fresh[:, None, :, None]
-                self.k[:, :, : self.sinks] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, : self.sinks])
-                self.v[:, :, : self.sinks] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, : self.sinks])
-                self.pos[:, : self.sinks] = torch.where(fresh, local + self.seen, self.pos[:, : self.sinks])
+                self.k[:, :, :S] = torch.where(take, torch.gather(k_new, 2, src), self.k[:, :, :S])
+                self.v[:, :, :S] = torch.where(take, torch.gather(v_new, 2, src), self.v[:, :, :S])
+                self.pos[:, :S] = torch.where(fresh, local + self.seen, self.pos[:, :S])
 
     def _evict_to_tail(self, k_new, v_new) -> None:
         """Add the tokens this write pushes out of the window (sequence indices
@@ -357,11 +400,11 @@ class SinkWindowLayer(RecordingLayer):
         if lo < self.seen:  # ring slots about to be overwritten (they hold indices lo .. )
             old_hi = min(self.seen, hi)
             if old_hi - lo == 1:
-                slot = self.sinks + lo % w
+                slot = self._ring_at + lo % w
                 ks.append(self.k[:, :, slot:slot + 1])
                 vs.append(self.v[:, :, slot:slot + 1])
             else:
-                slots = self.sinks + torch.arange(lo, old_hi, device=k_new.device) % w
+                slots = self._ring_at + torch.arange(lo, old_hi, device=k_new.device) % w
                 ks.append(self.k[:, :, slots])
                 vs.append(self.v[:, :, slots])
         if hi > self.seen:  # new tokens that never enter the ring
@@ -375,7 +418,7 @@ class SinkWindowLayer(RecordingLayer):
         """A decode step at the plan's device position (every row's sinks already stored): the ring
         slot and the visible slots come from device tensors, so the step keeps one graph."""
         batch = k_new.shape[0]
-        slot = plan.start % self.window + self.sinks  # [1]
+        slot = plan.start % self.window + self._ring_at  # [1] (every sink slot is there by now)
         self.k.index_copy_(2, slot, k_new)
         self.v.index_copy_(2, slot, v_new)
         self.pos.index_copy_(1, slot, plan.start.expand(batch, 1))
@@ -397,7 +440,7 @@ class SinkWindowLayer(RecordingLayer):
         else:
             row_start = self._row_start(batch, q.device)
             pos = self._visible_pos(row_start)
-            visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self.sinks)
+            visible = (pos >= 0) & (q_pos - pos < self.window) | (pos >= 0) & (self._slot[None, :] < self._ring_at)
             index = None if self.rerotate else slot_index(visible, h_kv)
         if not self.rerotate:
             # the decode kernel over the visible slots (attention is order-free: keys carry RoPE)
@@ -414,7 +457,8 @@ class SinkWindowLayer(RecordingLayer):
         qs = q_sink.to(torch.float32).reshape(batch, h_kv, h_q // h_kv, dim)
         keys = self.k.to(torch.float32)
         scores = torch.cat(
-            [qs @ keys[:, :, : self.sinks].transpose(-1, -2), qg @ keys[:, :, self.sinks :].transpose(-1, -2)], dim=-1
+            [qs @ keys[:, :, : self._ring_at].transpose(-1, -2), qg @ keys[:, :, self._ring_at :].transpose(-1, -2)],
+            dim=-1
         ) * scaling  # (B, H_kv, G, slots)
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         out = torch.softmax(scores, dim=-1) @ self.v.to(torch.float32)  # (B, H_kv, G, D)
@@ -427,18 +471,18 @@ class SinkWindowLayer(RecordingLayer):
 
     def snapshot(self) -> dict:
         saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}
+        saved["ring_at"] = self._ring_at
         if self.tail is not None:
             saved["tail"] = self.tail.snapshot()
         return saved
 
     def restore(self, saved: dict) -> None:
-        self.k, self.v, self.pos = saved["k"], saved["v"], saved["pos"]
+        self.k, self.v, self.pos, self._ring_at = saved["k"], saved["v"], saved["pos"], saved["ring_at"]
         if self.tail is not None:
             self.tail.restore(saved["tail"])
 
     def store_again(self, k, v):
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -477,8 +521,7 @@ class SlidingWindowLayer(SinkWindowLayer):
     def attend(self, q, k_new, v_new, scaling):
         if self.seen or k_new.shape[2] == 1:  # decode, or a later chunk that also reads the ring
             return super().attend(q, k_new, v_new, scaling)
-        if self.k is None:
-            self._allocate(k_new, v_new)
+        self._reserve(k_new, v_new, k_new.shape[2])
         # the first forward: SDPA over each query chunk's reachable keys (the model's own kernels)
         out = sliding_causal_attention(q, k_new, v_new, scaling, window=self.window, row_start=self.row_start)
         self._write(k_new, v_new, self._row_start(k_new.shape[0], k_new.device))
@@ -487,8 +530,7 @@ class SlidingWindowLayer(SinkWindowLayer):
 
     def ingest_prefill(self, k, v):
         """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""
-        if self.k is None:
-            self._allocate(k, v)
+        self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
 
@@ -499,7 +541,7 @@ class SlidingWindowLayer(SinkWindowLayer):
         for name in ("k", "v", "pos"):
             t = getattr(other, name)
             setattr(self, name, None if t is None else t.clone())
-        self._slot = getattr(other, "_slot", None)
+        self._ring_at = other._ring_at
         if self.k is not None:
             self.lazy_initialization(self.k, self.v)
         self.seen = other.seen

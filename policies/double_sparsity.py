@@ -15,7 +15,7 @@ from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._double_sparsity_calib import synthetic_artifact  # noqa: F401  (re-exported)
 from kvpress.policies._double_sparsity_labels import dequantize_labels, quantize_labels
 from kvpress.policies._sparse import ChunkTail, range_index, token_topk_index
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 LABEL_BITS = (4, 16)
 
@@ -100,8 +100,9 @@ class DoubleSparsityPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("window_size", self.window_size, 1)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("window_size", self.window_size, 1)
+        check_tokens("budget", self.budget, 1)
         always = self.sink_tokens + self.window_size
         if self.budget <= always:
             raise ValueError(
@@ -109,12 +110,12 @@ class DoubleSparsityPolicy(Policy):
                 f"allowed: budget >= {always + 1}"
             )
         if self.label_channels is not None:
-            check_int("label_channels", self.label_channels, 1)
+            check_int("label_channels", self.label_channels, 1, MAX_CHANNELS)
         check_choice("label_bits", self.label_bits, LABEL_BITS)
         check_choice("group_reduction", self.group_reduction, REDUCTIONS)
         check_choice("backend", self.backend, ("auto", "torch", "triton"))
-        check_int("tail_chunk", self.tail_chunk, 0)
-        check_int("rerank", self.rerank, 1)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
+        check_int("rerank", self.rerank, 1, 1024)
 
     def channels_for(self, head_dim: int) -> int:
         """``r``, the label channels per key (default ``min(16, head_dim // 4)``).

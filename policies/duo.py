@@ -60,6 +60,7 @@ not a recommendation.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from dataclasses import dataclass, replace
 
@@ -69,7 +70,7 @@ from kvpress.attention import dense_causal_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.layers import SinkWindowLayer
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
 
 ARTIFACT_VERSION = 1
 SHIPPED = "duo-smollm2.safetensors"
@@ -152,25 +153,29 @@ class DuoPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("window_size", self.window_size, 1)
-        check_int("prefill_chunk_size", self.prefill_chunk_size, 1)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("window_size", self.window_size, 1)
+        check_tokens("prefill_chunk_size", self.prefill_chunk_size, 1)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         if self.prefill not in PREFILL_MODES:
             raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
         if self.tail_chunk and self.prefill == "streaming":
             raise ValueError('tail_chunk needs prefill="chunked" or "dense" (the per-token streaming prefill '
                              "evicts inside the forward)")
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"threshold={self.threshold!r} is out of range; allowed: a finite number")
         if self.sparsity is not None and not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
-            check_int("random_heads_seed", self.random_heads_seed, 0)
+            check_int("random_heads_seed", self.random_heads_seed, 0, MAX_SEED)
         if self.gates is not None:
             rows = self.gates
             if not rows or not all(isinstance(r, (tuple, list)) and len(r) == len(rows[0]) > 0 for r in rows):
                 raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
             if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in rows for x in r):
                 raise ValueError("gates must hold numbers")
+            if not all(math.isfinite(x) for r in rows for x in r):
+                raise ValueError("gates must hold finite numbers (no NaN or inf)")
             if self.artifact is not None:
                 raise ValueError("give either gates or artifact, not both")
 
@@ -200,10 +205,12 @@ class DuoPolicy(Policy):
             if path.suffix == ".tsv":
                 gates = read_upstream_pattern(path)
             else:
-                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter, check=_CHECK)
-                if "gates" not in tensors:
-                    raise ValueError(f"{path} holds no 'gates' tensor")
+                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter,
+                                           check=_CHECK, required=("gates",))
                 gates = tensors["gates"].to(torch.float32)
+        if not bool(torch.isfinite(gates).all()):
+            raise ValueError(f"duo gates from {source} hold NaN or inf; every gate must be a finite number "
+                             "(remake the pattern with `kvpress calibrate duo`)")
         expected = (adapter.num_layers, adapter.num_kv_heads)
         if tuple(gates.shape) != expected:
             raise ValueError(

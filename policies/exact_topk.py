@@ -9,7 +9,7 @@ import torch
 from kvpress.layers import DenseLayer
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.policies._sparse import SelectiveLayer, check_budget, token_topk_index
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 
 @register_policy
@@ -87,12 +87,12 @@ class ExactTopKPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("budget", self.budget, 1)
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("window_size", self.window_size, 1)
+        check_tokens("budget", self.budget, 1)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("window_size", self.window_size, 1)
         check_choice("group_reduction", self.group_reduction, REDUCTIONS)
-        check_int("dense_layers", self.dense_layers, 0)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_int("dense_layers", self.dense_layers, 0, MAX_LAYERS)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         always = self.sink_tokens + self.window_size
         check_budget(self.budget, always + 1, f"sink_tokens={self.sink_tokens} + window_size={self.window_size} + 1")
 

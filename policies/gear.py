@@ -9,7 +9,7 @@ from kvpress.kernels import native
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quantize_per_channel, quantize_per_token, reads_natively,
                                    token_quant_values)
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
@@ -94,8 +94,8 @@ class GearPolicy(Policy):
     def validate(self):
         check_quant_config(self.bits, self.group_size)
         check_choice("backend", self.backend, READ_BACKENDS)
-        check_int("residual_length", self.residual_length, 0)
-        check_int("flush_size", self.flush_size, self.group_size)
+        check_tokens("residual_length", self.residual_length, 0)
+        check_tokens("flush_size", self.flush_size, self.group_size)
         if self.flush_size % self.group_size:
             raise ValueError(f"flush_size={self.flush_size} must be a multiple of group_size={self.group_size}")
         check_int("rank", self.rank, 0, 64)

@@ -10,7 +10,7 @@ from kvpress.kernels.merge import merge_states
 from kvpress.kernels.packed_decode import quant_decode
 from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
                                    dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 
@@ -120,7 +120,7 @@ class KiviPolicy(Policy):
         check_quant_config(self.bits, self.group_size)
         if self.value_group_size is not None:
             _check_value_group(self.bits, self.value_group_size)
-        check_int("residual_length", self.residual_length, 0)
+        check_tokens("residual_length", self.residual_length, 0)
         check_int("sink_tokens", self.sink_tokens, 0, 64)
         check_choice("backend", self.backend, READ_BACKENDS)
 

@@ -10,7 +10,7 @@ from kvpress.kernels import ALLOWED_BLOCK_SIZES, REDUCTIONS, SparseIndex, quest_
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import (PageStats, SelectiveLayer, check_budget, page_index, range_topk_index,
                                       select_pages)
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 
 @register_policy
@@ -72,11 +72,12 @@ class QuestPolicy(Policy):
     croppable = True
 
     def validate(self):
+        check_tokens("budget", self.budget, 1)
         check_choice("page_size", self.page_size, ALLOWED_BLOCK_SIZES)
-        check_int("dense_layers", self.dense_layers, 0)
-        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("dense_layers", self.dense_layers, 0, MAX_LAYERS)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens={self.sink_tokens} must be a multiple of page_size={self.page_size} "
                              "(so selected pages never straddle the sinks and the budget is exact)")

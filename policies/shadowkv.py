@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpress.kernels import REDUCTIONS
 from kvpress.kernels.quant import ALLOWED_GROUP_SIZES
 from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._shadowkv_layer import ShadowKVLayer
 from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_rank, to_host,  # noqa: F401
@@ -99,20 +99,20 @@ class ShadowKVPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("budget", self.budget, 1)
+        check_tokens("budget", self.budget, 1)
         check_choice("chunk_size", self.chunk_size, SHADOWKV_CHUNK_SIZES)
         if self.rank is not None:
-            check_int("rank", self.rank, 1)
-        check_int("outlier_chunks", self.outlier_chunks, 0)
-        check_int("local_window", self.local_window, 0)
+            check_int("rank", self.rank, 1, MAX_CHANNELS)
+        check_tokens("outlier_chunks", self.outlier_chunks, 0)
+        check_tokens("local_window", self.local_window, 0)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
-        check_int("rerank", self.rerank, 1)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_int("rerank", self.rerank, 1, 1024)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         if self.tail_chunk % self.chunk_size:
             raise ValueError(f"tail_chunk={self.tail_chunk} must be 0 (off) or a multiple of chunk_size="
                              f"{self.chunk_size}: its value sums cover whole chunks")
         if self.fold_size is not None:
-            check_int("fold_size", self.fold_size, 0)
+            check_tokens("fold_size", self.fold_size, 0)
         for name, unit in (("chunk_size", self.chunk_size), ("tail_chunk", self.tail_chunk)):
             if unit and self.fold_size and self.fold_size % unit:
                 whole = "chunks" if name == "chunk_size" else "tail groups"

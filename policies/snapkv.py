@@ -12,7 +12,7 @@ from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps
 from kvpress.policies._sparse import check_budget
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 
@@ -86,8 +86,9 @@ class SnapKVPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("window_size", self.window_size, 1)
-        check_int("kernel_size", self.kernel_size, 1)
+        check_tokens("budget", self.budget, 1)
+        check_tokens("window_size", self.window_size, 1)
+        check_tokens("kernel_size", self.kernel_size, 1)
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size} must be odd (pooling is centred on each token)")
         check_budget(self.budget, self.window_size, f"the recent window_size={self.window_size}")

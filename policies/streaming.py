@@ -3,7 +3,7 @@
 from dataclasses import dataclass, replace
 
 from kvpress.layers import SinkWindowLayer
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 @register_policy
@@ -13,7 +13,9 @@ class StreamingPolicy(Policy):
 
     Xiao et al., "Efficient Streaming Language Models with Attention Sinks", arXiv 2309.17453.
     The first tokens absorb attention mass ("attention sinks"); keeping them makes a bounded
-    cache behave far better than a plain window. Budget = ``sink_tokens + window_size``.
+    cache behave far better than a plain window. Budget = ``sink_tokens + window_size``
+    (``sink_tokens`` 0 .. 2**24, ``window_size`` 1 .. 2**24; the storage grows with the tokens
+    seen, up to the budget).
 
     ``rerotate=True`` gives the sinks in-cache positions, as the paper does, so the model never
     sees a relative distance beyond ``sink_tokens + window_size`` and stays fluent past its
@@ -36,8 +38,8 @@ class StreamingPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("window_size", self.window_size, 1)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("window_size", self.window_size, 1)
 
     def make_layer(self, cache, layer_idx):
         return SinkWindowLayer(cache, layer_idx, sinks=self.sink_tokens, window=self.window_size, rerotate=self.rerotate)

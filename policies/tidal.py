@@ -13,7 +13,7 @@ from kvpress.calibration import load_artifact, register_calibrator, shipped_arti
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import SelectiveLayer, check_budget, range_topk_index, select_pages
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
 CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
@@ -38,7 +38,7 @@ def measured_layers(model_id: str, num_layers: int, num_kv_heads: int, head_dim:
     path = shipped_artifact(artifact_name(model_id))
     if not path.is_file():
         return None
-    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION)
+    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION, required=("layers",))
     if (meta.get("num_layers"), meta.get("num_kv_heads"), meta.get("head_dim")) != (
             str(num_layers), str(num_kv_heads), str(head_dim)):
         return None  # same name, another model shape
@@ -126,15 +126,16 @@ class TidalPolicy(Policy):
     croppable = True
 
     def validate(self):
+        check_tokens("budget", self.budget, 1)
         if self.selection_layer is not None:
-            check_int("selection_layer", self.selection_layer, 0)
+            check_int("selection_layer", self.selection_layer, 0, MAX_LAYERS)
         if self.reselection_layer not in (None, -1):
             check_int("reselection_layer", self.reselection_layer,
-                      1 if self.selection_layer is None else self.selection_layer + 1)
-        check_int("sink_tokens", self.sink_tokens, 0)
-        check_int("recent_tokens", self.recent_tokens, 1)
+                      1 if self.selection_layer is None else self.selection_layer + 1, MAX_LAYERS)
+        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_tokens("recent_tokens", self.recent_tokens, 1)
         check_choice("score_reduction", self.score_reduction, REDUCTIONS)
-        check_int("tail_chunk", self.tail_chunk, 0)
+        check_tokens("tail_chunk", self.tail_chunk, 0)
         check_budget(self.budget, self.sink_tokens + self.recent_tokens,
                      f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, replace
 
 from kvpress.layers import SinkWindowLayer
-from kvpress.registry import Policy, check_int, register_policy
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 @register_policy
@@ -13,7 +13,8 @@ class WindowPolicy(Policy):
 
     The baseline StreamingLLM (arXiv 2309.17453) improves on: without attention sinks, quality
     collapses once the first tokens leave the window. Prefill uses the same window for every
-    query, so memory stays bounded at any prompt length.
+    query, so memory stays bounded at any prompt length; it grows with the tokens seen, up to the
+    window (`kvpress.window_layers.SinkWindowLayer`). ``window_size``: 1 .. 2**24 tokens.
     """
 
     window_size: int = 256
@@ -26,7 +27,7 @@ class WindowPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_int("window_size", self.window_size, 1)
+        check_tokens("window_size", self.window_size, 1)
 
     def make_layer(self, cache, layer_idx):
         return SinkWindowLayer(cache, layer_idx, sinks=0, window=self.window_size)

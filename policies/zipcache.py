@@ -9,8 +9,8 @@ from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.packed_decode import quant_decode
-from kvpress.kernels.quant import READ_BACKENDS, check_quant_config
-from kvpress.registry import Policy, check_choice, check_int, register_policy
+from kvpress.kernels.quant import ALLOWED_BITS, ALLOWED_GROUP_SIZES, READ_BACKENDS, check_quant_config
+from kvpress.registry import MAX_CHANNELS, MAX_SEED, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._quant import QuantWindowLayer
 from ._zipcache_store import _joined, _runs, _Store
@@ -127,6 +127,10 @@ class ZipCachePolicy(Policy):
     chunked_prompt_exact = False  # prompt pieces read the quantized cache, each draws its own probes
 
     def validate(self):
+        for field in ("bits_high", "bits_low"):
+            check_choice(field, getattr(self, field), ALLOWED_BITS)
+        for field in ("group_size", "value_group_size"):
+            check_choice(field, getattr(self, field), ALLOWED_GROUP_SIZES)
         check_quant_config(self.bits_high, self.group_size)
         check_choice("backend", self.backend, READ_BACKENDS)
         check_quant_config(self.bits_low, self.value_group_size)
@@ -134,13 +138,14 @@ class ZipCachePolicy(Policy):
             raise ValueError(f"bits_low={self.bits_low} must not exceed bits_high={self.bits_high}")
         if not 0.0 <= self.salient_ratio <= 1.0:
             raise ValueError(f"salient_ratio={self.salient_ratio!r} is out of range; allowed: 0 <= salient_ratio <= 1")
-        check_int("residual_length", self.residual_length, 0)
-        check_int("flush_size", self.flush_size, self.group_size)
+        check_tokens("residual_length", self.residual_length, 0)
+        check_tokens("flush_size", self.flush_size, self.group_size)
         if self.flush_size % self.group_size:
             raise ValueError(f"flush_size={self.flush_size} must be a multiple of group_size={self.group_size}")
-        check_int("probe_recent", self.probe_recent, 1)
-        check_int("probe_random", self.probe_random, 0)
-        check_int("refine_key_channels", self.refine_key_channels, 0)
+        check_tokens("probe_recent", self.probe_recent, 1)
+        check_tokens("probe_random", self.probe_random, 0)
+        check_int("seed", self.seed, 0, MAX_SEED)
+        check_int("refine_key_channels", self.refine_key_channels, 0, MAX_CHANNELS)
         if self.refine_key_channels % 8:
             raise ValueError(f"refine_key_channels={self.refine_key_channels} must be a multiple of 8 "
                              "(0 = off; their second codes are packed whole bytes)")

@@ -96,6 +96,30 @@ def test_a_requested_cache_implementation_is_replaced_with_a_warning(llama, impl
     assert isinstance(output_cache(out), kvpress.PolicyCache)
 
 
+
+def test_deepcopy_inside_apply_is_a_plain_model_inside_and_after_the_block():
+    import copy
+
+    model = tiny_model("llama", seed=3)
+    ids = random_ids(24)
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+        with kvpress.apply(model, kvpress.get_policy("window", window_size=8)):
+            clone = copy.deepcopy(model)
+            inside = clone(ids, use_cache=True)
+            evicted = model(ids, use_cache=True).logits  # the original still runs the policy
+        assert clone.config._attn_implementation == model.config._attn_implementation != "kvpress"
+        assert not isinstance(inside.past_key_values, kvpress.PolicyCache)
+        torch.testing.assert_close(inside.logits, ref, atol=1e-5, rtol=0)
+        assert not torch.allclose(evicted, ref, atol=1e-3)
+        torch.testing.assert_close(clone(ids).logits, ref, atol=1e-5, rtol=0)
+        assert torch.equal(clone.generate(ids, max_new_tokens=4, do_sample=False), ref_gen)
+        assert not {"generate", "_prefill", "__deepcopy__"} & (set(vars(clone)) | set(vars(model)))
+        with kvpress.apply(clone, kvpress.get_policy("window", window_size=8)):  # the copy takes a policy of its own
+            torch.testing.assert_close(clone(ids, use_cache=True).logits, evicted, atol=1e-5, rtol=0)
+
+
 def test_right_padding_is_refused(llama):
     ids = random_ids(10, batch=2)
     mask = torch.ones(2, 10, dtype=torch.long)

@@ -208,3 +208,44 @@ def test_sliding_causal_attention_rejects_bad_sinks():
         sliding_causal_attention(q, q, q, 0.5, window=4, sinks=-1)
     with pytest.raises(ValueError, match="row_start"):
         sliding_causal_attention(q, q, q, 0.5, window=4, sinks=2, row_start=torch.tensor([1]))
+
+
+@pytest.mark.parametrize("name,fields", [("window", {"window_size": 65536}),
+                                         ("streaming", {"sink_tokens": 4, "window_size": 65536}),
+                                         ("streaming", {"sink_tokens": 65536, "window_size": 65536})])
+def test_state_grows_with_the_tokens_seen_not_the_window(llama, name, fields):
+    """A 40-token prompt under a 65536-token window (and sinks) holds bytes of the order of the
+    prompt; the outputs equal the full cache's (nothing is evicted)."""
+    ids = random_ids(40)
+    small = run(llama, kvpress.get_policy(name, **fields), ids, new=4)
+    stats = kvpress.cache_stats(small.past_key_values)
+    dense = run(llama, kvpress.get_policy("full"), ids, new=4)
+    assert stats.resident_bytes <= 8 * kvpress.cache_stats(dense.past_key_values).resident_bytes
+    assert torch.equal(small.sequences, dense.sequences)
+    torch.testing.assert_close(torch.stack(small.scores), torch.stack(dense.scores), atol=1e-4, rtol=0)
+    layer = small.past_key_values.layers[0]
+    assert layer.k.shape[2] == min(fields.get("sink_tokens", 0), 128) + 128  # RING_STEP slots each
+
+
+@pytest.mark.parametrize("sinks,window,pad", [(4, 200, 0), (150, 200, 0), (150, 200, 7), (3, 9, 5)])
+def test_slots_grow_in_place_across_decode_steps(llama, monkeypatch, sinks, window, pad):
+    """Sinks and a ring that grow during decoding (128 -> 150 sink slots, 128 -> 200 ring slots) and
+    then wrap attend as storage allocated whole would, with left padding too."""
+    from kvpress import window_layers
+
+    ids = random_ids(120, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    policy = kvpress.get_policy("streaming", sink_tokens=sinks, window_size=window)
+
+    def go():
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            return llama.generate(ids, attention_mask=mask, max_new_tokens=100, do_sample=False,
+                                  return_dict_in_generate=True, output_scores=True)
+
+    grown = go()
+    assert grown.past_key_values.layers[0].k.shape[2] == sinks + window
+    monkeypatch.setattr(window_layers, "RING_STEP", 1 << 20)  # every part allocated whole at once
+    whole = go()
+    assert torch.equal(grown.sequences, whole.sequences)
+    torch.testing.assert_close(torch.stack(grown.scores), torch.stack(whole.scores), atol=1e-5, rtol=0)

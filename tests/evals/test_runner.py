@@ -186,7 +186,8 @@ def test_killed_mid_line_results_file_still_resumes(tiny, tmp_path):
     run_eval(grid, tmp_path, model=model, tokenizer=tok, max_cells=1, progress=False, plots=False, quiet=True)
     with open(tmp_path / res.RESULTS_FILE, "a") as f:
         f.write('{"key": "half a line')  # a kill during the write
-    records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    with pytest.warns(UserWarning, match=r"skipped 1 line\(s\) that are not result records \(line 2\)"):
+        records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
     assert sorted(r["sample"] for r in records) == [0, 1]
 
 
@@ -308,3 +309,57 @@ def test_policy_that_cannot_run_on_the_model_fails_before_any_cell(tiny, tmp_pat
     with pytest.raises(ValueError, match="cannot run on this model"):
         run_eval(_grid(policies=("full", misfits[0])), tmp_path, model=model, tokenizer=tok, progress=False)
     assert not (tmp_path / res.RESULTS_FILE).exists()
+
+
+# --------------------------------------------------------------------------- one writer, clean records
+
+
+def test_a_second_run_on_a_locked_out_dir_fails_at_once(tiny, tmp_path, capsys, monkeypatch):
+    """Another process holds the folder's lock: run_eval and `kvpress eval` stop before any cell
+    (a ValueError: the command line prints one line naming the lock)."""
+    import subprocess
+    import sys
+
+    model, tok = tiny
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)", str(tmp_path / res.LOCK_FILE)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(res.OutDirLockedError, match=r"another kvpress eval is writing to .*\.kvpress-eval\.lock"):
+            run_eval(_grid(), tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+        assert not (tmp_path / res.RESULTS_FILE).exists()
+
+        from kvpress.cli import main
+
+        monkeypatch.setattr("kvpress.evals.runner.load_eval_model", lambda *a, **k: (model, tok))
+        assert main(["eval", "--policies", "full", "--tasks", "niah_single", "--lengths", "512", "--samples", "1",
+                     "--out", str(tmp_path), "--no-progress", "--no-plots"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and res.LOCK_FILE in err[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    records = run_eval(_grid(policies=("full",), samples=1), tmp_path, model=model, tokenizer=tok, progress=False,
+                       plots=False, quiet=True)  # the lock released: this run goes ahead
+    assert len(records) == 1
+
+
+def test_lines_that_are_not_records_are_skipped_with_a_count(tiny, tmp_path):
+    model, tok = tiny
+    grid = _grid(policies=("full",), samples=2)
+    run_eval(grid, tmp_path, model=model, tokenizer=tok, max_cells=1, progress=False, plots=False, quiet=True)
+    good = json.loads((tmp_path / res.RESULTS_FILE).read_text())
+    junk = ['[1, 2, 3]', '"a string"', '{"key": 3}', '{"not": "a record"}', json.dumps({**good, "length": "512"}),
+            "not json at all", "42"]
+    with open(tmp_path / res.RESULTS_FILE, "a") as f:
+        f.write("\n".join(junk) + "\n")
+    with pytest.warns(UserWarning, match=r"skipped 7 line\(s\) that are not result records \(line 2, 3, 4"):
+        records = run_eval(grid, tmp_path, model=model, tokenizer=tok, progress=False, plots=False, quiet=True)
+    assert sorted(r["sample"] for r in records) == [0, 1]  # resumed: sample 0 kept, sample 1 computed
+
+    from kvpress.evals.report import format_report, load
+
+    with pytest.warns(UserWarning, match="skipped 7 line"):
+        assert "full" in format_report(load([tmp_path]), n_boot=0)

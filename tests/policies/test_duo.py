@@ -419,6 +419,27 @@ def test_reads_upstream_tsv_pattern(model4, tmp_path):
         DuoPolicy(artifact=str(run_dir)).load_gates(kvpress.get_adapter(tiny_model("llama")))
 
 
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_threshold_and_gates_are_refused(model4, tmp_path, bad):
+    with pytest.raises(ValueError, match="threshold"):
+        kvpress.get_policy("duo", threshold=bad)
+    with pytest.raises(ValueError, match="threshold"):
+        kvpress.get_policy(f"duo:threshold={bad}")
+    rows = tuple(tuple(row) for row in GATES)
+    with pytest.raises(ValueError, match="finite"):
+        DuoPolicy(gates=((bad,) + rows[0][1:],) + rows[1:])
+    adapter = kvpress.get_adapter(model4)
+    gates = torch.tensor(GATES)
+    gates[1, 0] = bad
+    path = save_artifact(tmp_path / "duo.safetensors", {"gates": gates}, policy="duo", version=1, adapter=adapter)
+    tsv = tmp_path / "pattern.tsv"
+    tsv.write_text("\n".join("\t".join(str(float(g)) for g in row) for row in gates.tolist()) + "\n")
+    for artifact in (path, tsv):
+        with pytest.raises(ValueError, match=f"{artifact.name}.*NaN or inf"):
+            DuoPolicy(artifact=str(artifact)).check_model(adapter)
+
+
 @pytest.mark.smollm2
 def test_shipped_artifact_fits_smollm2():
     model, _ = kvpress.load_model("smollm2")
