@@ -37,7 +37,7 @@ def _triton_decode(q, k, v, scaling, row_start):
 
     SDPA would do here, but with torch 2.11 on an H100 it picked its cuDNN backend, which builds
     a new plan for every new key length -- 1.5-2 ms of host time per call, i.e. per layer and
-    decode step (profiled 2026-11-22, BENCHMARKS "Session 8"); this kernel costs ~0.2 ms of host
+    decode step (profiled on an H100, 2026-11-22); this kernel costs ~0.2 ms of host
     time and about SDPA's device time.
     """
     return whole_cache_decode(q, k, v, scaling, row_start, backend="triton")
@@ -194,8 +194,7 @@ def sliding_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ``sdpa`` path) in chunks of ``query_chunk``, each over only the keys its window can reach (and
     the sinks), so the cost is O(T * (sinks + window + chunk)), not O(T^2). Default chunk: 128
     queries on CPU (1.2-1.4x faster than the fp32 streaming route at 4k-8k tokens and windows
-    512-1024; chunks 64-512 measured by ``python -m kvpress.evals.bench_prefill``, BENCHMARKS.md
-    "Session 22"), 1024 elsewhere (fewer launches on a GPU; not yet timed there).
+    512-1024; chunks 64-512 measured by ``python -m kvpress.evals.bench_prefill``), 1024 elsewhere (fewer launches on a GPU; not yet timed there).
     """
     batch, h_q, t, _ = q.shape
     if window < 1:

@@ -51,9 +51,9 @@ class Policy:
     ``verifies_as_decoding``
         With past recording on, a forward of several tokens after the prompt (assisted decoding's
         verification) attends as that many decode steps would, so assisted decoding keeps plain
-        decoding's greedy tokens (`tests/test_crop.py`). True for every registered policy since
-        session 26 (the quantizers flush inside a verification where decode steps would and take
-        the flush back at the crop); a policy that cannot says False.
+        decoding's greedy tokens (`tests/test_crop.py`). True for every registered policy (the
+        quantizers flush inside a verification where decode steps would and take the flush back at
+        the crop); a policy that cannot says False.
     ``chunked_prompt_exact``
         A prompt given in several forwards (``generate(prefill_chunk_size=N)``, or
         :meth:`kvpress.cache.PolicyCache.prompt`) leaves the cache and outputs one forward of the
