@@ -112,3 +112,31 @@ def test_beam_search_on_a_padded_batch(model, config):
     both = run(model, policy, ids, mask, num_beams=2).sequences
     for b, r in enumerate(rows):
         assert torch.equal(both[b, ids.shape[1]:], run(model, policy, r, num_beams=2).sequences[0, r.shape[1]:]), b
+
+
+SMOL_TEXT = ("The lighthouse keeper wrote in his log every evening: the wind, the ships that passed, the colour "
+             "of the sea, and the small events of the island. ")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return kvpress.load_model("smollm2")
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["kivi", "zipcache", "gear"])
+def test_smollm2_padded_batch_equals_batch_1(smollm2, name):
+    """SmolLM2, default configurations: prompts of ~260 and ~237 tokens, batched (the short one
+    left-padded) and alone; 24 greedy tokens equal, logits within fp32 noise."""
+    model, tokenizer = smollm2
+    ids = tokenizer(SMOL_TEXT * 12, return_tensors="pt").input_ids
+    rows = [ids[:, :260], ids[:, 40:277]]
+    assert rows[1].shape[1] == 237
+    policy = kvpress.get_policy(name)
+    batch, mask = padded_batch(rows)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=[], return_dict_in_generate=True,
+                  output_scores=True)
+        both = model.generate(batch, attention_mask=mask, **kw)
+        singles = [(model.generate(r, **kw), r.shape[1]) for r in rows]
+    assert_rows_match(both, singles, batch.shape[1])
