@@ -22,6 +22,7 @@ from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 
+from ._quant_rows import RowSplit
 from ._rotation import value_basis
 
 GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
@@ -82,6 +83,20 @@ class QuantWindowLayer(CacheLayer):
         self.n_quant = 0
         self._recorded = 0  # tokens of the latest forward while its flush waits for `crop`
         self._undo: list[tuple] = []  # flushes inside the recorded forward: (after step, n_quant, k, v, state)
+        # a left-padded batch: one layer per row (`RowSplit`), so that each row's groups, chunks and
+        # flushes are counted from its own first real token, as in its batch-1 run
+        self.by_row: RowSplit | None = None
+
+    def _row_layer(self, cache) -> "QuantWindowLayer":
+        """A fresh layer of this policy on ``cache`` (a row of a padded batch, `RowSplit`)."""
+        raise NotImplementedError
+
+    def _split_rows(self, batch: int) -> bool:
+        """Whether this layer hands its calls to per-row layers: from the first forward of a
+        left-padded batch on."""
+        if self.by_row is None and self.seen == 0 and self.row_start is not None:
+            self.by_row = RowSplit(self, batch)
+        return self.by_row is not None
 
     # ------------------------------------------------------------------ subclass hooks
     def _flush(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
@@ -149,7 +164,10 @@ class QuantWindowLayer(CacheLayer):
     def attend(self, q, k_new, v_new, scaling):
         """The step's attention output (B, H_q, T, D). With ``rotate_values`` every value enters
         the layer rotated (`to_stored_values`), so the window, the codes and the readers all work
-        in the rotated basis, and the output, linear in the values, is rotated back once."""
+        in the rotated basis, and the output, linear in the values, is rotated back once. A
+        left-padded batch attends row by row (`RowSplit`)."""
+        if self._split_rows(q.shape[0]):
+            return self.by_row.attend(q, k_new, v_new, scaling)
         if self.v_basis is None:
             return self._attend(q, k_new, v_new, scaling)
         return self.from_stored_values(self._attend(q, k_new, self.to_stored_values(v_new), scaling))
@@ -364,6 +382,8 @@ class QuantWindowLayer(CacheLayer):
     def ingest_prefill(self, k, v):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
+        if self._split_rows(k.shape[0]):
+            return self.by_row.ingest_prefill(k, v)
         self._prefill(None, k, self.to_stored_values(v), None)
 
     # ------------------------------------------------------------------ window bookkeeping
@@ -386,12 +406,14 @@ class QuantWindowLayer(CacheLayer):
         self._undo = []  # an earlier forward's flushes are final
 
     def removable(self) -> int:
-        return self._recorded
+        return self._recorded if self.by_row is None else self.by_row.removable()
 
     def _removable_hint(self) -> str:
         return self._record_hint()
 
     def remove_latest(self, n):
+        if self.by_row is not None:
+            return self.by_row.remove_latest(n)
         kept = self._recorded - n
         self._recorded = 0
         while self._undo and self._undo[-1][0] >= kept:  # a flush after a step that is taken back
@@ -473,14 +495,27 @@ class QuantWindowLayer(CacheLayer):
         pad = self.padding_mask(0, s.shape[-1], s.device)
         return s if pad is None else s.masked_fill(pad[:, None, None, :], float("-inf"))
 
+    def end_prompt(self) -> None:
+        if self.by_row is not None:
+            self.by_row.end_prompt()
+
+    def batch_select(self, indices):
+        if self.by_row is not None:
+            return self.by_row.batch_select(indices)
+        return super().batch_select(indices)
+
     # ------------------------------------------------------------------ stats
     def state_tensors(self):
+        if self.by_row is not None:
+            return self.by_row.state_tensors()
         return {"k_win": self.k_win, "v_win": self.v_win, **self._quant_tensors()}
 
     def stored_tokens(self) -> int:
         return self.seen
 
     def cached_elements(self) -> int:
+        if self.by_row is not None:
+            return self.by_row.cached_elements()
         if self.k_win is None:
             return 0
         B, H, _, D = self.k_win.shape

@@ -195,6 +195,9 @@ class GearLayer(QuantWindowLayer):
         self.chunk_starts: list[int] = []
         self._chunk_ids = self._chunk_bounds = None
 
+    def _row_layer(self, cache):
+        return GearLayer(cache, self.layer_idx, self.p)
+
     # ------------------------------------------------------------------ compression
     def _compress(self, x, start, per_channel: bool):
         """-> codes, scale, zero, left, right, outlier offsets (uint8), outlier corrections (fp16),

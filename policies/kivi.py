@@ -160,12 +160,16 @@ class KiviLayer(QuantWindowLayer):
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size,
                          rotate_values=policy.rotate_values)
+        self.policy = policy
         self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
         self.sink_tokens = policy.sink_tokens
         self.read_backend = policy.backend
         self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.sk = self.sv = None
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
+
+    def _row_layer(self, cache):
+        return KiviLayer(cache, self.layer_idx, self.policy)
 
     def _flush(self, k, v, start):
         g = self.group_size

@@ -195,6 +195,9 @@ class ZipCacheLayer(QuantWindowLayer):
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
 
+    def _row_layer(self, cache):
+        return ZipCacheLayer(cache, self.layer_idx, self.p)
+
     # ------------------------------------------------------------------ probes
     def _random_probes(self, q_start: int, T: int) -> torch.Tensor:
         """bool (T,) on the host: ``probe_random`` random rows among a step's queries older than the
@@ -475,6 +478,8 @@ class ZipCacheLayer(QuantWindowLayer):
         return out * self.vn.float()[:, :, None]  # undo the value channel normalisation
 
     def batch_select(self, indices):
+        if self.by_row is not None:
+            return super().batch_select(indices)
         sel = lambda t: None if t is None else t.index_select(0, indices.to(t.device))  # noqa: E731
         self.k_win, self.v_win, self.vn = sel(self.k_win), sel(self.v_win), sel(self.vn)
         self.probe_q, self.probe_lse = sel(self.probe_q), sel(self.probe_lse)

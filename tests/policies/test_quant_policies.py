@@ -15,6 +15,11 @@ from conftest import random_ids
 NAMES = ("kivi", "zipcache", "gear")
 
 
+def stores(layer):
+    """The layers holding a batch layer's tokens: itself, or one per row of a left-padded batch."""
+    return [layer] if layer.by_row is None else layer.by_row.layers
+
+
 def sqnr_db(ref, approx):
     return 10 * math.log10(ref.float().pow(2).sum().item() / (ref.float() - approx.float()).pow(2).sum().item())
 
@@ -170,24 +175,24 @@ def test_kivi_key_groups_need_not_divide_head_dim(llama):
 
 
 def _sink_run(model, sink_tokens, bits=2, row_start=(0, 6), steps=8):
-    """A padded batch of two rows through one kivi layer (group 8, no fp window): an 8-token
-    prompt, then ``steps`` decode steps, so row 1's sinks (6 .. 9) are flushed in two parts.
-    Token ``row_start`` of each row is a large sink every query attends to."""
+    """A padded batch of two rows through one kivi layer (group 8, no fp window): a 16-token
+    prompt, then ``steps`` decode steps. Token ``row_start`` of each row is a large sink every
+    query attends to."""
     layer = kvpress.make_cache(model, kvpress.get_policy("kivi", bits=bits, group_size=8, residual_length=0,
                                                          sink_tokens=sink_tokens)).layers[0]
     rs = torch.tensor(row_start)
     layer.cache._set_row_start(rs)
     gen = torch.Generator().manual_seed(5)
-    T = 8 + steps
+    T = 16 + steps
     k, v = torch.randn(2, 2, T, 16, generator=gen), torch.randn(2, 2, T, 16, generator=gen)
     for b, r in enumerate(row_start):
         k[b, :, r] *= 12
         v[b, :, r] *= 4
     q = torch.randn(2, 4, T, 16, generator=gen) + k[:, :, None, row_start[1]].expand(2, 2, 2, 16).reshape(2, 4, 1, 16)
-    layer.update(k[:, :, :8], v[:, :, :8])
-    layer.attend(q[:, :, :8], *layer.take_pending(), 0.25)
+    layer.update(k[:, :, :16], v[:, :, :16])
+    layer.attend(q[:, :, :16], *layer.take_pending(), 0.25)
     outs, refs = [], []
-    for t in range(8, T):
+    for t in range(16, T):
         layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
         outs.append(layer.attend(q[:, :, t : t + 1], *layer.take_pending(), 0.25))
         refs.append(dense_causal_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], 0.25, q_start=t,
@@ -197,25 +202,24 @@ def _sink_run(model, sink_tokens, bits=2, row_start=(0, 6), steps=8):
 
 def test_kivi_sink_tokens_are_kept_exactly(llama):
     """``sink_tokens``: each row's first real tokens are read back exactly (fp16) from the
-    packed part, across two flushes and left padding, and the rest of the packed part is no
-    worse for it; on data with a dominant sink the decode outputs gain clearly."""
+    packed part (a left-padded row from its own layer, its groups starting at its first real
+    token), and the rest of the packed part is no worse for it; on data with a dominant sink
+    the decode outputs gain clearly."""
     from kvpress.evals.bench_quant import _reproduced_kv
 
     layer, k, v, with_sinks = _sink_run(llama, sink_tokens=4)
     _, _, _, without = _sink_run(llama, sink_tokens=0)
-    n = layer.n_quant
-    assert n == 16 and layer.sk.shape == (2, 2, 4, 16) and layer.sk.dtype == torch.float16
-    kh, vh = _reproduced_kv(layer)  # what attention reads back for every packed column
-    for b, r in enumerate((0, 6)):
-        sink = slice(r, r + 4)
-        torch.testing.assert_close(kh[b, :, sink], k[b, :, sink].half().float(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(vh[b, :, sink], v[b, :, sink].half().float(), atol=1e-5, rtol=0)
-        rest = torch.ones(n, dtype=torch.bool)
-        rest[:r + 4] = False
-        assert sqnr_db(k[b, :, rest], kh[b, :, rest]) > 8, b  # 2-bit keys of the non-sink tokens
+    for b, (r, row) in enumerate(zip((0, 6), stores(layer))):
+        n = row.n_quant
+        assert n == (24 - r) // 8 * 8 and row.sk.shape == (1, 2, 4, 16) and row.sk.dtype == torch.float16
+        kh, vh = _reproduced_kv(row)  # what attention reads back for every packed column
+        real_k, real_v = k[b : b + 1, :, r : r + n], v[b : b + 1, :, r : r + n]
+        torch.testing.assert_close(kh[:, :, :4], real_k[:, :, :4].half().float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(vh[:, :, :4], real_v[:, :, :4].half().float(), atol=1e-5, rtol=0)
+        assert sqnr_db(real_k[:, :, 4:], kh[:, :, 4:]) > 8, b  # 2-bit keys of the non-sink tokens
     assert with_sinks > without + 6, (with_sinks, without)
     stats = kvpress.cache_stats(layer.cache)
-    assert stats.resident_bytes >= layer.sk.numel() * 2 * 2  # the exact sinks are counted
+    assert stats.resident_bytes >= 2 * stores(layer)[0].sk.numel() * 2 * 2  # the exact sinks are counted
 
 
 def test_codes_are_packed_bytes(llama):
@@ -316,7 +320,7 @@ def test_native_reader_decodes_like_the_torch_path(llama, name, overrides, padde
     real = native.quant_attend
     monkeypatch.setattr(native, "quant_attend", lambda *a, **k: calls.append(k["segments"]) or real(*a, **k))
     out = greedy(llama, ids, example, new=8, **kw)
-    assert out.past_key_values.layers[0].n_quant > 0  # the packed store was read
+    assert all(row.n_quant > 0 for row in stores(out.past_key_values.layers[0]))  # the packed store was read
     assert calls  # decode steps ran as one call
     assert all((seg.gear is not None) == (name == "gear") for segs in calls for seg in segs)
     if overrides.get("refine_key_channels"):  # the low store's second codes are read in the same call
@@ -434,26 +438,22 @@ def test_zipcache_probes_are_chosen_on_the_host(llama):
 def test_dequantized_store_is_what_attention_reads(llama, name, overrides, padded):
     """`_dequantize_into` (long forwards' transient copy) holds what the packed readers compute:
     scores of identity queries are the keys, outputs of one-hot probabilities the values, column
-    for column once each row's padding (first in the copy) is set aside."""
+    for column (a left-padded batch: in each row's own layer, which holds no padding)."""
     from kvpress.evals.bench_quant import _reproduced_kv
 
     policy = kvpress.policy_class(name).example(kvpress.get_adapter(llama)).replace(**overrides)
     ids, kw = _two_rows(padded)
     layer = greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0]
-    n = layer.n_quant
-    assert n >= 64
-    kh, vh = _reproduced_kv(layer)  # (B, H, N, D), -inf keys on padding columns
-    k_out, v_out = torch.full_like(kh, float("nan")), torch.full_like(vh, float("nan"))
-    assert layer._dequantize_into(k_out, v_out)
-    assert torch.isfinite(k_out).all() and torch.isfinite(v_out).all()  # every column written
-    v_out = layer.from_stored_values(v_out)  # both in the model's basis (rotate_values stores them rotated)
-    for b in range(2):
-        for h in range(kh.shape[1]):
-            real = torch.isfinite(kh[b, h, :, 0])
-            pad = n - int(real.sum())
-            assert pad == (13 if padded and b == 1 else 0)
-            torch.testing.assert_close(k_out[b, h, pad:], kh[b, h, real], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(v_out[b, h, pad:], vh[b, h, real], atol=1e-5, rtol=1e-5)
+    assert len(stores(layer)) == (2 if padded else 1)
+    for row in stores(layer):
+        assert row.n_quant >= 64
+        kh, vh = _reproduced_kv(row)  # (B, H, N, D)
+        assert torch.isfinite(kh).all()  # no padding column
+        k_out, v_out = torch.full_like(kh, float("nan")), torch.full_like(vh, float("nan"))
+        assert row._dequantize_into(k_out, v_out)
+        v_out = row.from_stored_values(v_out)  # both in the model's basis (rotate_values stores them rotated)
+        torch.testing.assert_close(k_out, kh, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_out, vh, atol=1e-5, rtol=1e-5)
 
 
 def test_gear_torch_reads_do_not_depend_on_pass_sizes(llama, monkeypatch):
@@ -465,7 +465,7 @@ def test_gear_torch_reads_do_not_depend_on_pass_sizes(llama, monkeypatch):
 
     policy = kvpress.policy_class("gear").example(kvpress.get_adapter(llama)).replace(backend="torch")
     ids, kw = _two_rows(True)
-    layer = greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0]
+    layer = stores(greedy(llama, ids, policy, new=8, **kw).past_key_values.layers[0])[1]  # the padded row's
     assert layer.n_quant >= 64
     gen = torch.Generator().manual_seed(0)
     B, H = layer.kc.shape[:2]
