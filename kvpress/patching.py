@@ -297,6 +297,7 @@ def _make_pre_hook(session: _Session, base):
     # transformers >= 5.24 names the decoder stack's cache argument ``cache`` (see kvpress.compat);
     # the model classes above the stack still accept, and rename, ``past_key_values``
     cache_arg = cache_keyword(type(base).forward)
+    limit = position_limit(session.model.config)
 
     def hook(module, args, kwargs):
         if args:  # positional call of the decoder stack: name the arguments
@@ -321,6 +322,7 @@ def _make_pre_hook(session: _Session, base):
                 raise ValueError("this kvpress cache was built for another policy than the one applied")
             past._session = session
         elif past is None and not use_cache:
+            _check_position_limit(limit, 0, new_tokens)
             session.current_cache = None
             session.row_start = _row_start_from_mask(mask, batch, new_tokens)
             return args, kwargs
@@ -331,6 +333,8 @@ def _make_pre_hook(session: _Session, base):
                 f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "
                 "or none at all"
             )
+        if past.get_seq_length() == 0 or past.prompt_open:
+            _check_position_limit(limit, past.get_seq_length(), new_tokens)
         if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
             _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
         past.begin_forward(mask, batch, new_tokens)
@@ -338,6 +342,34 @@ def _make_pre_hook(session: _Session, base):
         return args, kwargs
 
     return hook
+
+
+def position_limit(config) -> int | None:
+    """The positions ``config``'s model was built for (``max_position_embeddings``), or None when
+    it names none or its RoPE scales itself beyond it (``dynamic``)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope] + [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []
+    if any(kind.get("rope_type", kind.get("type")) == "dynamic" for kind in kinds):
+        return None
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def _check_position_limit(limit: int | None, seen: int, new_tokens: int) -> None:
+    """Refuse a prompt that ends past the model's position limit, before its forward runs.
+
+    Checked on a cache's first forward and on every piece of a prompt given in several forwards
+    (and on forwards without a cache); later forwards may continue past the limit (decode steps,
+    streaming a long text through a policy that bounds what it keeps), as the caller chooses.
+    """
+    if limit is not None and seen + new_tokens > limit:
+        total = f"{seen} cached + {new_tokens} new = {seen + new_tokens}" if seen else f"{new_tokens}"
+        raise ValueError(
+            f"kvpress: the prompt has {total} tokens, beyond this model's position limit of {limit} "
+            f"(config.max_position_embeddings); give it at most {limit} tokens (with left padding, the "
+            "longest row counts)"
+        )
 
 
 def _check_positions(cache: PolicyCache, position_ids, cache_position) -> None:
