@@ -77,18 +77,17 @@ def cmd_demo(args) -> int:
 
 def _config_model(name: str):
     """A model of ``name``'s config with no weights (meta device): a local folder, a config.json, a
-    hub id in the local cache, or a kvpress alias (loaded as usual)."""
+    hub id in the local cache, or a kvpress alias."""
     import os
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvpress.models import MODEL_ALIASES, load_model
+    from kvpress.models import alias_config
 
-    if name.lower() in MODEL_ALIASES:
-        return load_model(name)[0]
-    path = os.path.dirname(name) if name.endswith(".json") else name
-    config = AutoConfig.from_pretrained(path)
+    config = alias_config(name)  # an embedded model's config, from its converted cache
+    if config is None:
+        config = AutoConfig.from_pretrained(os.path.dirname(name) if name.endswith(".json") else name)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -100,7 +99,7 @@ def cmd_check(args) -> int:
 
     try:
         model = _config_model(args.model)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         print(f"{args.model}: cannot read its config: {exc}", file=sys.stderr)
         return 2
     try:

@@ -263,6 +263,8 @@ def _prompt_for_prefill(prefill):
     def wrapped(input_ids, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         chunk = getattr(generation_config, "prefill_chunk_size", None)
+        if isinstance(cache, PolicyCache) and chunk is not None:  # a long prompt: refused before its first piece
+            _check_position_limit(position_limit(cache.adapter.model.config), 0, input_ids.shape[-1])
         pieces = (isinstance(cache, PolicyCache) and chunk is not None and input_ids.shape[-1] > chunk
                   and cache.prompt_refusal() is None)
         if not pieces:
@@ -345,15 +347,18 @@ def _make_pre_hook(session: _Session, base):
 
 
 def position_limit(config) -> int | None:
-    """The positions ``config``'s model was built for (``max_position_embeddings``), or None when
-    it names none or its RoPE scales itself beyond it (``dynamic``)."""
+    """The positions ``config``'s model was built for: ``max_position_embeddings``, or what a
+    scaled RoPE (``factor`` x the original length) reaches when that is more; None when unnamed."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    kinds = [rope] + [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []
-    if any(kind.get("rope_type", kind.get("type")) == "dynamic" for kind in kinds):
+    if not isinstance(limit, int) or limit <= 0:
         return None
-    return limit if isinstance(limit, int) and limit > 0 else None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for params in [rope] + [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []:
+        factor = params.get("factor")
+        if params.get("rope_type", params.get("type")) != "default" and isinstance(factor, (int, float)):
+            limit = max(limit, int(factor * (params.get("original_max_position_embeddings") or limit)))
+    return limit
 
 
 def _check_position_limit(limit: int | None, seen: int, new_tokens: int) -> None:
