@@ -70,6 +70,7 @@ def gemma3_gguf_path() -> Path:
 GEMMA3 = GgufModel(
     alias="gemma3-270m",
     name="Gemma-3-270M",
+    hub_id="google/gemma-3-270m",
     cache_name=_GEMMA3_CACHE_NAME,
     install_command=GEMMA3_INSTALL_COMMAND,
     source_key=_source_key,

@@ -85,6 +85,9 @@ class GgufModel:
         The :func:`kvpress.load_model` alias, e.g. ``"smollm2"``.
     name : str
         The model's own name, for messages and the probe file.
+    hub_id : str
+        The original model's Hugging Face id, which artifacts record instead of this machine's
+        cache path (:func:`kvpress.calibration.portable_model_id`).
     cache_name : str
         Folder under :func:`cache_root` that holds the model's converted caches.
     install_command : str
@@ -108,6 +111,7 @@ class GgufModel:
 
     alias: str
     name: str
+    hub_id: str
     cache_name: str
     install_command: str
     source_key: Callable[[], str]

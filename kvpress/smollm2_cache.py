@@ -69,6 +69,7 @@ def smollm2_gguf_path() -> Path:
 SMOLLM2 = GgufModel(
     alias="smollm2",
     name="SmolLM2-135M-Instruct",
+    hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     cache_name="smollm2-135m-instruct",
     install_command=SMOLLM2_INSTALL_COMMAND,
     source_key=lambda: file_key(smollm2_gguf_path()),

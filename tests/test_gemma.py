@@ -289,3 +289,35 @@ def test_gemma_refuses_a_prompt_past_32k_and_check_answers_from_the_config(gemma
     out = capsys.readouterr().out
     assert "supported (gemma3_text); 18 layers, 4 query / 1 KV heads, head_dim 256" in out
     assert "policy layers: 3 of 18" in out
+
+
+@_real
+@pytest.mark.slow
+def test_gemma_converts_once_into_a_fresh_cache(monkeypatch, tmp_path):
+    """The one-time conversion (minutes on a CPU; ``-m slow``): assembled from the chunk packages,
+    converted, the assembled GGUF removed, and the next load reads the folder without the GGUF."""
+    import transformers
+
+    monkeypatch.setenv("KVPRESS_CACHE", str(tmp_path))
+    converted = []
+    real_loader = model_cache.load_from_gguf
+
+    def spy(*args, **kwargs):
+        converted.append(real_loader(*args, **kwargs))
+        return converted[-1]
+
+    monkeypatch.setattr(model_cache, "load_from_gguf", spy)
+    load_model("gemma3-270m")
+    model, tok = load_model("gemma3-270m")
+    assert len(converted) == 1
+    gguf_model, gguf_tok = converted[0]
+    (folder,) = (tmp_path / "gemma3-270m").glob("tf-*")
+    assert folder.name.startswith(f"tf-{transformers.__version__}-")
+    assert sorted(p.name for p in (tmp_path / "gemma3-270m").iterdir() if not p.name.endswith(".lock")) == [folder.name]
+    meta = json.loads((folder / "kvpress_probe.json").read_text(encoding="utf-8"))
+    assert meta["tokenizer_source"] == "cache" and meta["tokenizer"]["chat_template"] is None
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    text = "The special magic number for wise-river mentioned in the text above is"
+    assert tok(text)["input_ids"] == gguf_tok(text)["input_ids"]
+    for name, param in model.state_dict().items():
+        assert torch.equal(param, gguf_model.state_dict()[name]), name
