@@ -226,12 +226,19 @@ def embedded_cache_dir(name: str, rebuild: bool = False) -> Path:
 
 def alias_config(name: str) -> Any | None:
     """The transformers config of a built-in alias, read from its converted cache folder (no
-    weights loaded; the GGUF is converted once if it was not yet); ``None`` for other names."""
+    weights nor tokenizer loaded; the GGUF is converted once if it was not yet); ``None`` for
+    other names."""
     from transformers import AutoConfig
 
-    if resolve_alias(os.fspath(name)) is None:
+    alias = resolve_alias(os.fspath(name))
+    if alias is None:
         return None
-    return AutoConfig.from_pretrained(embedded_cache_dir(os.fspath(name)))
+    spec = EMBEDDED_MODELS[alias]
+    folder = model_cache.cache_dir_for(spec)
+    meta = model_cache.read_meta(folder)
+    if meta is None or meta.get("format") != model_cache.CACHE_FORMAT or not (folder / "config.json").is_file():
+        folder = model_cache.cache_dir(spec)
+    return AutoConfig.from_pretrained(folder)
 
 
 # --------------------------------------------------------------------------- #

@@ -247,7 +247,7 @@ def test_gemma_config_and_tokenizer_facts(gemma):
 @_real
 def test_gemma_cache_round_trips_the_gguf_tokenizer_and_generation(gemma):
     model, tok = gemma
-    folder = models.gemma3_cache_dir()
+    folder = model_cache.cache_dir_for(models.GEMMA3)  # the folder the fixture's load validated
     meta = json.loads((folder / "kvpress_probe.json").read_text(encoding="utf-8"))
     assert meta["tokenizer_source"] == "cache" and meta["model"] == "Gemma-3-270M"
     assert model_cache.fingerprint_mismatch(meta["tokenizer"], model_cache.tokenizer_fingerprint(tok), chat=False) is None
