@@ -250,7 +250,8 @@ def test_gemma_cache_round_trips_the_gguf_tokenizer_and_generation(gemma):
     folder = model_cache.cache_dir_for(models.GEMMA3)  # the folder the fixture's load validated
     meta = json.loads((folder / "kvpress_probe.json").read_text(encoding="utf-8"))
     assert meta["tokenizer_source"] == "cache" and meta["model"] == "Gemma-3-270M"
-    assert model_cache.fingerprint_mismatch(meta["tokenizer"], model_cache.tokenizer_fingerprint(tok), chat=False) is None
+    fingerprint = model_cache.tokenizer_fingerprint(tok)
+    assert model_cache.fingerprint_mismatch(meta["tokenizer"], fingerprint, chat=False) is None
     for string, ids, decoded in meta["tokenizer"]["strings"]:
         assert tok(string)["input_ids"] == ids and decoded == string
     assert not (folder.parent / "gemma-3-270m-q4_k_m.gguf").exists(), "the assembled GGUF is removed after conversion"
