@@ -148,7 +148,8 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     Inside the block, ``model.generate(...)`` and ``model(input_ids, use_cache=True)`` use a fresh
     policy cache per call, with no other argument. On exit (normal or by exception) the
     attention implementation, config, hooks and attributes are restored, so logits are
-    bit-identical to a run before ``apply``. Nesting ``apply`` on one model is refused.
+    bit-identical to a run before ``apply``. Nesting ``apply`` on one model is refused, and so is
+    a prompt longer than the model's position limit (``ValueError``, before its forward runs).
 
     Parameters
     ----------
