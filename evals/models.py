@@ -1,6 +1,6 @@
 """Model names the eval runner and benchmark accept, checked before anything loads.
 
-Besides :func:`kvpress.load_model`'s names (``smollm2``, a local folder, a hub id), the
+Besides :func:`kvpress.load_model`'s names (``smollm2``, ``gemma3-270m``, a local folder, a hub id), the
 benchmarks accept randomly initialised models of real shapes, for speed measurements at lengths
 a small real model cannot reach:
 
@@ -42,12 +42,12 @@ def check_model_name(name: str) -> None:
     Accepted: the kvpress aliases, ``random-*`` shapes (:data:`RANDOM_MODELS`), an existing
     local path, or a hub id ``org/name`` (which must be in the local cache when offline).
     """
-    from kvpress.models import MODEL_ALIASES
+    from kvpress.models import MODEL_ALIASES, resolve_alias
 
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must be a non-empty string, got {name!r}")
     lowered = name.strip().lower()
-    if lowered in MODEL_ALIASES or lowered == "smollm2-135m-instruct" or _random_layers(lowered) is not None:
+    if resolve_alias(lowered) is not None or _random_layers(lowered) is not None:
         return
     if lowered in RANDOM_MODELS or Path(name).expanduser().exists() or _HUB_ID.match(name):
         return

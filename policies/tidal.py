@@ -179,8 +179,9 @@ class TidalPolicy(Policy):
 
     @classmethod
     def example(cls, adapter):
-        # layer 0 selects, layer 1 (and any later one) reuses: the sparse path really runs
-        return cls(budget=24, selection_layer=0, reselection_layer=-1, sink_tokens=2, recent_tokens=4)
+        # the first full-attention layer selects, the later ones reuse: the sparse path really runs
+        return cls(budget=24, selection_layer=adapter.policy_layers[0], reselection_layer=-1, sink_tokens=2,
+                   recent_tokens=4)
 
 
 def _full_layer_from(adapter, layer: int, *, fallback: int) -> int:

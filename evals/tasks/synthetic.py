@@ -15,7 +15,7 @@ import random
 import string
 from dataclasses import dataclass
 
-from .base import Sample, Task, encode_input, fit_length
+from .base import Sample, Task, encode_input, fit_length, resolve_prompt_format
 from .haystack import HAYSTACKS, prose_text, word_list
 from .niah import check_choice, check_count, place_sentences
 
@@ -44,6 +44,7 @@ class VariableTracking(Task):
     num_hops: int = 4
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choice("haystack", self.haystack, HAYSTACKS)
         check_count("num_chains", self.num_chains, 1, 8)
         check_count("num_hops", self.num_hops, 1, 16)
@@ -74,7 +75,7 @@ class VariableTracking(Task):
         )
         prompt, prefix, num_tokens, measured, num_words = place_sentences(
             tokenizer, length, rng, self.haystack, sentences, depths,
-            lambda context: (f"{intro}\n\n{context}\n\n{question}", answer_prefix),
+            lambda context: (f"{intro}\n\n{context}\n\n{question}", answer_prefix), self.prompt_format,
         )
         return Sample(
             task=self.spec,
@@ -88,14 +89,16 @@ class VariableTracking(Task):
             seed=seed,
             depths=measured,
             metadata={"chains": chains, "values": values, "haystack": self.haystack, "haystack_words": num_words},
+            prompt_format=resolve_prompt_format(tokenizer, self.prompt_format),
         )
 
 
-def _fit_list(tokenizer, length: int, render, per_entry: float, lower: int) -> tuple[int, str, str]:
-    """Size a list task: ``render(n) -> (prompt, prefix)`` at ``length`` tokens."""
+def _fit_list(tokenizer, length: int, render, per_entry: float, lower: int,
+              prompt_format: str = "auto") -> tuple[int, str, str]:
+    """Size a list task: ``render(n) -> (prompt, prefix)`` at ``length`` tokens in ``prompt_format``."""
 
     def measure(n: int) -> int:
-        return len(encode_input(tokenizer, *render(n)))
+        return len(encode_input(tokenizer, *render(n), prompt_format))
 
     n = fit_length(measure, length, lower=lower, upper=4 * length, per_unit=per_entry)
     return (n, *render(n))
@@ -134,6 +137,7 @@ class CommonWords(Task):
     num_common: int = 10
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_count("num_common", self.num_common, 1, 20)
 
     def word_counts(self, num_entries: int) -> tuple[int, int, int]:
@@ -174,7 +178,8 @@ class CommonWords(Task):
                 f"Answer: The {k} words that appear most often in the list are:",
             )
 
-        num_entries, prompt, prefix = _fit_list(tokenizer, length, render, 4.5, lower=2 * k)
+        num_entries, prompt, prefix = _fit_list(tokenizer, length, render, 4.5, lower=2 * k,
+                                                prompt_format=self.prompt_format)
         rng.setstate(state)
         listed, answers, (common, uncommon) = self.entries(rng, num_entries)
         return Sample(
@@ -184,7 +189,8 @@ class CommonWords(Task):
             max_new_tokens=16 + 8 * k,
             answer_prefix=prefix,
             length=length,
-            num_tokens=len(encode_input(tokenizer, prompt, prefix)),
+            num_tokens=len(encode_input(tokenizer, prompt, prefix, self.prompt_format)),
+            prompt_format=resolve_prompt_format(tokenizer, self.prompt_format),
             index=index,
             seed=seed,
             metadata={"num_entries": len(listed), "common_repeats": common, "uncommon_repeats": uncommon},
@@ -213,6 +219,7 @@ class FrequentWords(Task):
     alpha: float = 2.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_count("num_answers", self.num_answers, 1, 10)
         if not isinstance(self.alpha, (int, float)) or not 1.0 < self.alpha <= 4.0:
             raise ValueError(f"alpha must be a float in (1, 4]; got {self.alpha!r}")
@@ -267,7 +274,8 @@ class FrequentWords(Task):
             )
 
         lower = sum(self.head_counts(0)) + k
-        num_words, prompt, prefix = _fit_list(tokenizer, length, render, 3.0, lower=lower)
+        num_words, prompt, prefix = _fit_list(tokenizer, length, render, 3.0, lower=lower,
+                                                prompt_format=self.prompt_format)
         rng.setstate(state)
         stream, answers, counts = self.stream(rng, num_words)
         return Sample(
@@ -277,7 +285,8 @@ class FrequentWords(Task):
             max_new_tokens=16 + 8 * k,
             answer_prefix=prefix,
             length=length,
-            num_tokens=len(encode_input(tokenizer, prompt, prefix)),
+            num_tokens=len(encode_input(tokenizer, prompt, prefix, self.prompt_format)),
+            prompt_format=resolve_prompt_format(tokenizer, self.prompt_format),
             index=index,
             seed=seed,
             metadata={"num_words": len(stream), "top_counts": counts[: k + 1]},
