@@ -180,7 +180,7 @@ def test_demo_rejects_bad_input_before_loading(capsys, no_model_loads):
     _fails(["demo", "--policies", ",,,"], capsys, "--policies ',,,' has an empty entry", "kvpress policies")
     _fails(["demo", "--policies", "window,nope"], capsys, "unknown policy 'nope'")
     _fails(["demo", "--length", "-1"], capsys, "--length", "expected an integer >= 1")
-    _fails(["demo", "--budget", "0"], capsys, "--budget")
+    _fails(["demo", "--budget", "-1"], capsys, "--budget")  # (0 means each policy's own budget)
 
 
 def test_eval_and_bench_reject_bad_input_before_loading(tmp_path, capsys, no_model_loads):
