@@ -98,3 +98,34 @@ def test_other_policies_do_not_claim_compileable_caches(models, name):
     policy = policy_class(name).example(get_adapter(model))
     with kvpress.apply(model, policy):
         assert not kvpress.make_cache(model, policy).is_compileable
+
+
+def test_outgrowing_the_planned_capacity_grows_to_the_next_bucket(models):
+    """A generation longer than planned: the buffer grows to the next bucket (one new shape, so a
+    recompile), nothing is truncated, and the tokens still equal the eager run's."""
+    from kvpress.plan import capacity_bucket
+
+    model = models["llama"]
+    policy = kvpress.get_policy("full")
+    prompt = random_ids(PROMPT, seed=2)
+    steps = 200
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        planned = cache.plan_capacity(PROMPT + 8)
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+        tok = out.logits[:, -1:].argmax(-1)
+        tokens = [int(tok)]
+        for i in range(steps - 1):
+            pos = torch.tensor([[PROMPT + i]])
+            tok = forward(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+            tokens.append(int(tok))
+        capacity = cache.layers[0].buffer.capacity
+        stored = cache.get_seq_length()
+    eager, _ = _decode(model, policy, prompt, steps, compiled=False)
+    assert tokens == eager
+    assert stored == PROMPT + steps - 1 and capacity >= stored > planned
+    buckets = len({capacity_bucket(n) for n in range(planned, capacity + 1)})
+    assert counter.frame_count <= 2 * buckets, (counter.frame_count, buckets)
