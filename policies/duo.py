@@ -12,7 +12,9 @@ sinks + window buffer [B, H_str, <= S + W, D] for its streaming heads, so a stre
 memory stays constant at every length (``cache_stats`` lists both buffers). A decode step runs
 both groups through ``kvpress.kernels.sparse_decode`` (the Triton split-K kernel on CUDA):
 retrieval heads over their whole buffer, streaming heads over their visible slots; the groups
-are disjoint query heads of one output, so nothing needs merging.
+are disjoint query heads of one output, so nothing needs merging. A compiled decode step
+(``torch.compile``; transformers' compiled ``generate``) attends both groups through masked SDPA
+over fixed shapes instead (``DuoLayer``).
 
 Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a kvpress artifact
 (``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
@@ -129,7 +131,8 @@ class DuoPolicy(Policy):
         evicted attention mass; RetroInfer, arXiv 2505.02922). Streaming heads then grow by
         ``1/N`` of an fp32 head (``2/N`` of a 16-bit one) per token. Needs
         ``prefill="chunked"`` or ``"dense"``. Measured worse than off at 8k on SmolLM2 (module
-        docstring): an experiment knob.
+        docstring): an experiment knob. Its decode step is not static (the cache is not
+        compileable: ``generate`` decodes eagerly).
     """
 
     artifact: str | None = None
