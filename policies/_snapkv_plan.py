@@ -1,12 +1,13 @@
-"""``snapkv``'s forward of several tokens as that many decode steps (a verification; any forward
-after the prompt with ``reselect_turns=False``): the steps' slots planned first, the queries
-attending at once (:class:`PlannedSteps`, mixed into ``SnapKVLayer``)."""
+"""``snapkv``'s slot planning, mixed into ``SnapKVLayer``: a forward of several tokens as that many
+decode steps (a verification; any forward after the prompt with ``reselect_turns=False``), the
+steps' slots planned first and the queries attending at once (:class:`PlannedSteps`); and a
+compiled decode step whose slot is chosen on the device (:class:`StaticStep`)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvpress.attention import masked_group_attention
+from kvpress.attention import masked_decode_attention, masked_group_attention
 
 GROW = 64  # slots added at a time while a short cache grows towards the budget
 
@@ -17,12 +18,13 @@ class PlannedSteps:
 
     # ------------------------------------------------- several tokens after the prompt
     # A forward of n tokens after the prompt must equal n decode steps when it is a verification
-    # (assisted generation checks its drafts with one), or a new turn with reselect_turns=False. Which slot each token takes does not depend on the
-    # queries: growing appends, then the lowest-scored prompt tokens in score order, then the
-    # generated token leaving the recent window. So the n steps' slots are planned first, each key
-    # gets the steps it is visible in (a kept key until the step that overwrites its slot, a new
-    # token from its own step until its slot is reused), and the n queries attend at once under
-    # that mask, instead of one decode step per token.
+    # (assisted generation checks its drafts with one), or a new turn with reselect_turns=False.
+    # Which slot each token takes does not depend on the queries: growing appends, then the
+    # lowest-scored prompt tokens in score order, then the generated token leaving the recent
+    # window. So the n steps' slots are planned first, each key gets the steps it is visible in (a
+    # kept key until the step that overwrites its slot, a new token from its own step until its
+    # slot is reused), and the n queries attend at once under that mask, instead of one decode
+    # step per token.
 
     def _plan(self, n: int) -> torch.Tensor | None:
         """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.
@@ -134,3 +136,52 @@ class PlannedSteps:
         self.kept = (self.kept + n).clamp(max=self.filled)
         self.seen += n
 
+
+
+class StaticStep:
+    """The static decode step of ``SnapKVLayer`` (``plan.static``: a step ``torch.compile`` captures).
+
+    It stores the token where the eager step (``SnapKVLayer._store``) would and attends over the
+    same slots, with every choice made from device tensors: the position is the plan's, the slots
+    in use come from ``pos`` (each row's tokens end at the last slot in use, so the latest slot
+    whose ``pos`` is set is the eager ``filled - 1``), and the slot taken is a ``torch.where`` over
+    all the eager cases (growing: append; a shorter row: the free slot before its tokens; a full
+    row: the lowest-scored prompt token, or the generated token leaving the recent window). The
+    buffers keep their capacity (``SnapKVLayer._hold`` sizes them to ``min(budget,
+    cache.capacity)`` when the cache is planned), and the attention masks the unused slots, so
+    every step of a generation has the same shapes.
+    """
+
+    def _static_step(self, q, k_new, v_new, scaling, plan) -> torch.Tensor:
+        p = self.policy
+        # outgrown (an unplanned cache): a new shape. The host count is read only then (a planned
+        # cache's step reads none, so it keeps one graph)
+        if self.k.shape[2] < p.budget and self.filled == self.k.shape[2]:
+            self._grow(min(p.budget, self.filled + GROW))
+        B, H, cap, D = self.k.shape
+        slot_ids = torch.arange(cap, device=self.k.device)
+        in_use = torch.where(self.pos[:, 0] >= 0, slot_ids + 1, 0)  # (B, cap)
+        filled = in_use.amax()  # () the eager `filled`
+        leaving = plan.start - p.window_size  # [1]
+        by_window = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H) the generated token leaving
+        by_score = self.score.argmin(-1)  # (B, H) the lowest-scored prompt token
+        slot = torch.where(leaving >= self.prompt_len, by_window, by_score)
+        kept = self.kept[:, None]  # (B, 1)
+        slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row fills its free slots
+        slot = torch.where(filled < p.budget, filled, slot)  # growing: every row appends
+        filled = (filled + 1).clamp(max=p.budget)
+        self.kept.copy_(torch.minimum(self.kept + 1, filled))
+        index = slot[:, :, None]  # (B, H, 1)
+        rows = index[..., None].expand(B, H, 1, D)
+        self.k.scatter_(2, rows, k_new.to(self.k.dtype))
+        self.v.scatter_(2, rows, v_new.to(self.v.dtype))
+        self.pos.scatter_(2, index, plan.start.view(1, 1, 1).expand(B, H, 1))
+        self.score.scatter_(2, index, float("inf"))
+        self.count_static_step()
+        visible = (slot_ids >= filled - self.kept[:, None]) & (slot_ids < filled)  # (B, cap)
+        return masked_decode_attention(q, self.k, self.v, scaling, visible)
+
+    def count_tokens(self, n: int) -> None:
+        self.seen += n
+        self.filled = min(self.policy.budget, self.filled + n)
+        self._deficit = None  # `kept` changed in place: read again by the next eager step

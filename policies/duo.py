@@ -12,7 +12,9 @@ sinks + window buffer [B, H_str, <= S + W, D] for its streaming heads, so a stre
 memory stays constant at every length (``cache_stats`` lists both buffers). A decode step runs
 both groups through ``kvpress.kernels.sparse_decode`` (the Triton split-K kernel on CUDA):
 retrieval heads over their whole buffer, streaming heads over their visible slots; the groups
-are disjoint query heads of one output, so nothing needs merging.
+are disjoint query heads of one output, so nothing needs merging. A compiled decode step
+(``torch.compile``; transformers' compiled ``generate``) attends both groups through masked SDPA
+over fixed shapes instead (``DuoLayer``).
 
 Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a kvpress artifact
 (``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
@@ -66,7 +68,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvpress.attention import dense_causal_attention, whole_cache_decode
+from kvpress.attention import dense_causal_attention, static_decode_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.layers import SinkWindowLayer
@@ -130,7 +132,8 @@ class DuoPolicy(Policy):
         evicted attention mass; RetroInfer, arXiv 2505.02922). Streaming heads then grow by
         ``1/N`` of an fp32 head (``2/N`` of a 16-bit one) per token. Needs
         ``prefill="chunked"`` or ``"dense"``. Measured worse than off at 8k on SmolLM2 (module
-        docstring): an experiment knob.
+        docstring): an experiment knob. Its decode step is not static (the cache is not
+        compileable: ``generate`` decodes eagerly).
     """
 
     artifact: str | None = None
@@ -308,6 +311,11 @@ class DuoLayer(CacheLayer):
 
     Croppable: the retrieval buffers are truncated, the streaming heads' slots recorded before
     each forward once past recording is on (:class:`~kvpress.window_layers.SinkWindowLayer`).
+
+    Static decode (``plan.static``, a compiled step): the retrieval heads write at the plan's device
+    position into a buffer sized to ``cache.capacity`` and attend over all of it with the slots past
+    ``plan.end`` masked; the streaming heads take the static step of their ``SinkWindowLayer``
+    (not with ``tail_chunk``: the tail estimate's decode is not static).
     """
 
     croppable = True
@@ -339,11 +347,19 @@ class DuoLayer(CacheLayer):
             }
         return self._index
 
+    @property
+    def static_decode(self) -> bool:
+        return self.stream is None or self.stream.static_decode
+
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static and self.static_decode:
+            return self._static_step(q, k_new, v_new, scaling, plan)
         idx = self._indices(q.device)
         q_start = self.seen
         out = q.new_empty(q.shape)  # (B, H_q, T, D)
         if self.dense is not None:
+            self._reserve(k_new, v_new, idx)
             self.dense.append(k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"]))
             q_ret = q.index_select(1, idx["ret_q"])
             if q.shape[2] == 1 and q_start > 0:  # decode: the decode kernel over the whole buffer
@@ -360,6 +376,38 @@ class DuoLayer(CacheLayer):
         self.seen += k_new.shape[2]
         return out
 
+    def _reserve(self, k, v, idx) -> None:
+        """Size the retrieval buffer to the planned capacity on its first store (static steps then
+        write in place)."""
+        if self.dense.k is None and self.cache.capacity:
+            self.dense.reserve(self.cache.capacity, k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
+
+    def _static_step(self, q, k_new, v_new, scaling, plan):
+        """One decode token of both head kinds at the plan's device position (fixed shapes)."""
+        idx = self._indices(q.device)
+        out = q.new_empty(q.shape)  # (B, H_q, 1, D)
+        if self.dense is not None:
+            k_r, v_r = k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"])
+            if self.dense.length + 1 > self.dense.capacity:  # outgrown: the next bucket (a new shape)
+                self.dense.reserve(self.dense.length + 1, k_r, v_r)
+            self.dense.write_at(plan.start, k_r, v_r)
+            out[:, idx["ret_q"]] = static_decode_attention(q.index_select(1, idx["ret_q"]), self.dense.k,
+                                                           self.dense.v, scaling, end=plan.end,
+                                                           row_start=self.row_start)
+        if self.stream is not None:  # its own static step (it counts its token itself)
+            k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
+            out[:, idx["str_q"]] = self.stream.attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
+        self.count_static_step()
+        return out
+
+    def count_tokens(self, n: int) -> None:
+        self.seen += n
+        if self.dense is not None:
+            self.dense.length += n
+        if self.stream is not None and self.stream.counts_deferred:  # the streaming heads' deferred count
+            self.stream.counts_deferred = False
+            self.stream.count_tokens(n)
+
     def end_prompt(self) -> None:
         if self.stream is not None:
             self.stream.end_prompt()
@@ -371,6 +419,7 @@ class DuoLayer(CacheLayer):
             self.lazy_initialization(k, v)
         idx = self._indices(k.device)
         if self.dense is not None:
+            self._reserve(k, v, idx)
             self.dense.append(k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
         if self.stream is not None:
             k_s, v_s = k.index_select(1, idx["str"]), v.index_select(1, idx["str"])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
-from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps
+from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps, StaticStep
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_tokens, register_policy
 
@@ -39,8 +39,9 @@ class SnapKVPolicy(Policy):
     holds ``budget`` tokens, each new token replaces, per KV head, the lowest-scored kept prompt
     token until ``window_size`` tokens have been generated, then the generated token leaving
     the ``window_size`` most recent ones. The observation window itself is never evicted: a
-    needle right before the question must survive while the model copies it out. Attention over the kept
-    tokens runs through ``kvpress.kernels.sparse_decode``.
+    needle right before the question must survive while the model copies it out. Attention over
+    the kept tokens runs through ``kvpress.kernels.sparse_decode``; a compiled decode step
+    (``torch.compile``) chooses the same slot on the device and attends through masked SDPA.
 
     A new turn (a forward of several tokens after the prompt, past recording off: a chat's next
     message, a document's next question, a perplexity evaluation's next chunk) is selected as a
@@ -50,11 +51,11 @@ class SnapKVPolicy(Policy):
     positions, evicted ones counting 0) and each KV head keeps its top ``budget`` with the turn's
     window; later decode steps evict by these scores. A first turn's token the first selection
     dropped stays lost: the question that needed it came too late. With a 3k-token first turn and a
-    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``) this answers 6 of 8 needles placed in the second turn (0 of 8 without; 3 of 8
-    with the older 15-token pool, whose misses dropped the value's last digit) and, as before,
-    none of the first turn's. A turn shorter than the window is
-    scored by its few queries (the older window tokens stay); ``reselect_turns=False`` keeps the
-    previous behaviour below.
+    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``) this
+    answers 6 of 8 needles placed in the second turn (0 of 8 without; 3 of 8 with the older
+    15-token pool, whose misses dropped the value's last digit) and, as before, none of the first
+    turn's. A turn shorter than the window is scored by its few queries (the older window tokens
+    stay); ``reselect_turns=False`` keeps the previous behaviour below.
 
     A verification (assisted decoding records the past), or with ``reselect_turns=False`` any
     forward of several tokens after the prompt, equals as many decode steps: which slot each
@@ -172,7 +173,7 @@ def turn_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, end: 
     return pooled.gather(3, at).mean(2)
 
 
-class SnapKVLayer(PlannedSteps, RecordingLayer):
+class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
     """Compact per-head storage: ``k``/``v`` ``(B, H_kv, cap, D)`` and ``pos`` ``(B, H_kv, cap)``.
 
     Slots ``[0, filled)`` are in use; row ``b``'s tokens occupy ``[filled - kept[b], filled)``
@@ -183,7 +184,11 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
     forward). The prompt's forward is taken back by scoring the kept prompt again, for which it
     keeps its last ``window_size + PROMPT_CROP_TOKENS`` queries while recording: up to
     ``PROMPT_CROP_TOKENS`` of its tokens can be taken back.
+
+    Static decode: a compiled decode step chooses its slot on the device (:class:`StaticStep`).
     """
+
+    static_decode = True
 
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
         super().__init__(cache, layer_idx)
@@ -198,6 +203,9 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static and self.k is not None:
+            return self._static_step(q, k_new, v_new, scaling, plan)
         if self.k is None and self.cache.prompt_open:  # a piece of a prompt: selected at its end
             if self._stage is None:
                 self._stage = PromptStage(keep_queries=self.policy.window_size)
@@ -303,6 +311,8 @@ class SnapKVLayer(PlannedSteps, RecordingLayer):
         B, H, keep = index.shape
         D = keys.shape[3]
         cap = keep if keep == p.budget else min(p.budget, -(-keep // _GROW) * _GROW)
+        if self.cache.capacity:  # a planned generation: room for all it keeps (static steps keep one shape)
+            cap = max(cap, min(p.budget, self.cache.capacity))
         self.k, self.v = keys.new_zeros(B, H, cap, D), values.new_zeros(B, H, cap, D)
         rows = index[..., None].expand(B, H, keep, D)
         self.k[:, :, :keep] = keys.gather(2, rows)

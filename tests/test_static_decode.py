@@ -27,13 +27,11 @@ PROMPT = 40
 NOT_YET_STATIC = {
     "double_sparsity": "label scores, shortlist and top-k sized by host integers that change with the length; "
                        "the compiled CPU kernel is called through ctypes",
-    "duo": "streaming heads' ring slot and retrieval heads' buffer length are host integers in tensor shapes",
     "exact_topk": "top-k size and the selection index built from host lengths",
     "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "quest": "page count and the selected pages' index sized by host integers",
     "shadowkv": "host-tier fetch of the selected chunks issued from host ids",
-    "snapkv": "free-slot bookkeeping on the host decides the write position",
     "tidal": "selection layers' top-k and index sized by host lengths",
     "zipcache": "probe bookkeeping and the window flush sized on the host; ctypes kernels",
 }

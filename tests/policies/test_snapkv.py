@@ -346,3 +346,41 @@ def test_turn_pieces_held_densely_until_the_end_and_counted(model):
     torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
     for la, lb in zip(one.layers, three.layers):
         assert torch.equal(la.pos, lb.pos)
+
+
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("row_start,length,turn", [(None, 30, 0), ([0, 7], 12, 0), ([3, 0], 9, 6)])
+def test_static_step_stores_and_attends_as_the_eager_step(model, row_start, length, turn, planned):
+    """The static decode step (``plan.static``; run here without compiling) chooses every slot on the
+    device as the eager step does on the host: growing, a shorter row's free slots, evictions by
+    score, then the generated tokens leaving the window; after a prompt, and after a new turn."""
+    from kvpress.plan import ForwardKind, ForwardPlan
+
+    eager = snap_layer(model, row_start)
+    static = snap_layer(model, row_start)
+    if planned:
+        static.cache.capacity = 128  # buffers sized for the whole generation (min(budget, capacity))
+    for layer in (eager, static):
+        prompt(layer, length, batch=2)
+        if turn:
+            g = torch.Generator().manual_seed(9)
+            layer.attend(torch.randn(2, 4, turn, 16, generator=g), torch.randn(2, 2, turn, 16, generator=g),
+                         torch.randn(2, 2, turn, 16, generator=g), 0.25)
+    assert static.k.shape[2] == (20 if planned else eager.k.shape[2])
+    calls, static_step = [], static._static_step
+    static._static_step = lambda *args: calls.append(1) or static_step(*args)
+    for t in range(40):
+        seen = static.seen
+        static.cache.plan = ForwardPlan(ForwardKind.DECODE, 1, torch.tensor([seen]), torch.tensor([seen + 1]),
+                                        static=True)
+        out_static = step(static, seed=100 + t)
+        out_eager = step(eager, seed=100 + t)
+        torch.testing.assert_close(out_static, out_eager, atol=2e-6, rtol=1e-5)
+        assert static.seen == eager.seen and static.filled == eager.filled
+        assert torch.equal(static.kept, eager.kept)
+        n = eager.filled
+        assert torch.equal(static.pos[:, :, :n], eager.pos[:, :, :n])
+        assert torch.equal(static.k[:, :, :n], eager.k[:, :, :n])
+        assert torch.equal(static.score[:, :, :n], eager.score[:, :, :n])
+        assert bool((static.pos[:, :, n:] == -1).all())
+    assert len(calls) == 40 and eager.filled == 20 and int(eager.kept.min()) == 20  # every phase was reached
