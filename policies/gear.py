@@ -11,7 +11,8 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
+from ._quant import QuantWindowLayer
+from ._quant_storage import append_tokens, fill_with_group_median
 
 OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time (torch path)
 CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of host time

@@ -12,7 +12,8 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
+from ._quant import QuantWindowLayer
+from ._quant_storage import append_tokens, fill_with_group_median
 
 
 @register_policy
