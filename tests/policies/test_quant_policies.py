@@ -265,7 +265,7 @@ def test_rotated_values_spread_an_outlier_channel(llama, name):
     if name == "zipcache":
         # its channel normaliser (each channel divided by the square root of its largest magnitude)
         # already tames one synthetic outlier channel; rotated, the normaliser sees even channels.
-        # On SmolLM2 the rotation lowers its values' error too (BENCHMARKS "Session 33 (CPU)"); here only no harm.
+        # On SmolLM2 the rotation lowers its values' error too (benchmarks/kv_quant_error.py); here only no harm.
         assert rot > base - 1.5, (rot, base)
     else:
         assert rot > base + 0.5, (rot, base)
