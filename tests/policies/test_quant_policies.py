@@ -160,7 +160,7 @@ def test_kivi_value_groups_apart_from_key_groups(llama):
 
 def test_kivi_key_groups_need_not_divide_head_dim(llama):
     """Keys are grouped over tokens, so a key group longer than head_dim (16 here) is allowed
-    once the values have their own channel group; it used to be refused against head_dim."""
+    once the values have their own channel group (only the values' channel group must divide it)."""
     policy = kvpress.get_policy("kivi", bits=4, group_size=32, value_group_size=8, residual_length=16)
     sqnr, layer = _layer_run(llama, policy)
     assert layer.n_quant >= 160 and layer.n_quant % 32 == 0 and layer.vs.shape[-1] == 16 // 8
