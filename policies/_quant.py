@@ -23,37 +23,26 @@ from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 
 from ._quant_rows import RowSplit
+from ._quant_storage import resized, window_slots
 from ._rotation import value_basis
 
-GROW = 256  # packed stores grow in steps of this many tokens (the slack is counted by cache_stats)
 SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
 # A forward of at least this many tokens (a prompt piece, a new turn) dequantizes the packed store
 # once into a transient fp32 copy and attends through SDPA; shorter ones (decode steps, short
 # verifications) read the codes directly. From 16 tokens the copy is the faster path for all three
-# quantizers on the 2-core CPU at 8k, at 8 only for gear (`python -m kvpress.evals.bench_quant_forward`,
-# BENCHMARKS "Session 25"). See `QuantWindowLayer.attend`.
+# quantizers on the 2-core CPU at 8k, at 8 only for gear (`python -m kvpress.evals.bench_quant_forward`).
+# See `QuantWindowLayer.attend`.
 DEQUANT_MIN_QUERIES = 16
-
-
-def append_tokens(buf: torch.Tensor | None, length: int, x: torch.Tensor, grow: int = GROW) -> torch.Tensor:
-    """Write ``x`` (B, H, n, ...) at ``buf[:, :, length:length + n]``, growing ``buf`` in ``grow`` steps."""
-    n = x.shape[2]
-    if buf is None or length + n > buf.shape[2]:
-        cap = -(-(length + n) // grow) * grow
-        new = x.new_empty(x.shape[0], x.shape[1], cap, *x.shape[3:])
-        if buf is not None and length:
-            new[:, :, :length] = buf[:, :, :length]
-        buf = new
-    buf[:, :, length : length + n] = x
-    return buf
 
 
 class QuantWindowLayer(CacheLayer):
     """fp window + packed store. Subclasses implement ``_flush``, ``_quant_scores``,
     ``_quant_output`` and ``_quant_tensors`` (and may override ``_after_attend`` / ``_prefill``).
 
-    Window storage ``k_win`` / ``v_win`` (B, H_kv, capacity, D) in the model dtype, capacity
-    ``residual_length + flush_unit`` (more only transiently, during a long prefill).
+    Window storage ``k_win`` / ``v_win`` (B, H_kv, capacity, D) in the model dtype. The capacity
+    grows with the tokens the window holds (`window_slots`: 128 slots, doubled as needed) up to
+    ``residual_length + flush_unit``, the most it holds between flushes (more only transiently,
+    during a long prefill, dropped at its flush).
     ``n_quant`` tokens (sequence indices ``0 .. n_quant - 1``) have been flushed; the window
     holds sequence indices ``n_quant .. seen - 1``.
     """
@@ -388,14 +377,11 @@ class QuantWindowLayer(CacheLayer):
 
     # ------------------------------------------------------------------ window bookkeeping
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        B, H, n, D = k.shape
+        n = k.shape[2]
         if self.k_win is None or self.win_len + n > self.k_win.shape[2]:
-            cap = max(self.residual_length + self.flush_unit, self.win_len + n)
-            k_buf, v_buf = k.new_empty(B, H, cap, D), v.new_empty(B, H, cap, D)
-            if self.win_len:
-                k_buf[:, :, : self.win_len] = self.k_win[:, :, : self.win_len]
-                v_buf[:, :, : self.win_len] = self.v_win[:, :, : self.win_len]
-            self.k_win, self.v_win = k_buf, v_buf
+            slots = window_slots(self.win_len + n, self.residual_length + self.flush_unit)
+            self.k_win = resized(self.k_win, self.win_len, slots, like=k)
+            self.v_win = resized(self.v_win, self.win_len, slots, like=v)
         self.k_win[:, :, self.win_len : self.win_len + n] = k
         self.v_win[:, :, self.win_len : self.win_len + n] = v
         self.win_len += n
@@ -451,16 +437,14 @@ class QuantWindowLayer(CacheLayer):
             self._flush(self.k_win[:, :, :n], self.v_win[:, :, :n], self.n_quant)
             self.n_quant += n
             rest = self.win_len - n
-            cap = self.residual_length + self.flush_unit
-            if self.k_win.shape[2] > cap:  # a long prefill: drop back to the steady-state capacity
-                k_buf, v_buf = self.k_win.new_empty(*self.k_win.shape[:2], cap, self.k_win.shape[3]), \
-                    self.v_win.new_empty(*self.v_win.shape[:2], cap, self.v_win.shape[3])
-            else:
-                k_buf, v_buf = self.k_win, self.v_win
             k_rest = self.k_win[:, :, n : self.win_len].clone()
             v_rest = self.v_win[:, :, n : self.win_len].clone()
-            k_buf[:, :, :rest], v_buf[:, :, :rest] = k_rest, v_rest
-            self.k_win, self.v_win, self.win_len = k_buf, v_buf, rest
+            limit = self.residual_length + self.flush_unit
+            if self.k_win.shape[2] > limit:  # a long prefill: back to what the remaining tokens need
+                slots = window_slots(rest, limit)
+                self.k_win, self.v_win = resized(None, 0, slots, self.k_win), resized(None, 0, slots, self.v_win)
+            self.k_win[:, :, :rest], self.v_win[:, :, :rest] = k_rest, v_rest
+            self.win_len = rest
 
     def padding_mask(self, start: int, n: int, device) -> torch.Tensor | None:
         """(B, n) bool, True for left-padding tokens among sequence indices start .. start + n - 1."""
@@ -521,13 +505,3 @@ class QuantWindowLayer(CacheLayer):
         B, H, _, D = self.k_win.shape
         return 2 * B * H * self.seen * D
 
-
-def fill_with_group_median(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Keys ``x`` (B, H, n, D) with the rows ``idx[b, j]`` (where ``inside``) replaced by the
-    median of their per-channel quantization group (``group_size`` tokens), so that a sink key
-    kept exactly elsewhere does not stretch the range its group is quantized over."""
-    B, H, n, D = x.shape
-    rows = torch.zeros(B, n, dtype=torch.bool, device=x.device).scatter_(1, idx, inside)
-    med = x.view(B, H, n // group_size, group_size, D).median(3, keepdim=True).values
-    med = med.expand(-1, -1, -1, group_size, -1).reshape(x.shape)
-    return torch.where(rows[:, None, :, None], med, x)

@@ -9,7 +9,7 @@ from kvpress.kernels.quant import (channel_quant_scores, dequantize_per_channel,
                                    dequantize_refinement, quantize_per_channel, quantize_per_token,
                                    quantize_refined_keys, refined_scores, token_quant_values)
 
-from ._quant import append_tokens
+from ._quant_storage import append_tokens
 
 
 class _Store:

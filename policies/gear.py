@@ -11,7 +11,8 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
+from ._quant import QuantWindowLayer
+from ._quant_storage import append_tokens, fill_with_group_median
 
 OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time (torch path)
 CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of host time
@@ -38,11 +39,12 @@ class GearPolicy(Policy):
     each row whole (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, Hooper et al.,
     arXiv 2401.18079, keeps the first token in fp16 for the same reason): their keys are replaced
     by the group median before quantizing and their rows stored as fp16 corrections (``sk`` /
-    ``sv``, ~0.01 bit an element at 8k). This, not the paper's parts, is what was missing: on
-    SmolLM2 the first token takes 30-90% of the attention of many heads, so a 2-bit error on its
-    key shifts every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34
-    dB with the sink exact; ``bench_quant attn``). SmolLM2 long-text perplexity (full 29.12 at
-    4k, 30.28 at 8k) and bits per element at 8k::
+    ``sv``, ~0.01 bit an element at 8k). On SmolLM2 they matter more than the paper's parts: the
+    first token takes 30-90% of the attention of many heads, so a 2-bit error on its key shifts
+    every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34 dB with the
+    sink exact; ``python -m kvpress.evals.bench_quant attn``). SmolLM2 long-text perplexity (full
+    29.12 at 4k, 30.28 at 8k; ``kvpress eval --model smollm2 --tasks ppl --lengths 4096,8192``)
+    and bits per element at 8k (``python -m kvpress.evals.bench_quant bits --length 8192``)::
 
         kivi-2 group 64 / 32 / 16            2.88 / 3.31 / 4.28 bits   4k 34.32 / 31.54 / 30.43
         gear default (g32, 1 outlier, rank 1, 4 sinks)     4.41 bits   4k 29.76   8k 31.34
@@ -66,11 +68,12 @@ class GearPolicy(Policy):
     the compiled kernels of `kvpress.kernels.native` (``backend="auto"``; ``"torch"`` the
     reference path), and a decode step is one call of `native.quant_attend` with the low-rank,
     outlier and sink corrections applied inside it: 1.09x ``full``'s decode speed at 8k on one
-    thread, 1.11x on two (BENCHMARKS "Session 19"; 0.60x when those terms were torch gathers and
-    scatters, session 18; the torch path 0.37x in the same run). On a GPU the torch path runs
-    (there is no fused kernel for these corrections): 0.31x ``full``'s decode speed at 32k on an
-    H200 (random Llama-3-8B shapes; 123.7 against 38.3 ms/token, BENCHMARKS "Session 43 (GPU)"),
-    host-bound on its many small launches once two slow reads were fixed there.
+    thread, 1.11x on two, where the torch path runs at 0.37x / 0.34x (BENCHMARKS "Quantized decode
+    on CPU, SmolLM2 at 8k"). On a GPU the torch path runs (there is no fused kernel for these
+    corrections), its long reads cut into passes: 0.31x ``full``'s decode speed at 32k on an H200
+    (random Llama-3-8B shapes; 123.7 against 38.3 ms/token), host-bound on its many small launches
+    (BENCHMARKS "End-to-end decode on an H200 at 32k (random Llama-3-8B-shaped weights, bf16,
+    batch 1, budget 1024)").
     """
 
     bits: int = 2
@@ -377,7 +380,7 @@ class GearLayer(QuantWindowLayer):
             nc = len(self.chunk_starts)
             # each chunk's sum of p_t * L_t, from a running sum over the tokens (the last axis: a
             # scan along an outer axis took 2 ms per layer at 32k on an H200, and an index_add_ into
-            # the few chunk rows, which serializes its atomics, 1.6 ms; session 43)
+            # the few chunk rows, which serializes its atomics, 1.6 ms; benchmarks/gpu/profile_decode.py)
             pl = prob[:, :, :, None] * self.vl[:, :, :n].float().transpose(-1, -2)[:, :, None]  # (B, H, M, r, N)
             run = torch.nn.functional.pad(pl.cumsum(-1), (1, 0))  # run[..., t]: the sum over the tokens before t
             bounds = self._bounds(prob.device)

@@ -12,7 +12,8 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
+from ._quant import QuantWindowLayer
+from ._quant_storage import append_tokens, fill_with_group_median
 
 
 @register_policy
@@ -20,7 +21,8 @@ from ._quant import QuantWindowLayer, append_tokens, fill_with_group_median
 class KiviPolicy(Policy):
     """KIVI: keys quantized per channel (groups of ``group_size`` tokens), values per token
     (groups of ``value_group_size`` channels; None = ``group_size``, the paper's single group),
-    the ``residual_length`` most recent tokens kept in full precision.
+    the ``residual_length`` most recent tokens kept in full precision (their storage grows with
+    the tokens seen, so a large ``residual_length`` costs a short prompt nothing).
 
     Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv 2402.02750.
     Key channels carry outliers, so per-channel ranges quantize keys well; value errors mix
@@ -29,29 +31,23 @@ class KiviPolicy(Policy):
     the codes directly (``kvpress.kernels.packed_decode.quant_decode``; Triton on CUDA). No token
     budget: every token stays, at ``bits`` bits (``with_budget`` raises).
 
-    Measured on SmolLM2 at 4k (bits at 8k): 4-bit (5.31 bits) long-text perplexity 29.128 vs
-    full's 29.124; needles: niah_single 8/8 (full 8/8), niah_multikey 5/16 (full 7/16). Its
-    predictions equal full's on 14 of the 16 multikey samples, wrong ones included; on samples 2
-    and 14 it answers a distractor key's value (424174 for 4836716, 4241742 being another key's;
-    1501841, the value of "goofy-pronunciation"), the runner-up digit where full itself decides
-    by 0.76 and 0.32 nats (``python -m kvpress.evals.margins``): 4-bit keys tip near-tied
-    choices between keys. Over 32 samples (``kvpress eval --policies kivi:bits=4 --tasks
-    niah_single,niah_multikey,niah_multivalue --lengths 4096 --samples 32``, BENCHMARKS "Session
-    5"): 1.00 / 0.34 / 0.59 against full's 1.00 / 0.38 / 0.62, i.e. 95% on niah_multivalue (full
-    scores < 0.5 on multikey there); over 64 niah_multivalue samples (session 6) 0.527 against
-    0.559 (94.4%), and at 8192 tokens 12 of full's 13 niah_single needles over 24 samples (0.50
-    against 0.54, 92%), 27 of 29 over 48 (93.1%, session 9): short of the 98% target. 2-bit by
-    group size 64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, perplexity 34.32 / 31.54 / 30.43.
+    On SmolLM2-135M ``kivi:bits=4`` (5.31 bits per element at 8k, everything counted) keeps
+    ``full``'s perplexity (29.128 / 30.288 against 29.124 / 30.276 at 4k / 8k) and all 32 4k
+    niah_single needles, 95.0% of ``full``'s 4k niah_multivalue score over 32 samples and 27 of
+    ``full``'s 29 8k niah_single needles (93.1%; BENCHMARKS "4-bit `kivi` and `zipcache` at about
+    5.3-5.4 bits"). Where it errs, 4-bit keys tip near-tied choices: on 16 4k niah_multikey
+    samples its answers equal ``full``'s on 14, and on the other two it writes another key's
+    value where ``full`` itself decides that digit by 0.76 and 0.32 nats (``python -m
+    kvpress.evals.margins``). 2-bit by group size 64 / 32 / 16: 2.88 / 3.31 / 4.28 bits, 4k
+    perplexity 34.32 / 31.54 / 30.43 (``kvpress eval --model smollm2 --tasks ppl --lengths 4096``).
 
     Separate value groups: ``kivi:bits=4:group_size=64:value_group_size=16:residual_length=64``
-    (5.50 bits at 8k, everything counted) scores 0.574 against full's 0.559 over the same 64
-    niah_multivalue samples at 4k (103%; 10 answers up, 10 down), where the paper's single
-    group of 32 keeps 94.4% -- 4-bit values in groups of 32 channels were the loss
-    (``benchmarks/kv_controls.py``, BENCHMARKS "Session 8"). It also answers all 32 niah_single
-    needles at 4k and keeps perplexity at 29.269 / 30.404 (full 29.124 / 30.276; the paper's
-    groups 29.128 / 30.288) at 4k / 8k, but at 8192 tokens loses 3 of full's 29 niah_single
-    needles over 48 samples (0.542 against 0.604, 89.7%; BENCHMARKS "Session 9"): the 98%
-    target holds at 4k with this configuration, not at 8k with either.
+    (5.50 bits at 8k) scores 0.574 against ``full``'s 0.559 over 64 4k niah_multivalue samples
+    (103%; 10 answers up, 10 down), where the paper's single group of 32 keeps 94.4%: 4-bit
+    values in groups of 32 channels are the loss (``benchmarks/kv_controls.py``). It also
+    answers all 32 4k niah_single needles and keeps perplexity at 29.269 / 30.404 at 4k / 8k,
+    but loses 3 of ``full``'s 29 8k niah_single needles over 48 samples (89.7% of ``full``'s
+    score): it keeps 98% of ``full`` at 4k, neither configuration does at 8k.
 
     ``sink_tokens`` (default 0, the paper's scheme) keeps each row's first real tokens exactly
     in fp16 beside the codes (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant keeps the
@@ -59,10 +55,9 @@ class KiviPolicy(Policy):
     stretch a group's range, and attention reads the exact rows in place of their packed
     columns (torch and fused paths). On SmolLM2 the first token takes 30-90% of the attention
     of many heads (see ``gear``), so its 4-bit key error moves every weight of those rows.
-    ``kivi:bits=4:sink_tokens=4`` (5.32 bits at 8k) keeps 28 of full's 29 niah_single needles
-    at 8k over 48 samples (96.6%; it answers #22, which the paper's scheme loses, and loses
-    #46 as it does) and 96.2% of full on 32 niah_multivalue samples at 4k (the paper's scheme
-    95.0%) (BENCHMARKS "Sessions 13-14"): better, still short of 98%.
+    ``kivi:bits=4:sink_tokens=4`` (5.32 bits at 8k) keeps 28 of ``full``'s 29 8k niah_single
+    needles (96.6%) and 96.2% of its 4k niah_multivalue score over 32 samples, against 93.1% and
+    95.0% without (BENCHMARKS "4-bit `kivi` and `zipcache` at about 5.3-5.4 bits").
 
     ``rotate_values`` (default False) stores every value rotated by a fixed orthonormal matrix
     (``kvpress.policies._rotation.value_basis``: the Hadamard matrix for a power-of-two head_dim), as
@@ -73,31 +68,29 @@ class KiviPolicy(Policy):
     values are rounded once more, in the rotated basis). A value channel far larger than the
     others then no longer sets every token's range: on SmolLM2 at 4k the attention-output error
     that 4-bit values cause drops by a fifth (0.0259 to 0.0201 relative;
-    ``benchmarks/kv_quant_error.py``, BENCHMARKS "Session 33 (CPU)"), but answers hardly move:
-    teacher-forced KL of ``kivi:bits=4:sink_tokens=4`` along ``full``'s 4k niah_multivalue answers
-    1.274e-2 against 1.276e-2 (lower on 7 of 8 samples;
-    ``benchmarks/answer_kl.py``); 4k perplexity 29.133 against 29.129 at 4 bits, 31.478 against
-    31.529 at 2 bits. The answers do not follow the values' error on this model; 4-bit keys
-    make all of the attention's distance from ``full`` (and, with the first tokens' keys exact,
-    about 30% of the output error: 0.0090 of 0.0299). Off by default.
+    ``benchmarks/kv_quant_error.py``), but answers hardly move: teacher-forced KL of
+    ``kivi:bits=4:sink_tokens=4`` along ``full``'s 4k niah_multivalue answers 1.274e-2 against
+    1.276e-2 (lower on 7 of 8 samples; ``benchmarks/answer_kl.py``); 4k perplexity 29.133 against
+    29.129 at 4 bits, 31.478 against 31.529 at 2 bits. The answers do not follow the values'
+    error on this model; 4-bit keys make all of the attention's distance from ``full`` (and, with
+    the first tokens' keys exact, about 30% of the output error: 0.0090 of 0.0299). Off by default.
 
     On CPU a decode step is one call of the compiled kernel `kvpress.kernels.native.quant_attend`
-    (packed tokens, exact sinks and the fp window under one softmax; each packed row unpacked in
-    registers once for the GQA group; until every row's sinks are flushed, the two packed reads
-    are native and the rest torch).
-    In one ``OMP_NUM_THREADS=1 kvpress bench --interleave`` run at 8k (the command in BENCHMARKS
-    "Session 18"), 4-bit decodes at 1.39x ``full``'s speed (111.5 vs 155.1
-    ms/token; attention 45.2 vs 82.4 ms) with 63 vs 366 MiB of cache; the torch path
-    (``backend="torch"``, the reference; sessions 5-17's only CPU path) 0.57x in the same run.
-    Since session 19 the kernels run on torch's threads and the exact sinks join the one call (the
-    packed part starts after each row's flushed sinks): 1.32x / 1.27x on one / two threads,
-    ``sink_tokens=4`` 1.28x / 1.22x (BENCHMARKS "Session 19"; two threads 1.14x before).
-    ``backend`` picks the CPU reader: ``"auto"`` (native when built), ``"torch"``, ``"native"``.
+    on torch's threads (packed tokens, exact sinks and the fp window under one softmax; each
+    packed row unpacked in registers once for the GQA group; the packed part starts after each
+    row's flushed sinks, and until every row's sinks are flushed the two packed reads are native
+    and the rest torch). At 8k ``kivi:bits=4`` decodes at 1.32x / 1.27x ``full``'s speed on one /
+    two threads with 63 against 366 MiB of cache, ``sink_tokens=4`` at 1.28x / 1.22x (BENCHMARKS
+    "Quantized decode on CPU, SmolLM2 at 8k"). ``backend`` picks the CPU reader: ``"auto"``
+    (native when built), ``"torch"`` (the reference path), ``"native"``.
 
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).
-    On an H100 at 32k, batch 1 (BENCHMARKS "Session 8") it takes 0.056 ms (4-bit) / 0.047 ms
-    (2-bit) against bf16 SDPA's 0.052 ms over the dense cache: 0.93x / 1.10x, short of the 2.5x
-    the issue asks for (the unpacking and dequantization, not the bytes, bound it now).
+    On an H200 at 32k it runs at 0.99x (4-bit) / 0.90x (2-bit) the speed of bf16 SDPA over the
+    dense cache at batch 1, 1.12x / 1.04x at batch 8: the unpacking, not the bytes, binds it
+    (BENCHMARKS "Fused dequantize-attention decode kernel against bf16 SDPA on an H200 (Llama-3-8B
+    attention)"). A whole 2-bit decode step at 32k runs at 0.74x ``full``'s speed with 19% of its
+    cache, host-bound on kernel launches (BENCHMARKS "End-to-end decode on an H200 at 32k (random
+    Llama-3-8B-shaped weights, bf16, batch 1, budget 1024)").
     """
 
     bits: int = 2

@@ -43,15 +43,13 @@ class ZipCachePolicy(Policy):
       rounded to whole key groups (a flush may take none, a later one catches up).
 
     A 4-bit setting, ``bits_low=4, bits_high=8, salient_ratio=0.0625`` (5.41 bits per element
-    at 8k in fp16, everything counted), kept every needle ``full`` finds on SmolLM2 at 8k (29)
-    and 4k (32) with ``full``'s perplexity, where uniform 4-bit stores (``kivi``, ``gear``, this
-    policy at 4/4) lose some; 4k niah_multivalue 93.8% of ``full`` over 32 samples (BENCHMARKS.md
-    "Session 15"), 96.9% over 256 (sessions 22-30), short of the quantization issue's 98%, which
-    8-bit ``kivi`` reaches on the same samples (99.8%) and this setting with
-    ``refine_key_channels=8`` (below) too. Of twelve 4-bit settings (5.16-5.66 bits)
-    this one is the closest to ``full`` by teacher-forced KL along ``full``'s answers (1.7e-3
-    nats per step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
-    ``benchmarks/answer_kl.py``, BENCHMARKS.md "Session 31").
+    at 8k in fp16, everything counted), keeps every needle ``full`` finds on SmolLM2 at 8k (29)
+    and 4k (32) with ``full``'s perplexity, where uniform 4-bit ``kivi`` loses some, and 97.0% of
+    ``full``'s 4k niah_multivalue score over 256 samples (BENCHMARKS "4-bit `zipcache` against
+    `full`: bits, needles, perplexity, multivalue"). Of twelve 4-bit settings (5.16-5.66 bits)
+    it is the closest to ``full`` by teacher-forced KL along ``full``'s answers (1.7e-3 nats per
+    step; uniform 4/4 6.6e-3, twice the salient tokens 3.5e-3; 8-bit ``kivi`` 3.5e-5;
+    ``benchmarks/answer_kl.py``).
 
     ``rotate_values`` (default False): values stored in a Hadamard-rotated basis, the output
     rotated back (as ``kivi``'s option; the normaliser then sees evenly spread channels). On
@@ -59,7 +57,7 @@ class ZipCachePolicy(Policy):
     (``benchmarks/kv_quant_error.py``) but not the perturbation of the answers: the 4/8-bit
     setting above with it 1.9e-3 nats per step against 1.7e-3 without (lower on 3 of 8 samples,
     ``benchmarks/answer_kl.py``), perplexity 29.125 against 29.135; the 2/4-bit default loses
-    with it (perplexity 30.54 against 30.22; BENCHMARKS "Session 33 (CPU)"). Off by default.
+    with it (4k perplexity 30.54 against 30.22, ``kvpress eval --tasks ppl``). Off by default.
 
     ``refine_key_channels`` (default 0: off; a multiple of 8, at most head_dim, ``bits_low <= 4``)
     gives that many key channels of each KV head in the low-precision store twice the bits: the
@@ -68,23 +66,23 @@ class ZipCachePolicy(Policy):
     normaliser). Each is quantized at ``2 * bits_low`` bits and split into the ordinary codes
     (its high bits, readable by every reader of the format) and a second packed code with its own
     fp16 scale (`kvpress.kernels.quant_refine.quantize_refined_keys`); the torch path, the native CPU
-    decode step (in its one call) and the fused GPU kernel (tested under the Triton interpreter,
-    not yet run on a GPU) read both. Mixed precision across key channels is this library's
-    addition, not the paper's: on SmolLM2 an eighth of the key channels at 8 bits takes a third
-    of 4-bit keys' attention error off (``benchmarks/kv_quant_error.py``, ``kch8``), and along
-    ``full``'s 4k niah_multivalue answers ``bits_low=4, bits_high=8, salient_ratio=0.0625`` with 8
-    refined channels (5.67 bits) is half as far from ``full`` by teacher-forced KL (9.8e-4 against
-    1.7e-3 nats per step), with 16 (5.94 bits) 3.5x closer, where session 31's other ways to spend
-    a quarter bit (more salient tokens, finer value groups) were not closer at all
-    (``benchmarks/answer_kl.py``); with 8 refined channels that setting keeps 99.5% of ``full``'s
-    values over 256 4k niah_multivalue samples (paired with ``full``'s: 99.5% [96.3-102.5%]),
-    against 97.0% without, all 29 of ``full``'s 8k niah_single needles over samples 0-47 (26 of
-    27 on samples 48-95, 96.3% of ``full``'s score there; all 23 on samples 96-143; 78 of 79
-    over the 144) and 4k niah_single 32 of 32, and perplexity equal to ``full``'s at 4k and 8k
-    (BENCHMARKS "Session 39 (CPU)", "Session 40 (CPU)", "Session 42 (CPU)", "Session 43 (CPU)").
-    The second codes add 8% (8 channels) / 16% (16) to the native CPU decode call at 8k
+    decode step (in its one call) and the fused GPU kernel read both. Mixed precision across key
+    channels is this library's addition, not the paper's: on SmolLM2 an eighth of the key
+    channels at 8 bits takes a third of 4-bit keys' attention error off
+    (``benchmarks/kv_quant_error.py``, ``kch8``), and along ``full``'s 4k niah_multivalue answers
+    the 4/8-bit setting above with 8 refined channels (5.67 bits) is half as far from ``full`` by
+    teacher-forced KL (9.8e-4 against 1.7e-3 nats per step), with 16 (5.94 bits) 3.5x closer,
+    where other ways to spend a quarter bit (more salient tokens, finer value groups) are not
+    closer at all (``benchmarks/answer_kl.py``). With 8 refined channels (the ``zipcache-4bit``
+    preset) it keeps 99.5% of ``full``'s values over 256 4k niah_multivalue samples (paired 95%
+    interval 96.3-102.5%) against 97.0% without, all 32 4k niah_single needles and ``full``'s
+    perplexity at 4k and 8k (BENCHMARKS "4-bit `zipcache` against `full`: bits, needles,
+    perplexity, multivalue"), and 78 of ``full``'s 79 8k niah_single needles over 144 samples
+    (BENCHMARKS "`zipcache-4bit` on 8k niah_single over 144 samples"). The second codes add 8%
+    (8 channels) / 16% (16) to the native CPU decode call at 8k
     (``benchmarks/refine_attend_cpu.py``) and 4-5% to the attention's time per token, nothing
-    measurable to a whole decode step (``kvpress bench``).
+    measurable to a whole decode step (BENCHMARKS "4-bit `zipcache` with refined key channels:
+    decode on CPU, SmolLM2 at 8k, one thread").
 
     Assisted decoding (``crop``): with past recording on, a forward's flush waits for the crop;
     the crop puts the probes back as they were before the forward and lets the kept queries
@@ -97,11 +95,12 @@ class ZipCachePolicy(Policy):
     raises). On CPU a decode step is one call of `kvpress.kernels.native.quant_attend` (both
     stores, each with its own left padding, the value normaliser and the window under one
     softmax; ``backend="auto"``, ``"torch"`` the reference path): 1.22x ``full``'s decode speed
-    at 8k on one thread, 1.16x on two (BENCHMARKS "Session 19"; 1.11x / 1.00x when only the two
-    reads were native, session 18). On CUDA a decode step runs each store through the fused
-    dequantize-attention kernel (`kvpress.kernels.quant_decode`, as ``kivi``) and merges them with
-    the window (session 25; tested under the Triton interpreter against the torch path, not yet
-    timed on a GPU: session 8 measured the torch path at 816 ms per step on an 8B shape).
+    at 8k on one thread, 1.16x on two (BENCHMARKS "Quantized decode on CPU, SmolLM2 at 8k"). On
+    CUDA a decode step runs each store through the fused dequantize-attention kernel
+    (`kvpress.kernels.quant_decode`, as ``kivi``) and merges them with the window: with the
+    default settings 0.42x ``full``'s decode speed at 32k on an H200 with 19% of its cache,
+    host-bound on kernel launches (BENCHMARKS "End-to-end decode on an H200 at 32k (random Llama-3-8B-shaped weights,
+    bf16, batch 1, budget 1024)").
     """
 
     bits_high: int = 4
@@ -172,8 +171,8 @@ class ZipCacheLayer(QuantWindowLayer):
     log-sum-exp ``probe_lse`` fp32 (B, H_q, P), sequence indices ``probe_pos`` (a list of P ints)
     and ``probe_rand`` (P bools: random probe, kept while it can still see an unflushed token).
     The two lists live on the host, so choosing which probes to keep never waits for the device
-    (a device boolean mask would: session 43 profiled 4 synchronizations per layer and step on
-    CUDA); ``probe_pos_dev`` holds the same positions on the queries' device, for the saliency."""
+    (a device boolean mask would, several times per layer and step on CUDA); ``probe_pos_dev``
+    holds the same positions on the queries' device, for the saliency."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
     # Croppable (the flush waits for the crop, as for every quantized window): the probes are put

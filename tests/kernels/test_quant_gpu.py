@@ -111,8 +111,8 @@ def test_kivi_cuda_decode_matches_cpu_path():
 
 def test_zipcache_probe_bookkeeping_does_not_synchronize():
     """zipcache chooses the probes it keeps from host-side positions, so a decode step's probe
-    update and a flush's saliency never wait for the device (session 43 profiled 4 ``nonzero``
-    synchronizations per layer and step from a device boolean mask)."""
+    update and a flush's saliency never wait for the device (a device boolean mask would cost
+    ``nonzero`` synchronizations in every layer and step)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import kvpress

@@ -160,7 +160,7 @@ def test_kivi_value_groups_apart_from_key_groups(llama):
 
 def test_kivi_key_groups_need_not_divide_head_dim(llama):
     """Keys are grouped over tokens, so a key group longer than head_dim (16 here) is allowed
-    once the values have their own channel group; it used to be refused against head_dim."""
+    once the values have their own channel group (only the values' channel group must divide it)."""
     policy = kvpress.get_policy("kivi", bits=4, group_size=32, value_group_size=8, residual_length=16)
     sqnr, layer = _layer_run(llama, policy)
     assert layer.n_quant >= 160 and layer.n_quant % 32 == 0 and layer.vs.shape[-1] == 16 // 8
@@ -265,7 +265,7 @@ def test_rotated_values_spread_an_outlier_channel(llama, name):
     if name == "zipcache":
         # its channel normaliser (each channel divided by the square root of its largest magnitude)
         # already tames one synthetic outlier channel; rotated, the normaliser sees even channels.
-        # On SmolLM2 the rotation lowers its values' error too (BENCHMARKS "Session 33 (CPU)"); here only no harm.
+        # On SmolLM2 the rotation lowers its values' error too (benchmarks/kv_quant_error.py); here only no harm.
         assert rot > base - 1.5, (rot, base)
     else:
         assert rot > base + 0.5, (rot, base)
