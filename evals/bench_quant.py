@@ -9,7 +9,7 @@ H_q=32, H_kv=8, D=128)::
 
     python -m kvpress.evals.bench_quant kernel --device cuda --contexts 8k,32k,128k --bits 4,2 --out results/
 
-Target: 4-bit >= 2.5x faster than bf16 dense at 32k (the packed cache moves ~3.5x fewer bytes).
+A 4-bit cache moves ~3.5x fewer bytes than bf16, so a bandwidth-bound kernel could run up to ~3.5x faster at 32k.
 On a GPU each side rotates over copies of its inputs when they would fit in L2 (column
 ``copies``; `bench_kernels.copies_beyond_l2`), so small working sets are not timed from cache.
 CPU (torch backend, fp32 dense baseline, batch 1)::

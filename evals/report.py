@@ -6,7 +6,7 @@ every input length:
 
 - a *retention* table: one row per policy spec, one column per budget (or ``-`` for policies
   without one), each cell the *lowest* over the qualifying tasks of ``score / full's score`` —
-  the issues' "keeps >= X% of full's score on every task where full scores >= 0.5";
+  the question "does it keep >= X% of full's score on every task where full scores >= 0.5?";
   qualifying tasks are those where ``full`` averages at least ``--min-full`` at that length.
   Each ratio is taken on the samples the cell shares with ``full``, and is followed by its 95%
   paired bootstrap interval (``86.2% [72.4–100%]``: ``--bootstrap N`` resamples of those samples,
