@@ -1,4 +1,4 @@
-"""Every GPU test and benchmark of the project, in stages that fit a short lease of a GPU machine.
+"""Every GPU test and benchmark of the project, in stages that each fit in a few minutes of GPU time.
 
     pip install --no-deps --no-build-isolation -e .      # offline: uses the image's torch / triton / transformers
     python -m kvpress.evals.gpu_suite --out $OUT --stages env,tests,kernels            # ~10 minutes at most
