@@ -28,7 +28,6 @@ NOT_YET_STATIC = {
     "double_sparsity": "label scores, shortlist and top-k sized by host integers that change with the length; "
                        "the compiled CPU kernel is called through ctypes",
     "duo": "streaming heads' ring slot and retrieval heads' buffer length are host integers in tensor shapes",
-    "exact_topk": "top-k size and the selection index built from host lengths",
     "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "quest": "page count and the selected pages' index sized by host integers",
