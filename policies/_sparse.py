@@ -230,6 +230,19 @@ class PageStats:
         self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
         self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
 
+    def static_append(self, k: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
+                      capacity: int) -> None:
+        """Fold one decode key per row k [B, H_kv, 1, D] at the device position ``pos`` ([1] long)
+        into its page in place (a static decode step); the bounds hold every page of a
+        ``capacity``-token store."""
+        B, H, _, D = k.shape
+        self._ensure(B, H, D, -(-capacity // self.page_size), k)
+        rel = (pos if row_start is None else pos - row_start).expand(B)  # (B,) a decode token is real
+        at = (rel // self.page_size).view(B, 1, 1, 1).expand(B, H, 1, D)
+        kf = k.to(self.page_min.dtype)
+        self.page_min.scatter_reduce_(2, at, kf, "amin")
+        self.page_max.scatter_reduce_(2, at, kf, "amax")
+
     def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
         """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from
         index 0; a crop truncated the buffer): pages that held a removed token are folded again."""

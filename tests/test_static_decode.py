@@ -30,7 +30,6 @@ NOT_YET_STATIC = {
     "duo": "streaming heads' ring slot and retrieval heads' buffer length are host integers in tensor shapes",
     "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
-    "quest": "page count and the selected pages' index sized by host integers",
     "shadowkv": "host-tier fetch of the selected chunks issued from host ids",
     "snapkv": "free-slot bookkeeping on the host decides the write position",
     "tidal": "selection layers' top-k and index sized by host lengths",
