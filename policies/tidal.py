@@ -12,7 +12,8 @@ import torch
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import SelectiveLayer, check_budget, range_topk_index, select_pages
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, range_topk_index, select_pages, static_slots,
+                                      topk_mask)
 from kvpress.registry import Policy, check_choice, check_int, register_policy
 
 ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
@@ -210,6 +211,52 @@ class TidalLayer(SelectiveLayer):
             self.cache.step_shared["tidal_index"] = {}  # a new forward: the earlier ones' steps are done
         self.cache.step_shared["tidal_index"][self.seen] = index
         return out[:, :, None]
+
+    def static_select(self, q, scaling):
+        """The reusing layers attend what this step's selection layer chose (``cache.step_shared``)."""
+        visible = self.cache.step_shared.get("tidal_static")
+        if visible is None:
+            raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
+                               "layer must run first in the same forward")
+        return visible
+
+    def static_step(self, q, k_new, v_new, scaling):
+        if not self.selects:
+            return super().static_step(q, k_new, v_new, scaling)
+        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
+            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
+        plan = self.cache.plan
+        self.buffer.write_at(plan.start, k_new, v_new)
+        if self.tail is not None:
+            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
+        self.count_static_step()
+        out, visible = self._static_attend_and_select(q[:, :, 0], scaling)
+        self.cache.step_shared["tidal_static"] = visible
+        return out[:, :, None]
+
+    def _static_attend_and_select(self, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_attend_and_select` over the whole capacity (a static decode step): full attention of
+        q [B, H_q, D] -> [B, H_q, D] and the chosen slots, bool (B, H_kv, C). A row the budget covers
+        chooses every candidate, i.e. its reusing layers attend densely, as the eager step does."""
+        p = self.policy
+        B, H_q, D = q.shape
+        keys, values = self.buffer.k, self.buffer.v  # (B, H_kv, C, D)
+        H_kv, C = keys.shape[1], keys.shape[2]
+        end = self.cache.plan.end
+        slot, rel, real = static_slots(C, end, self.row_start, q.device)
+        logits = (q.reshape(B, H_kv, H_q // H_kv, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling
+        probs = torch.softmax(logits.masked_fill(~real[:, None, None, :], float("-inf")), dim=-1)  # (B, H_kv, G, C)
+        out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
+        sink, recent = rel < p.sink_tokens, slot[None, :] >= end - p.recent_tokens
+        candidates = (real & ~sink & ~recent).expand(B, C)  # (B, C)
+        if p.score_reduction == "softmax_max":
+            cand = candidates[:, None, None, :]
+            mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, C)
+        else:
+            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
+        chosen = topk_mask(self._share(scores), p.budget - p.sink_tokens - p.recent_tokens, candidates)
+        return out, (real & (sink | recent))[:, None, :] | chosen
 
     def _candidates(self, batch: int, device) -> torch.Tensor:
         """bool (B, T): selectable tokens ``[row_start + sinks, seen - recent)`` of each row."""

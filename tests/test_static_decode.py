@@ -32,7 +32,6 @@ NOT_YET_STATIC = {
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "shadowkv": "host-tier fetch of the selected chunks issued from host ids",
     "snapkv": "free-slot bookkeeping on the host decides the write position",
-    "tidal": "selection layers' top-k and index sized by host lengths",
     "zipcache": "probe bookkeeping and the window flush sized on the host; ctypes kernels",
 }
 
