@@ -415,13 +415,25 @@ def static_slots(capacity: int, end: torch.Tensor, row_start: torch.Tensor | Non
     return slot, rel, (rel >= 0) & (slot < end)[None, :]
 
 
-def topk_mask(scores: torch.Tensor, k: int, candidates: torch.Tensor, row_k: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def top_entries(scores: torch.Tensor, k: int, *, lowest_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the ``k`` largest entries along the last dim, largest first.
+
+    ``lowest_first``: equal scores rank by index, the lowest first (a stable sort), as the native
+    CPU kernels choose (`kvpress.kernels.native.label_select`); else ``torch.topk``'s order."""
+    if not lowest_first:
+        return torch.topk(scores, k, dim=-1)
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def topk_mask(scores: torch.Tensor, k: int, candidates: torch.Tensor, row_k: torch.Tensor | None = None, *,
+              lowest_first: bool = False) -> torch.Tensor:
     """bool mask of the top-``k`` candidates per (row, KV head): what :func:`select_pages` and
     `kvpress.kernels.select_topk` choose, as a mask over all of ``scores``' entries (fixed shape).
 
     ``scores`` float (B, H_kv, N), ``candidates`` bool (B or 1, N), ``row_k`` long (B,) a smaller
-    per-row limit. NaN / -inf scores of candidates rank below every finite one, as there.
+    per-row limit. NaN / -inf scores of candidates rank below every finite one, as there; ties as
+    :func:`top_entries` breaks them.
     """
     B, H, N = scores.shape
     k = min(k, N)
@@ -430,11 +442,11 @@ def topk_mask(scores: torch.Tensor, k: int, candidates: torch.Tensor, row_k: tor
     lowest = torch.finfo(torch.float32).min
     s = torch.nan_to_num(scores.float(), nan=lowest, neginf=lowest).clamp(min=lowest)
     s = s.masked_fill(~candidates[:, None, :], float("-inf"))
-    top = torch.topk(s, k, dim=-1)  # sorted: the first row_k of them are the top row_k
-    take = top.values > float("-inf")
+    values, indices = top_entries(s, k, lowest_first=lowest_first)  # sorted: the first row_k are the top row_k
+    take = values > float("-inf")
     if row_k is not None:
         take = take & (torch.arange(k, device=scores.device) < row_k[:, None, None])
-    return torch.zeros(B, H, N, dtype=torch.bool, device=scores.device).scatter_(2, top.indices, take)
+    return torch.zeros(B, H, N, dtype=torch.bool, device=scores.device).scatter_(2, indices, take)
 
 
 def static_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,

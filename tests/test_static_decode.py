@@ -25,8 +25,6 @@ PROMPT = 40
 
 # Policies whose decode step is not yet static, each with what stands in the way. The goal is none.
 NOT_YET_STATIC = {
-    "double_sparsity": "label scores, shortlist and top-k sized by host integers that change with the length; "
-                       "the compiled CPU kernel is called through ctypes",
     "duo": "streaming heads' ring slot and retrieval heads' buffer length are host integers in tensor shapes",
     "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
