@@ -78,6 +78,12 @@ class ChunkTail:
         chunks up to it are in use."""
         self.chunks = max(self.chunks, -(-length // self.chunk_size))
 
+    def reserve(self, capacity: int, like: torch.Tensor) -> None:
+        """Hold the sums of every chunk of a ``capacity``-token store ``like`` [B, H_kv, capacity, D],
+        so that a static decode step's sums keep their shape."""
+        B, H, _, D = like.shape
+        self._ensure(B, H, D, -(-capacity // self.chunk_size), like.device)
+
     def static_append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
                       capacity: int) -> None:
         """Add one decode token per row k / v [B, H_kv, 1, D] at the device position ``pos`` ([1]

@@ -99,6 +99,7 @@ class SelectiveLayer(DenseLayer):
         self.on_append(q_start, n)
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, self.row_start)
+        self.reserve_metadata()
         lengths = self.lengths()
         # several tokens, or any piece of an open prompt (a one-token last piece included), attend
         # as a prompt continuation
@@ -121,6 +122,12 @@ class SelectiveLayer(DenseLayer):
             self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
         self.count_static_step()
         return self.static_attend(q, self.static_select(q[:, :, 0], scaling), scaling)
+
+    def reserve_metadata(self) -> None:
+        """Size the per-token metadata for the buffer's capacity (after every store; cheap when it
+        is): the first static decode step then finds the shapes every later one has."""
+        if self.tail is not None:
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)
 
     def on_static_append(self, k_new: torch.Tensor, pos: torch.Tensor) -> None:
         """A static step stored ``k_new`` [B, H_kv, 1, D] at the device position ``pos`` [1]
@@ -166,6 +173,7 @@ class SelectiveLayer(DenseLayer):
         self.on_append(start, k.shape[2])
         if self.tail is not None:
             self.tail.append(k, v, start, self.row_start)
+        self.reserve_metadata()
 
     def state_tensors(self):
         return {**super().state_tensors(), **({} if self.tail is None else self.tail.state_tensors())}
@@ -242,6 +250,12 @@ class PageStats:
         kf = k.to(self.page_min.dtype)
         self.page_min.scatter_reduce_(2, at, kf, "amin")
         self.page_max.scatter_reduce_(2, at, kf, "amax")
+
+    def reserve(self, capacity: int, like: torch.Tensor) -> None:
+        """Hold the bounds of every page of a ``capacity``-token store ``like`` [B, H_kv, capacity, D]
+        (a static decode step's bounds then keep their shape)."""
+        B, H, _, D = like.shape
+        self._ensure(B, H, D, -(-capacity // self.page_size), like)
 
     def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
         """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from

@@ -268,6 +268,7 @@ class DoubleSparsityLayer(DenseLayer):
         self._append_labels(k)
         if self.tail is not None:
             self.tail.append(k, v, start, self.row_start)
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
 
     def after_truncate(self):
         self.label_len = self.buffer.length  # labels are per token, in the buffer's order
@@ -306,6 +307,7 @@ class DoubleSparsityLayer(DenseLayer):
         row_start = self.row_start
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, row_start)
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
         if q.shape[2] > 1 or self.cache.prompt_open or self._budget_covers(row_start):
             # prefill (full attention, as the paper), or every real token fits in the budget
             return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,

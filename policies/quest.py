@@ -122,6 +122,10 @@ class QuestLayer(SelectiveLayer):
         super().after_truncate()
         self.pages.truncate(self.buffer.keys, self.row_start, self.cache)
 
+    def reserve_metadata(self):
+        super().reserve_metadata()
+        self.pages.reserve(self.buffer.capacity, self.buffer.k)
+
     def on_static_append(self, k_new, pos):
         self.pages.static_append(k_new, pos, self.row_start, self.buffer.capacity)
 
