@@ -7,7 +7,9 @@ Small on purpose; other policies may import it:
     causal attention for prefill (and for any multi-token step), and for a one-token decode
     step asks the subclass for a :class:`~kvpress.kernels.SparseIndex` (:meth:`select`) and
     attends through :func:`kvpress.kernels.sparse_decode`. When the budget covers every row it
-    attends densely instead, so ``budget >= length`` is exactly ``full``.
+    attends densely instead, so ``budget >= length`` is exactly ``full``. A static decode step
+    (``plan.static``) makes the same choice over the whole capacity as a mask (:meth:`static_select`)
+    and attends it with one masked softmax; a row the budget covers then selects every candidate.
 ``PageStats``
     Per-page element-wise key min / max (Quest's metadata), updated incrementally on append.
     Pages are counted from each row's first real token, so a left-padded row pages exactly

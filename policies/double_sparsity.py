@@ -43,8 +43,11 @@ class DoubleSparsityPolicy(Policy):
 
     Prefill is full causal attention; the dense K/V cache stays resident (selection, not
     eviction). When ``budget`` covers every real token the step is plain dense attention, so
-    outputs equal ``full``. ``label_bits=4`` stores labels as 4-bit codes with a per-token
-    fp16 scale and zero point (the paper's 4-bit label cache); 16 keeps them in the model dtype.
+    outputs equal ``full``. The decode step is static (one ``torch.compile`` graph, `kvpress.plan`):
+    labels, scores, shortlist and top-k over the preallocated capacity as masks, pure torch,
+    equal scores ranking the earlier token first (as the native CPU selection).
+    ``label_bits=4`` stores labels as 4-bit codes with a per-token fp16 scale and zero point (the
+    paper's 4-bit label cache); 16 keeps them in the model dtype.
 
     Channels are ranked offline by the variance their score term carries across keys
     (``mean q_c^2 * var k_c``, see ``kvpress.policies._double_sparsity_calib``); a channel whose
@@ -250,7 +253,8 @@ class DoubleSparsityLayer(DenseLayer):
         if self.policy.label_bits == 16:
             parts = {"labels": (new.transpose(-1, -2), 3)}
         else:
-            parts = {name: (t, 2) for name, t in zip(("label_codes", "label_scale", "label_zero"), quantize_labels(new))}
+            names = ("label_codes", "label_scale", "label_zero")
+            parts = {name: (t, 2) for name, t in zip(names, quantize_labels(new))}
         for name, (store, t_dim) in self._label_stores(parts).items():
             store.index_copy_(t_dim, pos, parts[name][0].to(store.dtype))
 

@@ -81,6 +81,10 @@ class TidalPolicy(Policy):
     19 / 34 / 53 / 75%, but at 8k and budget 256 it answers 1 of
     ``full``'s 13 needles, as the default does.
 
+    The decode step is static (one ``torch.compile`` graph, `kvpress.plan`): the selection layer
+    attends and selects over the preallocated capacity and hands the reusing layers its choice as
+    a mask (``cache.step_shared``).
+
     Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
     tokens, ``recent_tokens`` most recent (the current token at least) and the top
     ``budget - sink_tokens - recent_tokens`` tokens in between. The whole cache stays resident;
