@@ -123,6 +123,10 @@ class SelectiveLayer(DenseLayer):
         if self.tail is not None:
             self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
         self.count_static_step()
+        return self.static_attend_step(q, scaling)
+
+    def static_attend_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The attention of a static step whose token is stored: q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
         return self.static_attend(q, self.static_select(q[:, :, 0], scaling), scaling)
 
     def reserve_metadata(self) -> None:

@@ -224,16 +224,9 @@ class TidalLayer(SelectiveLayer):
                                "layer must run first in the same forward")
         return visible
 
-    def static_step(self, q, k_new, v_new, scaling):
+    def static_attend_step(self, q, scaling):
         if not self.selects:
-            return super().static_step(q, k_new, v_new, scaling)
-        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
-            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
-        plan = self.cache.plan
-        self.buffer.write_at(plan.start, k_new, v_new)
-        if self.tail is not None:
-            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
-        self.count_static_step()
+            return super().static_attend_step(q, scaling)
         out, visible = self._static_attend_and_select(q[:, :, 0], scaling)
         self.cache.step_shared["tidal_static"] = visible
         return out[:, :, None]
