@@ -73,6 +73,67 @@ class ChunkTail:
         self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
         self.tail_count.scatter_add_(1, chunk, w)
 
+    def count_stored(self, length: int) -> None:
+        """The store holds ``length`` tokens (a static step's token, counted on the host afterwards):
+        chunks up to it are in use."""
+        self.chunks = max(self.chunks, -(-length // self.chunk_size))
+
+    def reserve(self, capacity: int, like: torch.Tensor) -> None:
+        """Hold the sums of every chunk of a ``capacity``-token store ``like`` [B, H_kv, capacity, D],
+        so that a static decode step's sums keep their shape."""
+        B, H, _, D = like.shape
+        self._ensure(B, H, D, -(-capacity // self.chunk_size), like.device)
+
+    def static_append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
+                      capacity: int) -> None:
+        """Add one decode token per row k / v [B, H_kv, 1, D] at the device position ``pos`` ([1]
+        long) without reading it on the host (a static decode step); the sums hold every chunk of a
+        ``capacity``-token store. The caller counts the token (:meth:`count_stored`)."""
+        B, H, _, D = k.shape
+        self._ensure(B, H, D, -(-capacity // self.chunk_size), k.device)
+        rel = (pos if row_start is None else pos - row_start).expand(B)  # (B,)
+        chunk = rel.clamp(min=0) // self.chunk_size
+        w = (rel >= self.skip).float()  # (B,)
+        at = chunk.view(B, 1, 1, 1).expand(B, H, 1, D)
+        self.tail_k_sum.scatter_add_(2, at, k.float() * w.view(B, 1, 1, 1))
+        self.tail_v_sum.scatter_add_(2, at, v.float() * w.view(B, 1, 1, 1))
+        self.tail_count.scatter_add_(1, chunk.view(B, 1), w.view(B, 1))
+
+    def static_attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
+                      scaling: float, row_start: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attend` for a static decode step: the exactly attended tokens are a mask.
+
+        q [B, H_q, 1, D]; k_cache / v_cache [B, H_kv, C, D]; ``visible`` bool (B, H_kv, C) marks the
+        attended slots (real tokens only). The chunk sums, less the attended tokens of each chunk,
+        stand for the rest; one fp32 softmax runs over both (the math of
+        `kvpress.kernels.sparse_decode_tail`, over the whole capacity). Returns [B, H_q, 1, D].
+        """
+        B, H_q, _, D = q.shape
+        H, C = k_cache.shape[1], k_cache.shape[2]
+        G, N = H_q // H, self.tail_k_sum.shape[2]
+        qg = q.float().view(B, H, G, D) * scaling
+        s = qg @ k_cache.float().transpose(-1, -2)  # (B, H_kv, G, C)
+        slot = torch.arange(C, device=q.device)
+        rel = slot[None, :] if row_start is None else slot[None, :] - row_start[:, None]  # (B or 1, C)
+        chunk = (rel.clamp(min=0) // self.chunk_size).clamp(max=N - 1).expand(B, C)
+        att = visible.float()  # (B, H_kv, C)
+        # the attended tokens' scores, counts and values per chunk, taken out of the chunk sums
+        at = chunk[:, None, None, :].expand(B, H, G, C)
+        removed_s = s.new_zeros(B, H, G, N).scatter_add_(3, at, s * att[:, :, None])
+        removed_n = att.new_zeros(B, H, N).scatter_add_(2, chunk[:, None, :].expand(B, H, C), att)
+        removed_v = att.new_zeros(B, H, N, D).scatter_add_(
+            2, chunk[:, None, :, None].expand(B, H, C, D), v_cache.float() * att[..., None])
+        n_rest = self.tail_count[:, None, :] - removed_n  # (B, H_kv, N)
+        inv = 1.0 / n_rest.clamp(min=1)
+        s_chunk = (qg @ self.tail_k_sum.transpose(-1, -2) - removed_s) * inv[:, :, None]  # (B, H_kv, G, N)
+        s_chunk = (s_chunk + n_rest.clamp(min=1).log()[:, :, None]).masked_fill((n_rest < 0.5)[:, :, None],
+                                                                              float("-inf"))
+        s_att = s.masked_fill(~visible[:, :, None], float("-inf"))
+        p = torch.softmax(torch.cat([s_att, s_chunk], dim=-1), dim=-1)  # (B, H_kv, G, C + N)
+        v_rest = (self.tail_v_sum - removed_v) * inv[..., None]  # (B, H_kv, N, D) mean of the rest
+        out = p[..., :C] @ v_cache.float() + p[..., C:] @ v_rest  # (B, H_kv, G, D)
+        return out.view(B, H_q, 1, D).to(q.dtype)
+
     def truncate(self, buffer: KVBuffer, row_start: torch.Tensor | None, cache) -> None:
         """Forget the tokens after the ``buffer``'s (a crop truncated it): the chunks that held a
         removed token are summed again from the kept keys / values."""

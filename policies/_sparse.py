@@ -7,7 +7,9 @@ Small on purpose; other policies may import it:
     causal attention for prefill (and for any multi-token step), and for a one-token decode
     step asks the subclass for a :class:`~kvpress.kernels.SparseIndex` (:meth:`select`) and
     attends through :func:`kvpress.kernels.sparse_decode`. When the budget covers every row it
-    attends densely instead, so ``budget >= length`` is exactly ``full``.
+    attends densely instead, so ``budget >= length`` is exactly ``full``. A static decode step
+    (``plan.static``) makes the same choice over the whole capacity as a mask (:meth:`static_select`)
+    and attends it with one masked softmax; a row the budget covers then selects every candidate.
 ``PageStats``
     Per-page element-wise key min / max (Quest's metadata), updated incrementally on append.
     Pages are counted from each row's first real token, so a left-padded row pages exactly
@@ -22,6 +24,9 @@ Small on purpose; other policies may import it:
 ``ChunkTail`` (defined in `kvpress.layers`, re-exported here)
     Running per-chunk key / value sums that estimate the attention of the tokens a step leaves
     out (``tail_chunk`` of the selection policies; `kvpress.kernels.sparse_decode_tail`).
+``static_slots`` / ``topk_mask`` / ``static_sparse_attention``
+    The static decode step (``plan.static``, a step traced by ``torch.compile``): the same
+    selection over the whole preallocated capacity as masks, so every step has the same shapes.
 
 Positions: the buffer stores sequence index ``i`` (left padding included) at slot ``i``; row
 ``b``'s real tokens are ``[row_start[b], seen)``, its relative position ``r = i - row_start[b]``.
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpress.attention import dense_causal_attention
+from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.layers import ChunkTail, DenseLayer
 from kvpress.kernels import SparseIndex, select_topk, sparse_decode, topk_ids
 
@@ -66,8 +71,17 @@ class SelectiveLayer(DenseLayer):
         """Index for one decode query ``q`` [B, H_q, D]; ``lengths`` [B] = real tokens per row."""
         raise NotImplementedError
 
+    def static_select(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Static decode step (the token is stored): bool (B, H_kv, C) of the capacity's slots that
+        query ``q`` [B, H_q, D] attends exactly, the same choice :meth:`select` makes, from device
+        tensors only (``self.cache.plan.end``, ``row_start``)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ contract
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static:
+            return self.static_step(q, k_new, v_new, scaling)
         q_start = self.seen
         n = k_new.shape[2]
         self.forward_start = q_start
@@ -80,11 +94,14 @@ class SelectiveLayer(DenseLayer):
         continuation) or when every row fits the budget, else one sparse decode step."""
         q_start = self.seen
         n = k_new.shape[2]
+        if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
+            self.buffer.reserve(self.cache.capacity, k_new, v_new)
         self.buffer.append(k_new, v_new)
         self.seen += n
         self.on_append(q_start, n)
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, self.row_start)
+        self.reserve_metadata()
         lengths = self.lengths()
         # several tokens, or any piece of an open prompt (a one-token last piece included), attend
         # as a prompt continuation
@@ -93,6 +110,46 @@ class SelectiveLayer(DenseLayer):
                 q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
             )
         return self.decode_step(q, scaling, lengths)
+
+    def static_step(self, q, k_new, v_new, scaling):
+        """One decode token at the plan's device position; the selection and the attention run over
+        the whole capacity as masks (no host length in any shape), so a compiled step keeps one graph.
+        Selects what the eager step selects: a row the budget covers selects every candidate."""
+        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
+            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
+        plan = self.cache.plan
+        self.buffer.write_at(plan.start, k_new, v_new)
+        self.on_static_append(k_new, plan.start)
+        if self.tail is not None:
+            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
+        self.count_static_step()
+        return self.static_attend_step(q, scaling)
+
+    def static_attend_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The attention of a static step whose token is stored: q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
+        return self.static_attend(q, self.static_select(q[:, :, 0], scaling), scaling)
+
+    def reserve_metadata(self) -> None:
+        """Size the per-token metadata for the buffer's capacity (after every store; cheap when it
+        is): the first static decode step then finds the shapes every later one has."""
+        if self.tail is not None:
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)
+
+    def on_static_append(self, k_new: torch.Tensor, pos: torch.Tensor) -> None:
+        """A static step stored ``k_new`` [B, H_kv, 1, D] at the device position ``pos`` [1]
+        (update metadata here, in place, without reading ``pos`` on the host)."""
+
+    def static_attend(self, q: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q [B, H_q, 1, D] over the slots ``visible`` (B, H_kv, C) marks (+ the tail estimate of the
+        rest); returns [B, H_q, 1, D]."""
+        if self.tail is not None:
+            return self.tail.static_attend(q, self.buffer.k, self.buffer.v, visible, scaling, self.row_start)
+        return static_sparse_attention(q, self.buffer.k, self.buffer.v, visible, scaling)
+
+    def count_tokens(self, n: int) -> None:
+        super().count_tokens(n)
+        if self.tail is not None:
+            self.tail.count_stored(self.seen)
 
     def decode_step(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> torch.Tensor:
         """One sparse decode step (the token is already stored): q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
@@ -122,6 +179,7 @@ class SelectiveLayer(DenseLayer):
         self.on_append(start, k.shape[2])
         if self.tail is not None:
             self.tail.append(k, v, start, self.row_start)
+        self.reserve_metadata()
 
     def state_tensors(self):
         return {**super().state_tensors(), **({} if self.tail is None else self.tail.state_tensors())}
@@ -185,6 +243,25 @@ class PageStats:
         mask = real[:, None, :, None]
         self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
         self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
+
+    def static_append(self, k: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
+                      capacity: int) -> None:
+        """Fold one decode key per row k [B, H_kv, 1, D] at the device position ``pos`` ([1] long)
+        into its page in place (a static decode step); the bounds hold every page of a
+        ``capacity``-token store."""
+        B, H, _, D = k.shape
+        self._ensure(B, H, D, -(-capacity // self.page_size), k)
+        rel = (pos if row_start is None else pos - row_start).expand(B)  # (B,) a decode token is real
+        at = (rel // self.page_size).view(B, 1, 1, 1).expand(B, H, 1, D)
+        kf = k.to(self.page_min.dtype)
+        self.page_min.scatter_reduce_(2, at, kf, "amin")
+        self.page_max.scatter_reduce_(2, at, kf, "amax")
+
+    def reserve(self, capacity: int, like: torch.Tensor) -> None:
+        """Hold the bounds of every page of a ``capacity``-token store ``like`` [B, H_kv, capacity, D]
+        (a static decode step's bounds then keep their shape)."""
+        B, H, _, D = like.shape
+        self._ensure(B, H, D, -(-capacity // self.page_size), like)
 
     def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
         """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from
@@ -344,3 +421,59 @@ def page_index(ids: torch.Tensor, count: torch.Tensor, page_size: int, seq_len: 
     tokens = torch.where(ids.repeat_interleave(page_size, dim=-1) >= 0, tokens, torch.full_like(tokens, -1))
     return SparseIndex(1, tokens.to(torch.int32), (count * page_size).to(torch.int32), lens, starts,
                        sinks, dense_tail)
+
+
+def static_slots(capacity: int, end: torch.Tensor, row_start: torch.Tensor | None, device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Slots of a static decode step: ``(slot, rel, real)``.
+
+    ``slot`` (C,) long: sequence index of each capacity slot; ``rel`` (B or 1, C) long: its position
+    relative to the row's first real token; ``real`` (B or 1, C) bool: slots holding a real token
+    (``0 <= rel`` and ``slot < end``, ``end`` the plan's [1] device tensor)."""
+    slot = torch.arange(capacity, device=device)
+    rel = slot[None, :] if row_start is None else slot[None, :] - row_start[:, None]
+    return slot, rel, (rel >= 0) & (slot < end)[None, :]
+
+
+def top_entries(scores: torch.Tensor, k: int, *, lowest_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the ``k`` largest entries along the last dim, largest first.
+
+    ``lowest_first``: equal scores rank by index, the lowest first (a stable sort), as the native
+    CPU kernels choose (`kvpress.kernels.native.label_select`); else ``torch.topk``'s order."""
+    if not lowest_first:
+        return torch.topk(scores, k, dim=-1)
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def topk_mask(scores: torch.Tensor, k: int, candidates: torch.Tensor, row_k: torch.Tensor | None = None, *,
+              lowest_first: bool = False) -> torch.Tensor:
+    """bool mask of the top-``k`` candidates per (row, KV head): what :func:`select_pages` and
+    `kvpress.kernels.select_topk` choose, as a mask over all of ``scores``' entries (fixed shape).
+
+    ``scores`` float (B, H_kv, N), ``candidates`` bool (B or 1, N), ``row_k`` long (B,) a smaller
+    per-row limit. NaN / -inf scores of candidates rank below every finite one, as there; ties as
+    :func:`top_entries` breaks them.
+    """
+    B, H, N = scores.shape
+    k = min(k, N)
+    if k == 0:
+        return torch.zeros(B, H, N, dtype=torch.bool, device=scores.device)
+    lowest = torch.finfo(torch.float32).min
+    s = torch.nan_to_num(scores.float(), nan=lowest, neginf=lowest).clamp(min=lowest)
+    s = s.masked_fill(~candidates[:, None, :], float("-inf"))
+    values, indices = top_entries(s, k, lowest_first=lowest_first)  # sorted: the first row_k are the top row_k
+    take = values > float("-inf")
+    if row_k is not None:
+        take = take & (torch.arange(k, device=scores.device) < row_k[:, None, None])
+    return torch.zeros(B, H, N, dtype=torch.bool, device=scores.device).scatter_(2, indices, take)
+
+
+def static_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """One query per head q [B, H_q, 1, D] over the slots of k / v [B, H_kv, C, D] that ``visible``
+    (B, H_kv, C) marks for each KV head (every row and head sees one at least); returns [B, H_q, 1, D]."""
+    B, H_q, _, D = q.shape
+    H = k.shape[1]
+    qg = q.view(B, H, H_q // H, 1, D)  # (B, H_kv, G, 1, D)
+    return masked_group_attention(qg, k, v, visible[:, :, None, :], scaling).view(B, H_q, 1, D)

@@ -9,12 +9,13 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.calibration import register_calibrator, shipped_artifact
-from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, sparse_decode, topk_ids
+from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, reduce_over_group, sparse_decode, topk_ids
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._double_sparsity_calib import synthetic_artifact  # noqa: F401  (re-exported)
 from kvpress.policies._double_sparsity_labels import dequantize_labels, quantize_labels
-from kvpress.policies._sparse import ChunkTail, range_index, token_topk_index
+from kvpress.policies._sparse import (ChunkTail, range_index, static_slots, static_sparse_attention,
+    token_topk_index, top_entries, topk_mask)
 from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 LABEL_BITS = (4, 16)
@@ -42,8 +43,11 @@ class DoubleSparsityPolicy(Policy):
 
     Prefill is full causal attention; the dense K/V cache stays resident (selection, not
     eviction). When ``budget`` covers every real token the step is plain dense attention, so
-    outputs equal ``full``. ``label_bits=4`` stores labels as 4-bit codes with a per-token
-    fp16 scale and zero point (the paper's 4-bit label cache); 16 keeps them in the model dtype.
+    outputs equal ``full``. The decode step is static (one ``torch.compile`` graph, `kvpress.plan`):
+    labels, scores, shortlist and top-k over the preallocated capacity as masks, pure torch,
+    equal scores ranking the earlier token first (as the native CPU selection).
+    ``label_bits=4`` stores labels as 4-bit codes with a per-token fp16 scale and zero point (the
+    paper's 4-bit label cache); 16 keeps them in the model dtype.
 
     Channels are ranked offline by the variance their score term carries across keys
     (``mean q_c^2 * var k_c``, see ``kvpress.policies._double_sparsity_calib``); a channel whose
@@ -220,18 +224,40 @@ class DoubleSparsityLayer(DenseLayer):
             parts = {"labels": (new.transpose(-1, -2), 3)}
         else:
             parts = {name: (t, 2) for name, t in zip(("label_codes", "label_scale", "label_zero"), quantize_labels(new))}
-        n, cap = new.shape[2], self.buffer.k.shape[2]
+        n = new.shape[2]
+        for name, (store, t_dim) in self._label_stores(parts).items():
+            store.narrow(t_dim, self.label_len, n).copy_(parts[name][0])
+        self.label_len += n
+
+    def _label_stores(self, parts: dict) -> dict:
+        """The label stores for ``parts`` (name -> (new labels, token dim)), grown to the K/V buffer's
+        capacity (zeroed: a static step scores every slot of the capacity, the unused ones masked)."""
+        cap = self.buffer.k.shape[2]
+        stores = {}
         for name, (part, t_dim) in parts.items():
             store = getattr(self, name)
             if store is None or store.shape[t_dim] < cap:
                 shape = list(part.shape)
                 shape[t_dim] = cap
-                grown = part.new_empty(shape)
+                grown = part.new_zeros(shape)
                 if store is not None:
                     grown.narrow(t_dim, 0, self.label_len).copy_(store.narrow(t_dim, 0, self.label_len))
                 setattr(self, name, grown)
-            getattr(self, name).narrow(t_dim, self.label_len, n).copy_(part)
-        self.label_len += n
+            stores[name] = (getattr(self, name), t_dim)
+        return stores
+
+    def _write_labels_at(self, k: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store the labels of one decode key per row k [B, H_kv, 1, D] at the device position ``pos``
+        ([1] long; a static step)."""
+        idx = self.channels[None, :, None, :].expand(k.shape[0], k.shape[1], 1, -1)
+        new = k.gather(-1, idx)  # (B, H_kv, 1, r)
+        if self.policy.label_bits == 16:
+            parts = {"labels": (new.transpose(-1, -2), 3)}
+        else:
+            names = ("label_codes", "label_scale", "label_zero")
+            parts = {name: (t, 2) for name, t in zip(names, quantize_labels(new))}
+        for name, (store, t_dim) in self._label_stores(parts).items():
+            store.index_copy_(t_dim, pos, parts[name][0].to(store.dtype))
 
     def label_view(self) -> torch.Tensor:
         """Labels of the stored tokens [B, H_kv, T, r] (a transposed view when 16-bit; de-quantized when 4-bit)."""
@@ -247,6 +273,7 @@ class DoubleSparsityLayer(DenseLayer):
         self._append_labels(k)
         if self.tail is not None:
             self.tail.append(k, v, start, self.row_start)
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
 
     def after_truncate(self):
         self.label_len = self.buffer.length  # labels are per token, in the buffer's order
@@ -271,20 +298,77 @@ class DoubleSparsityLayer(DenseLayer):
 
     # ------------------------------------------------------------------ attention
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static:
+            return self.static_step(q, k_new, v_new, scaling)
         if self.verifies_as_steps(k_new.shape[2]):  # (a new turn attends densely)
             return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         q_start = self.seen
+        if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
+            self.buffer.reserve(self.cache.capacity, k_new, v_new)
         self.buffer.append(k_new, v_new)
         self._append_labels(k_new)
         self.seen += k_new.shape[2]
         row_start = self.row_start
         if self.tail is not None:
             self.tail.append(k_new, v_new, q_start, row_start)
+            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
         if q.shape[2] > 1 or self.cache.prompt_open or self._budget_covers(row_start):
             # prefill (full attention, as the paper), or every real token fits in the budget
             return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
                                           q_start=q_start, row_start=row_start)
         return self._sparse_step(q, scaling, row_start)
+
+    def static_step(self, q, k_new, v_new, scaling):
+        """A decode step at the plan's device position, pure torch over the whole capacity (labels,
+        candidates, shortlist and top-k as masks; the eager step's selection), so a compiled step
+        keeps one graph. A row the budget covers selects every candidate: it attends densely."""
+        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
+            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
+        plan = self.cache.plan
+        self.buffer.write_at(plan.start, k_new, v_new)
+        self._write_labels_at(k_new, plan.start)
+        if self.tail is not None:
+            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
+        self.count_static_step()
+        visible = self._static_select(q[:, :, 0], scaling)  # (B, H_kv, C)
+        if self.tail is not None:
+            return self.tail.static_attend(q, self.buffer.k, self.buffer.v, visible, scaling, self.row_start)
+        return static_sparse_attention(q, self.buffer.k, self.buffer.v, visible, scaling)
+
+    def _static_select(self, q0: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`select` over the capacity: bool (B, H_kv, C) of the attended slots (sinks, window, top tokens)."""
+        p = self.policy
+        B, H_q, D = q0.shape
+        H, r = self.channels.shape
+        C = self.buffer.capacity
+        end = self.cache.plan.end
+        slot, rel, real = static_slots(C, end, self.row_start, q0.device)
+        sink, window = rel < p.sink_tokens, slot[None, :] >= end - p.window_size
+        candidates = (real & ~sink & ~window).expand(B, C)  # (B, C)
+        if p.label_bits == 16:
+            labels = self.labels[:, :, :, :C].transpose(-1, -2)  # (B, H_kv, C, r)
+        else:
+            labels = dequantize_labels(self.label_codes[:, :, :C], self.label_scale[:, :, :C],
+                                       self.label_zero[:, :, :C], r)
+        qg = q0.float().view(B, H, H_q // H, D) * scaling
+        q_sel = qg.gather(-1, self.channels[None, :, None, :].expand(B, H, H_q // H, r))  # (B, H_kv, G, r)
+        s = (q_sel @ labels.float().transpose(-1, -2)).reshape(B, H_q, C)
+        s = reduce_over_group(s, H, reduction=p.group_reduction, mask=candidates)  # (B, H_kv, C)
+        keep = p.budget - p.sink_tokens - p.window_size
+        # equal scores rank the earlier token first, as the native selection does (a query without
+        # signal in the label channels -- or at all -- ties every candidate)
+        if p.rerank > 1:  # exact scores of the shortlist (`_rerank`)
+            top, cand = top_entries(s, min(keep * p.rerank, C), lowest_first=True)
+            exact = self._shortlist_scores(q0, scaling, cand, ~torch.isfinite(top))
+            s = torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
+        return (real & (sink | window))[:, None, :] | topk_mask(s, keep, candidates, lowest_first=True)
+
+    def count_tokens(self, n: int) -> None:
+        super().count_tokens(n)
+        self.label_len += n
+        if self.tail is not None:
+            self.tail.count_stored(self.seen)
 
     def _budget_covers(self, row_start) -> bool:
         return self.seen - self.cache.min_row_start <= self.policy.budget

@@ -8,7 +8,7 @@ import torch
 
 from kvpress.layers import DenseLayer
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
-from kvpress.policies._sparse import SelectiveLayer, check_budget, token_topk_index
+from kvpress.policies._sparse import SelectiveLayer, check_budget, static_slots, token_topk_index, topk_mask
 from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 
@@ -29,7 +29,8 @@ class ExactTopKPolicy(Policy):
     nor memory; use it to tell a policy's estimation loss from the loss of the budget itself.
 
     Prefill is full causal attention; when ``budget`` covers every real token the step attends
-    densely, so outputs equal ``full``.
+    densely, so outputs equal ``full``. The decode step is static (``torch.compile`` captures it
+    as one graph, `kvpress.plan`), tail estimate included.
 
     Measured (SmolLM2-135M, CPU, greedy)::
 
@@ -126,3 +127,16 @@ class ExactTopKLayer(SelectiveLayer):
         return token_topk_index(scores_for, q.shape[0], self.seen, self.row_start, q.device,
                                 keep=p.budget - p.sink_tokens - p.window_size, sinks=p.sink_tokens,
                                 window=p.window_size)
+
+    def static_select(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        p = self.policy
+        keys = self.buffer.k  # (B, H_kv, C, D): the whole capacity
+        B, C = q.shape[0], keys.shape[2]
+        end = self.cache.plan.end
+        slot, rel, real = static_slots(C, end, self.row_start, q.device)
+        sink = rel < p.sink_tokens
+        window = slot[None, :] >= end - p.window_size
+        candidates = (real & ~sink & ~window).expand(B, C)  # (B, C)
+        scores = exact_scores(q, keys, scale=scaling, reduction=p.group_reduction, mask=candidates)  # (B, H_kv, C)
+        chosen = topk_mask(scores, p.budget - p.sink_tokens - p.window_size, candidates)
+        return (real & (sink | window))[:, None, :] | chosen  # (B, H_kv, C)

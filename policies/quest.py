@@ -9,7 +9,7 @@ import torch
 from kvpress.kernels import ALLOWED_BLOCK_SIZES, REDUCTIONS, SparseIndex, quest_scores
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import (PageStats, SelectiveLayer, check_budget, page_index, range_topk_index,
-                                      select_pages)
+                                      select_pages, static_slots, topk_mask)
 from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 
@@ -23,7 +23,8 @@ class QuestPolicy(Policy):
     element-wise min and max of its post-RoPE keys (updated incrementally as tokens arrive).
     At each decode step, ``sum_d max(q_d * min_d, q_d * max_d)`` upper-bounds ``q . k`` over the
     page; the top pages per KV head (GQA group reduced by softmax-then-max) are attended
-    exactly through ``kvpress.kernels.sparse_decode``. The whole cache stays resident.
+    exactly through ``kvpress.kernels.sparse_decode`` (a static decode step: the same choice as masks over
+    the capacity, `kvpress.plan`). The whole cache stays resident.
 
     Budget (tokens attended per KV head, all counted): ``sink_tokens`` first tokens, a dense
     tail of the most recent ``budget - sink_tokens - pages * page_size`` tokens (at least one
@@ -121,6 +122,37 @@ class QuestLayer(SelectiveLayer):
     def after_truncate(self):
         super().after_truncate()
         self.pages.truncate(self.buffer.keys, self.row_start, self.cache)
+
+    def reserve_metadata(self):
+        super().reserve_metadata()
+        self.pages.reserve(self.buffer.capacity, self.buffer.k)
+
+    def on_static_append(self, k_new, pos):
+        self.pages.static_append(k_new, pos, self.row_start, self.buffer.capacity)
+
+    def static_select(self, q, scaling):
+        """`_select_masked` over every page of the capacity: the candidates, the covered rows' larger
+        page count and the visible tokens come from the plan's device end."""
+        p = self.policy
+        size = p.page_size
+        B, C = q.shape[0], self.buffer.capacity
+        num_pages = -(-C // size)
+        slot, rel, real = static_slots(C, self.cache.plan.end, self.row_start, q.device)
+        lengths = (self.cache.plan.end - (0 if self.row_start is None else self.row_start)).expand(B)  # (B,)
+        j = torch.arange(num_pages, device=q.device)[None, :]  # (1, P) relative page ids
+        tail_start = (lengths - p.dense_tail)[:, None]  # (B, 1) relative
+        inside = (j * size >= p.sink_tokens) & ((j + 1) * size <= tail_start)
+        touching = ((j + 1) * size > p.sink_tokens) & (j * size < tail_start)
+        covered = lengths <= self.budget  # (B,)
+        candidates = torch.where(covered[:, None], touching, inside)  # (B, P)
+        scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
+                              scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, P)
+        k = max(p.selected_pages, -(-self.budget // size))
+        chosen = topk_mask(scores, k, candidates, torch.where(covered, k, p.selected_pages))  # (B, H_kv, P)
+        page = (rel.clamp(min=0) // size).clamp(max=num_pages - 1).expand(B, C)  # (B, C) each slot's page
+        in_chosen = torch.gather(chosen, 2, page[:, None, :].expand(chosen.shape[0], chosen.shape[1], C))
+        always = (rel < p.sink_tokens) | (slot[None, :] >= self.cache.plan.end - p.dense_tail)
+        return real[:, None, :] & (always[:, None, :] | in_chosen)  # (B, H_kv, C)
 
     def select(self, q, scaling, lengths):
         p = self.policy

@@ -12,7 +12,8 @@ import torch
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import SelectiveLayer, check_budget, range_topk_index, select_pages
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, range_topk_index, select_pages, static_slots,
+                                      topk_mask)
 from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
 ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
@@ -79,6 +80,10 @@ class TidalPolicy(Policy):
     84 / 97% of ``full``'s needles at budgets 128 / 256 / 512 / 1024 against the default's
     19 / 34 / 53 / 75%, but at 8k and budget 256 it answers 1 of
     ``full``'s 13 needles, as the default does.
+
+    The decode step is static (one ``torch.compile`` graph, `kvpress.plan`): the selection layer
+    attends and selects over the preallocated capacity and hands the reusing layers its choice as
+    a mask (``cache.step_shared``).
 
     Budget (tokens attended per KV head in the sparse layers, all counted): ``sink_tokens`` first
     tokens, ``recent_tokens`` most recent (the current token at least) and the top
@@ -212,6 +217,45 @@ class TidalLayer(SelectiveLayer):
             self.cache.step_shared["tidal_index"] = {}  # a new forward: the earlier ones' steps are done
         self.cache.step_shared["tidal_index"][self.seen] = index
         return out[:, :, None]
+
+    def static_select(self, q, scaling):
+        """The reusing layers attend what this step's selection layer chose (``cache.step_shared``)."""
+        visible = self.cache.step_shared.get("tidal_static")
+        if visible is None:
+            raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
+                               "layer must run first in the same forward")
+        return visible
+
+    def static_attend_step(self, q, scaling):
+        if not self.selects:
+            return super().static_attend_step(q, scaling)
+        out, visible = self._static_attend_and_select(q[:, :, 0], scaling)
+        self.cache.step_shared["tidal_static"] = visible
+        return out[:, :, None]
+
+    def _static_attend_and_select(self, q: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_attend_and_select` over the whole capacity (a static decode step): full attention of
+        q [B, H_q, D] -> [B, H_q, D] and the chosen slots, bool (B, H_kv, C). A row the budget covers
+        chooses every candidate, i.e. its reusing layers attend densely, as the eager step does."""
+        p = self.policy
+        B, H_q, D = q.shape
+        keys, values = self.buffer.k, self.buffer.v  # (B, H_kv, C, D)
+        H_kv, C = keys.shape[1], keys.shape[2]
+        end = self.cache.plan.end
+        slot, rel, real = static_slots(C, end, self.row_start, q.device)
+        logits = (q.reshape(B, H_kv, H_q // H_kv, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling
+        probs = torch.softmax(logits.masked_fill(~real[:, None, None, :], float("-inf")), dim=-1)  # (B, H_kv, G, C)
+        out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
+        sink, recent = rel < p.sink_tokens, slot[None, :] >= end - p.recent_tokens
+        candidates = (real & ~sink & ~recent).expand(B, C)  # (B, C)
+        if p.score_reduction == "softmax_max":
+            cand = candidates[:, None, None, :]
+            mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+            scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, C)
+        else:
+            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
+        chosen = topk_mask(self._share(scores), p.budget - p.sink_tokens - p.recent_tokens, candidates)
+        return out, (real & (sink | recent))[:, None, :] | chosen
 
     def _candidates(self, batch: int, device) -> torch.Tensor:
         """bool (B, T): selectable tokens ``[row_start + sinks, seen - recent)`` of each row."""

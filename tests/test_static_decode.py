@@ -25,14 +25,9 @@ PROMPT = 40
 
 # Policies whose decode step is not yet static, each with what stands in the way. The goal is none.
 NOT_YET_STATIC = {
-    "double_sparsity": "label scores, shortlist and top-k sized by host integers that change with the length; "
-                       "the compiled CPU kernel is called through ctypes",
-    "exact_topk": "top-k size and the selection index built from host lengths",
     "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
-    "quest": "page count and the selected pages' index sized by host integers",
     "shadowkv": "host-tier fetch of the selected chunks issued from host ids",
-    "tidal": "selection layers' top-k and index sized by host lengths",
     "zipcache": "probe bookkeeping and the window flush sized on the host; ctypes kernels",
 }
 
