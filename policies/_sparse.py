@@ -56,6 +56,8 @@ class SelectiveLayer(DenseLayer):
         estimate of the tokens left out, from ``n``-token chunk means.
     """
 
+    static_decode = True  # every selection decodes statically when traced (`static_select`)
+
     def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
         self.budget = budget

@@ -194,6 +194,8 @@ class DoubleSparsityLayer(DenseLayer):
     ``label_zero`` [B, H_kv, T, 1] (fp16).
     """
 
+    static_decode = True  # labels, shortlist and top-k as masks over the capacity when traced
+
     def __init__(self, cache, layer_idx, policy: DoubleSparsityPolicy, channels: torch.Tensor):
         super().__init__(cache, layer_idx)
         self.policy = policy
