@@ -122,3 +122,34 @@ def test_outgrowing_the_planned_capacity_grows_to_the_next_bucket(models):
     assert stored == PROMPT + steps - 1 and capacity >= stored > planned
     buckets = len({capacity_bucket(n) for n in range(planned, capacity + 1)})
     assert counter.frame_count <= 2 * buckets, (counter.frame_count, buckets)
+
+
+@pytest.mark.parametrize("name", sorted(set(list_policies()) - set(NOT_YET_STATIC)))
+def test_generate_takes_transformers_compiled_decode(models, name):
+    """``model.generate`` under ``apply`` with a compile config (forced on CPU) runs transformers' own
+    compiled decode on a left-padded batch: the tokens equal eager generation's, at most two graphs,
+    and none takes an integer input (the host counts are advanced outside the graph), which is what a
+    CUDA graph needs to be replayed rather than re-recorded every step."""
+    from transformers import CompileConfig
+
+    model = models["llama"]
+    policy = policy_class(name).example(get_adapter(model))
+    long, short = random_ids(30, seed=1), random_ids(18, seed=2)
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 12, dtype=torch.long), short], 1)])
+    mask = (ids != 0).long()
+    mask[0] = 1
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.name for n in gm.graph.nodes
+                       if n.op == "placeholder" and not isinstance(n.meta.get("example_value"), torch.Tensor)])
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, disable_compile=True)
+        compiled = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, compile_config=config)
+    assert torch.equal(compiled, eager)
+    assert 1 <= len(graphs) <= 2 and not any(graphs), graphs
