@@ -8,6 +8,17 @@ import torch
 from .plan import capacity_bucket, static_address
 
 
+def doubled_slots(tokens: int, limit: int, step: int = 128) -> int:
+    """Slots of storage that holds at most ``limit`` tokens, for ``tokens`` of them: ``step`` doubled
+    until they fit, at most ``limit`` (a bounded part that grows with the tokens actually seen)."""
+    if tokens >= limit:
+        return limit
+    slots = step
+    while slots < tokens:
+        slots *= 2
+    return min(slots, limit)
+
+
 class KVBuffer:
     """Append-only K/V storage [B, H_kv, capacity, D] that grows in buckets.
 

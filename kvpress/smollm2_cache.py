@@ -81,17 +81,5 @@ SMOLLM2 = GgufModel(
 
 
 def smollm2_cache_dir(rebuild: bool = False) -> Path:
-    """Return the validated SmolLM2 cache folder, converting the GGUF if needed.
-
-    Parameters
-    ----------
-    rebuild : bool, optional
-        Force a fresh conversion from the GGUF even if a valid cache exists.
-
-    Returns
-    -------
-    pathlib.Path
-        Folder holding ``model.safetensors``, ``config.json``, the tokenizer
-        files and ``kvpress_probe.json``.
-    """
+    """SmolLM2's validated cache folder (:func:`kvpress.model_cache.cache_dir` of :data:`SMOLLM2`)."""
     return cache_dir(SMOLLM2, rebuild=rebuild)

@@ -14,6 +14,7 @@ import torch
 
 from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
                         streaming_attention, whole_cache_index)
+from .buffers import doubled_slots
 from .cache import RecordingLayer
 from .plan import static_address
 from .chunk_tail import ChunkTail
@@ -41,12 +42,7 @@ def slot_index(visible: torch.Tensor, kv_heads: int, all_visible: bool = False) 
 def _grown(tokens: int, limit: int) -> int:
     """Slots of a part holding at most ``limit`` for ``tokens`` tokens: ``RING_STEP`` doubled until
     they fit, at most ``limit``."""
-    if tokens >= limit:
-        return limit
-    slots = RING_STEP
-    while slots < tokens:
-        slots *= 2
-    return min(slots, limit)
+    return doubled_slots(tokens, limit, RING_STEP)
 
 
 class SinkWindowLayer(RecordingLayer):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpress.buffers import doubled_slots
+
 GROW = 256  # packed stores grow in steps of this many tokens
 WINDOW_STEP = 128  # the fewest window slots a layer allocates; they double up to its limit
 
@@ -27,12 +29,7 @@ def window_slots(tokens: int, limit: int) -> int:
     """Window slots for ``tokens`` tokens: ``WINDOW_STEP`` doubled until they fit, at most ``limit``
     (``residual_length + flush_unit``, the most a window holds between flushes); ``tokens`` itself
     beyond ``limit`` (a long prompt's tokens wait in the window for their flush)."""
-    if tokens >= limit:
-        return tokens
-    slots = WINDOW_STEP
-    while slots < tokens:
-        slots *= 2
-    return min(slots, limit)
+    return tokens if tokens >= limit else doubled_slots(tokens, limit, WINDOW_STEP)
 
 
 def resized(buf: torch.Tensor | None, length: int, slots: int, like: torch.Tensor) -> torch.Tensor:
