@@ -39,12 +39,13 @@ class KVBuffer:
     def capacity(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def reserve(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        """Make room for ``tokens`` tokens in all (rounded up to a bucket); ``like_k`` / ``like_v``
-        give the batch, heads, head size, dtype and device of a first allocation."""
+    def reserve(self, tokens: int, like_k: torch.Tensor, like_v: torch.Tensor, exact: bool = False) -> None:
+        """Make room for ``tokens`` tokens in all: rounded up to a bucket while growing, or, with
+        ``exact`` (a planned capacity, already a multiple of ``grow``), just that; ``like_k`` /
+        ``like_v`` give the batch, heads, head size, dtype and device of a first allocation."""
         if tokens <= self.capacity:
             return
-        cap = capacity_bucket(tokens, self.grow)
+        cap = -(-tokens // self.grow) * self.grow if exact else capacity_bucket(tokens, self.grow)
         if self.k is None:
             # Zeroed, not empty: masked kernels multiply unused slots by 0, and 0 * NaN is NaN.
             self.k = like_k.new_zeros(like_k.shape[0], like_k.shape[1], cap, like_k.shape[3])

@@ -35,7 +35,7 @@ class DenseLayer(CacheLayer):
             return self.static_step(q, k_new, v_new, scaling)
         q_start = self.seen
         if self.buffer.k is None and self.cache.capacity:
-            self.buffer.reserve(self.cache.capacity, k_new, v_new)
+            self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
         self.buffer.append(k_new, v_new)
         self.seen += k_new.shape[2]
         return dense_causal_attention(
@@ -61,7 +61,7 @@ class DenseLayer(CacheLayer):
         if not self.is_initialized:
             self.lazy_initialization(k, v)
         if self.buffer.k is None and self.cache.capacity:
-            self.buffer.reserve(self.cache.capacity, k, v)
+            self.buffer.reserve(self.cache.capacity, k, v, exact=True)
         self.buffer.append(k, v)
         self.seen += k.shape[2]
 

@@ -13,7 +13,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import _tokens_to_remove
-from .plan import ForwardKind, ForwardPlan, capacity_bucket, classify, static_address
+from .plan import ForwardKind, ForwardPlan, classify, static_address
+
+PLAN_STEP = 128  # a planned capacity is a multiple of this (the slack is under PLAN_STEP tokens)
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
@@ -86,12 +88,12 @@ class PolicyCache(Cache):
 
     def plan_capacity(self, total_tokens: int) -> int:
         """Preallocate for ``total_tokens`` (prompt + new tokens; ``generate`` under ``apply`` calls
-        this with its ``max_length``), rounded up to a bucket (:func:`kvpress.plan.capacity_bucket`).
-        Layers with static decode size their buffers to it when they first store, so decode steps
-        write in place and keep one shape; a cache that outgrows it grows to the next bucket."""
+        this with its ``max_length``), rounded up to a multiple of 128. Layers with static decode
+        size their buffers to it when they first store, so decode steps write in place and keep one
+        shape; a cache that outgrows it grows to the next bucket (:func:`kvpress.plan.capacity_bucket`)."""
         if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 1:
             raise ValueError(f"plan_capacity takes a positive number of tokens, got {total_tokens!r}")
-        self.capacity = capacity_bucket(total_tokens)
+        self.capacity = -(-total_tokens // PLAN_STEP) * PLAN_STEP
         return self.capacity
 
     def sync_positions(self, device: torch.device | str | None = None) -> None:

@@ -97,7 +97,7 @@ class SelectiveLayer(DenseLayer):
         q_start = self.seen
         n = k_new.shape[2]
         if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
-            self.buffer.reserve(self.cache.capacity, k_new, v_new)
+            self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
         self.buffer.append(k_new, v_new)
         self.seen += n
         self.on_append(q_start, n)

@@ -307,7 +307,7 @@ class DoubleSparsityLayer(DenseLayer):
             return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         q_start = self.seen
         if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
-            self.buffer.reserve(self.cache.capacity, k_new, v_new)
+            self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
         self.buffer.append(k_new, v_new)
         self._append_labels(k_new)
         self.seen += k_new.shape[2]

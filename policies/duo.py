@@ -380,7 +380,8 @@ class DuoLayer(CacheLayer):
         """Size the retrieval buffer to the planned capacity on its first store (static steps then
         write in place)."""
         if self.dense.k is None and self.cache.capacity:
-            self.dense.reserve(self.cache.capacity, k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
+            self.dense.reserve(self.cache.capacity, k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]),
+                               exact=True)
 
     def _static_step(self, q, k_new, v_new, scaling, plan):
         """One decode token of both head kinds at the plan's device position (fixed shapes)."""
