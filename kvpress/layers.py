@@ -45,13 +45,19 @@ class DenseLayer(CacheLayer):
     def static_step(self, q, k_new, v_new, scaling):
         """One decode token at the plan's device position, attended over the whole capacity (the
         slots past the position masked): the same shapes every step of a capacity bucket."""
-        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
-            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
-        plan = self.cache.plan
-        self.buffer.write_at(plan.start, k_new, v_new)
+        plan = self.static_write(k_new, v_new)
         self.count_static_step()
         return static_decode_attention(q, self.buffer.k, self.buffer.v, scaling, end=plan.end,
                                        row_start=self.row_start)
+
+    def static_write(self, k_new, v_new):
+        """A static step's store: the token at the plan's device position (the buffer grows to the
+        next bucket first if it is full: a new shape). Returns the plan."""
+        if self.buffer.length + 1 > self.buffer.capacity:
+            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
+        plan = self.cache.plan
+        self.buffer.write_at(plan.start, k_new, v_new)
+        return plan
 
     def count_tokens(self, n: int) -> None:
         self.seen += n

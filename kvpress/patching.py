@@ -272,15 +272,16 @@ def _inputs_keep_padding_mask(prepare):
     carries no left padding for kvpress (it builds its own masks). A decode step gets no mask at
     all: the cache knows the rows' padding from the prompt, and a mask that grows by a column every
     step would give a compiled step a new input shape every step."""
-    params = inspect.signature(prepare).parameters
+    signature = inspect.signature(prepare)  # once: binding per step is cheap, building it is not
+    takes_mask = "attention_mask" in signature.parameters
 
     def wrapped(*args, **kwargs):
         inputs = prepare(*args, **kwargs)
         cache = inputs.get("cache", inputs.get("past_key_values"))
-        if not isinstance(cache, PolicyCache) or "attention_mask" not in params:
+        if not isinstance(cache, PolicyCache) or not takes_mask:
             return inputs
-        bound = inspect.signature(prepare).bind_partial(*args, **kwargs).arguments
-        mask = bound.get("attention_mask")
+        mask = kwargs["attention_mask"] if "attention_mask" in kwargs else \
+            signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
         tokens = inputs.get("input_ids")
         if tokens is None:
             tokens = inputs.get("inputs_embeds")

@@ -226,8 +226,8 @@ class PolicyCache(Cache):
         captured as one graph.
         """
         seen = self.get_seq_length()
-        kind = classify(seen=seen, new_tokens=new_tokens, prompt_open=self.prompt_open,
-                        recording=any(layer.record_past for layer in self.layers))
+        recording = new_tokens > 1 and seen > 0 and any(layer.record_past for layer in self.layers)
+        kind = classify(seen=seen, new_tokens=new_tokens, prompt_open=self.prompt_open, recording=recording)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(

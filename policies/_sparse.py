@@ -117,10 +117,7 @@ class SelectiveLayer(DenseLayer):
         """One decode token at the plan's device position; the selection and the attention run over
         the whole capacity as masks (no host length in any shape), so a compiled step keeps one graph.
         Selects what the eager step selects: a row the budget covers selects every candidate."""
-        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
-            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
-        plan = self.cache.plan
-        self.buffer.write_at(plan.start, k_new, v_new)
+        plan = self.static_write(k_new, v_new)
         self.on_static_append(k_new, plan.start)
         if self.tail is not None:
             self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)

@@ -325,10 +325,7 @@ class DoubleSparsityLayer(DenseLayer):
         """A decode step at the plan's device position, pure torch over the whole capacity (labels,
         candidates, shortlist and top-k as masks; the eager step's selection), so a compiled step
         keeps one graph. A row the budget covers selects every candidate: it attends densely."""
-        if self.buffer.length + 1 > self.buffer.capacity:  # outgrown: the next bucket (a new shape)
-            self.buffer.reserve(self.buffer.length + 1, k_new, v_new)
-        plan = self.cache.plan
-        self.buffer.write_at(plan.start, k_new, v_new)
+        plan = self.static_write(k_new, v_new)
         self._write_labels_at(k_new, plan.start)
         if self.tail is not None:
             self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
