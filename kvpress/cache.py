@@ -47,6 +47,11 @@ class CacheLayer(CacheLayerMixin):
     # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
     # device positions over buffers sized in advance, so ``torch.compile`` captures it as one graph
     static_decode = False
+    # True when a verification (``ForwardKind.VERIFY``: several tokens while the cache records its past)
+    # must attend as one-token decode steps would, because the layer's multi-token forward sees more
+    # than its decode steps do (a dense continuation). The core then hands the layer each token under
+    # a DECODE plan of its own (``PolicyCache.attend``), so prompt lookup keeps plain greedy's tokens
+    verify_as_steps = False
 
     def __init__(self, cache: "PolicyCache", layer_idx: int):
         super().__init__()
@@ -145,16 +150,15 @@ class CacheLayer(CacheLayerMixin):
         """Called before each forward's new tokens ``k``/``v`` are stored while ``record_past`` is on."""
 
     def verifies_as_steps(self, n_new: int) -> bool:
-        """Whether a forward of ``n_new`` tokens is assisted decoding's verification: several tokens
-        after the prompt while past recording is on. Layers whose multi-token forward would attend
-        more than their decode steps do (a dense continuation) run it as steps instead
-        (:meth:`attend_as_steps`), so prompt lookup keeps plain decoding's tokens; without past
-        recording (a new turn) they keep attending it as a prompt continuation."""
+        """Whether a forward of ``n_new`` tokens is assisted decoding's verification (several tokens
+        after the prompt while past recording is on). For layers that run a verification themselves;
+        a layer whose verification equals decode steps declares ``verify_as_steps`` instead."""
         return n_new > 1 and self.seen > 0 and self.record_past and not self.cache.prompt_open
 
     @staticmethod
     def attend_as_steps(step, q, k_new, v_new, scaling) -> torch.Tensor:
-        """``step`` (an ``attend`` of one token) for each new token in order; outputs concatenated."""
+        """``step`` (an ``attend`` of one token) for each new token in order; outputs concatenated.
+        (The plan stays the forward's: ``verify_as_steps`` layers get DECODE plans from the core.)"""
         return torch.cat([step(q[:, :, t:t + 1], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1], scaling)
                           for t in range(k_new.shape[2])], dim=2)
 

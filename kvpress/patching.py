@@ -98,7 +98,7 @@ def kvpress_attention(module, query, key, value, attention_mask, scaling=None, d
     else:
         layer = cache.layers[module.layer_idx]
         k_new, v_new = layer.take_pending()
-        out = layer.attend(query, k_new, v_new, scaling)
+        out = cache.attend(layer, query, k_new, v_new, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -23,7 +23,7 @@ that changes every step (which would make every step a new graph).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,10 +55,22 @@ class ForwardPlan:
     # the caller advances the host counts after the step (``PolicyCache.count_deferred``): a compiled
     # step then reads and writes no host integer at all
     defer_counts: bool = False
+    # a DECODE plan the core made for one token of a VERIFY forward run as steps: the token's index in
+    # that forward (0 for every other plan)
+    step: int = 0
+    _steps: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_decode(self) -> bool:
         return self.kind is ForwardKind.DECODE
+
+    def decode_steps(self) -> list["ForwardPlan"]:
+        """One DECODE plan per token of this forward, in order (made once, shared by the layers that
+        attend a verification as steps: :meth:`kvpress.cache.PolicyCache.attend`)."""
+        if self._steps is None:
+            self._steps = [ForwardPlan(ForwardKind.DECODE, 1, self.start + t, self.start + t + 1, step=t)
+                           for t in range(self.new_tokens)]
+        return self._steps
 
 
 def classify(*, seen: int, new_tokens: int, prompt_open: bool, recording: bool) -> ForwardKind:

@@ -70,6 +70,27 @@ class PolicyCache(Cache):
             )
         return self.layers[layer_idx].update(key_states, value_states)
 
+    def attend(self, layer, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Run ``layer.attend`` for the forward in flight (the attention function calls this with the
+        layer's pending keys / values; a layer made of layers calls it for its parts).
+
+        A verification (``ForwardKind.VERIFY``) of a layer that declares ``verify_as_steps`` runs as
+        one-token decode steps: the layer sees each token alone under a DECODE plan of its own
+        (``plan.step`` its index in the forward), so it only ever handles the kinds it knows and
+        assisted decoding keeps plain decoding's tokens.
+        """
+        plan = self.plan
+        if plan is None or plan.kind is not ForwardKind.VERIFY or not layer.verify_as_steps:
+            return layer.attend(q, k_new, v_new, scaling)
+        outs = []
+        try:
+            for t, step in enumerate(plan.decode_steps()):
+                self.plan = step
+                outs.append(layer.attend(q[:, :, t:t + 1], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1], scaling))
+        finally:
+            self.plan = plan
+        return torch.cat(outs, dim=2)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
 

@@ -106,6 +106,8 @@ class SinkWindowLayer(RecordingLayer):
         if tail_chunk and (rerotate or not dense_prefill or tail_chunk < 0):
             raise ValueError(f"tail_chunk={tail_chunk!r} needs dense_prefill=True, rerotate=False and must be >= 0")
         self.tail = ChunkTail(tail_chunk, skip=sinks) if tail_chunk else None
+        # a dense-prefill chunk would let a verification's queries see its earlier tokens beyond the window
+        self.verify_as_steps = dense_prefill
         self.sinks = sinks
         self.window = window
         self._ring_at = 0  # S: the sink slots allocated (sinks, once that many tokens were seen)
@@ -187,10 +189,7 @@ class SinkWindowLayer(RecordingLayer):
             self.seen += n_new
             return out
         row_start = self._row_start(batch, k_new.device)
-        if self.dense_prefill and self.verifies_as_steps(n_new):
-            # (a dense-prefill chunk would let its queries see its earlier tokens beyond the window)
-            return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
-        elif self.dense_prefill:
+        if self.dense_prefill:
             return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
         else:
             out = streaming_attention(

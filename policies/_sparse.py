@@ -57,6 +57,7 @@ class SelectiveLayer(DenseLayer):
     """
 
     static_decode = True  # every selection decodes statically when traced (`static_select`)
+    verify_as_steps = True  # a verification selects per token as decode does (a new turn attends densely)
 
     def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
@@ -85,16 +86,7 @@ class SelectiveLayer(DenseLayer):
         if plan is not None and plan.static:
             return self.static_step(q, k_new, v_new, scaling)
         q_start = self.seen
-        n = k_new.shape[2]
-        self.forward_start = q_start
-        if self.verifies_as_steps(n):  # (a new turn attends densely, as a prompt continuation)
-            return self.attend_as_steps(self._attend_one, q, k_new, v_new, scaling)
-        return self._attend_one(q, k_new, v_new, scaling)
-
-    def _attend_one(self, q, k_new, v_new, scaling):
-        """Store ``k_new`` / ``v_new`` and attend ``q``: densely for several tokens (a prompt, a
-        continuation) or when every row fits the budget, else one sparse decode step."""
-        q_start = self.seen
+        self.forward_start = q_start - (0 if plan is None else plan.step)
         n = k_new.shape[2]
         if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
             self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)

@@ -195,6 +195,7 @@ class DoubleSparsityLayer(DenseLayer):
     """
 
     static_decode = True  # labels, shortlist and top-k as masks over the capacity when traced
+    verify_as_steps = True  # a verification selects per token as decode does (a new turn attends densely)
 
     def __init__(self, cache, layer_idx, policy: DoubleSparsityPolicy, channels: torch.Tensor):
         super().__init__(cache, layer_idx)
@@ -303,8 +304,6 @@ class DoubleSparsityLayer(DenseLayer):
         plan = self.cache.plan
         if plan is not None and plan.static:
             return self.static_step(q, k_new, v_new, scaling)
-        if self.verifies_as_steps(k_new.shape[2]):  # (a new turn attends densely)
-            return self.attend_as_steps(self.attend, q, k_new, v_new, scaling)
         q_start = self.seen
         if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
             self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)

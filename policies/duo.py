@@ -372,7 +372,8 @@ class DuoLayer(CacheLayer):
             k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
             if not self.stream.is_initialized:
                 self.stream.lazy_initialization(k_s, v_s)
-            out[:, idx["str_q"]] = self.stream.attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
+            # through the core: a verification reaches the streaming heads as decode steps
+            out[:, idx["str_q"]] = self.cache.attend(self.stream, q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
         self.seen += k_new.shape[2]
         return out
 

@@ -205,7 +205,7 @@ class TidalLayer(SelectiveLayer):
 
     def decode_step(self, q, scaling, lengths):
         # the selection layer's index per step (sequence length) of the current forward: one, or
-        # several in a verification that runs as steps (`SelectiveLayer.attend`)
+        # several in a verification the core runs as steps (`PolicyCache.attend`)
         if not self.selects:
             index = self.cache.step_shared.get("tidal_index", {}).get(self.seen)
             if index is None:
