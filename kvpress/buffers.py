@@ -70,6 +70,13 @@ class KVBuffer:
             self.v[:, :, length : self.length] = 0
         self.length = min(self.length, length)
 
+    def snapshot(self) -> int:
+        """What a recorded forward must keep to undo its appends: the length (the buffer only appends)."""
+        return self.length
+
+    def restore(self, length: int) -> None:
+        self.truncate(length)
+
     def write_at(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one token per row ``k`` / ``v`` [B, H_kv, 1, D] at the index held by the device
         tensor ``pos`` ([1] long; a static decode step). The caller has made room and counts it

@@ -43,7 +43,14 @@ class CacheLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    croppable = False  # transformers reads ``is_croppable``; see ``crop``
+    # How the layer takes tokens back (``crop``), run by this class: None (it cannot); "truncate" (it
+    # keeps every token: the objects named in ``rollback_state``, each with ``length`` / ``truncate``,
+    # lose the latest tokens and :meth:`after_truncate` rebuilds derived state); "record" (bounded
+    # state: while ``record_past`` is on, the attributes named in ``rollback_state`` are copied before
+    # each forward (:func:`snapshot_value`); a crop puts them back and hands the kept tokens to
+    # :meth:`store_again`). ``seen`` is always part of the state.
+    rollback: str | None = None
+    rollback_state: tuple[str, ...] = ()
     # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
     # device positions over buffers sized in advance, so ``torch.compile`` captures it as one graph
     static_decode = False
@@ -60,6 +67,7 @@ class CacheLayer(CacheLayerMixin):
         self.seen = 0  # tokens this layer has processed (left padding included)
         self.record_past = False  # set by activate_past_recording (assisted decoding)
         self.counts_deferred = False  # a static step stored a token its caller still has to count
+        self._record: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None  # the latest recorded forward
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -111,6 +119,12 @@ class CacheLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------ rollback (assisted decoding)
     @property
+    def croppable(self) -> bool:
+        """Whether the layer can take tokens back (a ``rollback`` strategy; layers with their own
+        ``removable`` / ``remove_latest`` set it as a class attribute)."""
+        return self.rollback is not None
+
+    @property
     def is_croppable(self) -> bool:
         return self.croppable
 
@@ -138,16 +152,61 @@ class CacheLayer(CacheLayerMixin):
         self.remove_latest(n)
 
     def removable(self) -> int:
-        """How many of the latest tokens :meth:`remove_latest` can take back now."""
+        """How many of the latest tokens :meth:`remove_latest` can take back now: every token
+        (``rollback = "truncate"``), the recorded forward's (``"record"``), or none."""
+        if self.rollback == "truncate":
+            return self.seen
+        if self.rollback == "record" and self._record is not None:
+            return self._record[1].shape[2]
         return 0
 
     def remove_latest(self, n: int) -> None:
         """Take back the latest ``n`` tokens (``0 <= n <= removable()``); ``n = 0`` ends a record."""
+        if self.rollback == "truncate":
+            if n:
+                for name in self.rollback_state:
+                    part = getattr(self, name)
+                    if part is not None:
+                        part.truncate(part.length - n)
+                self.seen -= n
+                self.after_truncate()
+            return
+        if self.rollback == "record":
+            record, self._record = self._record, None
+            if n == 0 or record is None:
+                return
+            _seen, k, v, saved = record
+            self.restore(saved)
+            keep = k.shape[2] - n
+            if keep:
+                self.store_again(k[:, :, :keep], v[:, :, :keep])
+            return
         if n:
             raise NotImplementedError
 
     def record_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Called before each forward's new tokens ``k``/``v`` are stored while ``record_past`` is on."""
+        """Called with a forward's new tokens ``k``/``v`` before they are stored, while ``record_past``
+        is on: a ``"record"`` layer saves its state (:meth:`snapshot`) with them."""
+        if self.rollback == "record":
+            self._record = (self.seen, k, v, self.snapshot())
+
+    def snapshot(self) -> dict:
+        """The state a forward may change (``seen`` and ``rollback_state``), as copies."""
+        return {name: snapshot_value(getattr(self, name)) for name in ("seen", *self.rollback_state)}
+
+    def restore(self, saved: dict) -> None:
+        """Put back what :meth:`snapshot` saved."""
+        for name, value in saved.items():
+            setattr(self, name, restore_value(getattr(self, name), value))
+
+    def store_again(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """(``rollback = "record"``) Store ``k``/``v`` [B, H_kv, n, D] at sequence indices ``seen ..``
+        as a forward would (no attention), and advance ``seen``: the kept tokens of a cropped forward."""
+        raise NotImplementedError(f"{type(self).__name__} records its state but cannot store tokens again")
+
+    def after_truncate(self) -> None:
+        """(``rollback = "truncate"``) The stored tokens lost their latest ones: bring derived state in
+        line with them (page bounds, chunk sums, labels)."""
 
     def verifies_as_steps(self, n_new: int) -> bool:
         """Whether a forward of ``n_new`` tokens is assisted decoding's verification (several tokens
@@ -166,7 +225,7 @@ class CacheLayer(CacheLayerMixin):
         """The prompt given in several forwards is complete (see :meth:`PolicyCache.prompt`)."""
 
     def _removable_hint(self) -> str:
-        return ""
+        return self._record_hint() if self.rollback == "record" else ""
 
     def _record_hint(self) -> str:
         """For layers that take back only a recorded forward: what to do when nothing is recorded."""
@@ -243,53 +302,42 @@ def _tokens_to_remove(tokens_to_remove: int, seen: int) -> int:
 
 
 class RecordingLayer(CacheLayer):
-    """A layer that evicts or compresses as tokens arrive, made croppable by recording.
+    """A layer croppable by recording (``rollback = "record"``): it names its bounded state in
+    ``rollback_state`` (or overrides :meth:`snapshot` / :meth:`restore`) and implements
+    :meth:`store_again`. Only the latest forward can be taken back; a record costs about one copy
+    of the state, held until the next ``crop`` (transient, like a forward's activations: not in
+    ``cache_stats``)."""
 
-    While ``record_past`` is on, each forward first saves the layer's state (:meth:`snapshot`,
-    tensors cloned) with the forward's new keys / values; ``crop`` then puts that state back and
-    stores again the tokens it keeps (:meth:`store_again`), so the result equals a forward that
-    never had the removed tokens. Only the latest forward can be taken back. Meant for layers
-    whose state is bounded (sinks + window, a fixed budget): a record costs about one copy of it,
-    held until the next ``crop`` (transient, like a forward's activations: not in ``cache_stats``).
-    """
+    rollback = "record"
 
-    croppable = True
 
-    def __init__(self, cache: "PolicyCache", layer_idx: int):
-        super().__init__(cache, layer_idx)
-        self._record: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None
+def snapshot_value(value):
+    """A copy of one piece of recorded state: tensors are cloned, objects with a ``snapshot()``
+    method (a :class:`KVBuffer`: its length; a ``ChunkTail``; a layer inside a layer) save
+    themselves, plain values are kept."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if hasattr(value, "snapshot"):
+        return _Saved(value.snapshot())
+    return value
 
-    def snapshot(self) -> dict:
-        """The state a forward may change, as copies (restored by :meth:`restore`)."""
-        raise NotImplementedError
 
-    def restore(self, saved: dict) -> None:
-        raise NotImplementedError
+def restore_value(current, saved):
+    """The value an attribute takes back from :func:`snapshot_value`'s ``saved`` (an object that
+    saved itself restores itself in place)."""
+    if isinstance(saved, _Saved):
+        current.restore(saved.state)
+        return current
+    return saved
 
-    def store_again(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k``/``v`` [B, H_kv, n, D] at sequence indices ``seen ..`` as a forward would
-        (no attention), and advance ``seen``."""
-        raise NotImplementedError
 
-    def record_forward(self, k, v):
-        self._record = (self.seen, k, v, self.snapshot())
+class _Saved:
+    """What an object's own ``snapshot()`` returned (restored through its ``restore``)."""
 
-    def removable(self) -> int:
-        return 0 if self._record is None else self._record[1].shape[2]
+    __slots__ = ("state",)
 
-    def _removable_hint(self) -> str:
-        return self._record_hint()
-
-    def remove_latest(self, n: int) -> None:
-        record, self._record = self._record, None
-        if n == 0 or record is None:
-            return
-        seen, k, v, saved = record
-        self.restore(saved)
-        self.seen = seen
-        keep = k.shape[2] - n
-        if keep:
-            self.store_again(k[:, :, :keep], v[:, :, :keep])
+    def __init__(self, state):
+        self.state = state
 
 
 # the cache itself lives in kvpress.policy_cache (it builds on the classes above); re-exported here

@@ -14,11 +14,12 @@ __all__ = ["ChunkTail", "DenseLayer", "SinkWindowLayer", "SlidingWindowLayer", "
 class DenseLayer(CacheLayer):
     """Keeps every token; attention is exact causal attention (the ``full`` reference).
 
-    Croppable: any number of the latest tokens can be taken back (the buffer is truncated;
-    subclasses rebuild their metadata in :meth:`after_truncate`).
+    Croppable: any number of the latest tokens can be taken back (``rollback = "truncate"``: the
+    core truncates the buffer; subclasses rebuild their metadata in :meth:`after_truncate`).
     """
 
-    croppable = True
+    rollback = "truncate"
+    rollback_state = ("buffer",)
 
     def __init__(self, cache, layer_idx: int):
         super().__init__(cache, layer_idx)
@@ -91,18 +92,6 @@ class DenseLayer(CacheLayer):
 
     def state_tensors(self):
         return {"k": self.buffer.k, "v": self.buffer.v}
-
-    def removable(self) -> int:
-        return self.seen
-
-    def remove_latest(self, n: int) -> None:
-        if n:
-            self.buffer.truncate(self.buffer.length - n)
-            self.seen -= n
-            self.after_truncate()
-
-    def after_truncate(self) -> None:
-        """The buffer lost its latest tokens (``crop``): bring derived state in line with it."""
 
     def batch_select(self, indices):
         if self.buffer.k is not None:

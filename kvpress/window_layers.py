@@ -15,7 +15,7 @@ import torch
 from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
                         streaming_attention, whole_cache_index)
 from .buffers import doubled_slots
-from .cache import RecordingLayer
+from .cache import CacheLayer
 from .plan import static_address
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
@@ -45,7 +45,7 @@ def _grown(tokens: int, limit: int) -> int:
     return doubled_slots(tokens, limit, RING_STEP)
 
 
-class SinkWindowLayer(RecordingLayer):
+class SinkWindowLayer(CacheLayer):
     """Keeps the first ``sinks`` real tokens of each row and the most recent ``window`` tokens.
 
     Every query attends exactly as if tokens had arrived one at a time into ``sinks + window``
@@ -84,8 +84,8 @@ class SinkWindowLayer(RecordingLayer):
     prompt's, not the forwards': a chunk a forward ends in is held (at most one chunk, or the
     whole prompt with ``K=None``) and continued by the next, so the layer ends as after one forward.
 
-    Croppable (a :class:`~kvpress.cache.RecordingLayer`): with past recording on, a forward first
-    copies the slots (and the tail sums), so ``crop`` can take back any of its tokens.
+    Croppable by recording (``rollback = "record"``): with past recording on, the core copies the
+    slots (and the tail sums) before a forward, so ``crop`` can take back any of its tokens.
 
     With ``tail_chunk=N`` (needs ``dense_prefill``, not ``rerotate``) the tokens the ring evicts
     are not forgotten entirely: each is added, as it leaves, to fp32 key / value sums of its
@@ -97,6 +97,9 @@ class SinkWindowLayer(RecordingLayer):
     fp32 cache, 2/N of a 16-bit one), counted in ``cache_stats``. ``N=1`` keeps every evicted
     token's key and value (as sums of one), so attention equals dense attention.
     """
+
+    rollback = "record"
+    rollback_state = ("k", "v", "pos", "_ring_at", "tail")
 
     def __init__(self, cache, layer_idx: int, sinks: int, window: int, rerotate: bool = False,
                  dense_prefill: bool = False, prefill_chunk: int | None = None, tail_chunk: int = 0):
@@ -346,9 +349,7 @@ class SinkWindowLayer(RecordingLayer):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
         if not self.dense_prefill:
             raise NotImplementedError("a streaming-prefill SinkWindowLayer cannot take a dense prefill")
-        self._reserve(k, v, self.seen + k.shape[2])
-        self._write(k, v, self._row_start(k.shape[0], k.device))
-        self.seen += k.shape[2]
+        self.store_again(k, v)
 
     def _write(self, k_new, v_new, row_start) -> None:
         """Store new tokens (sequence indices seen .. seen+T-1): the last ``window`` into the ring,
@@ -464,19 +465,9 @@ class SinkWindowLayer(RecordingLayer):
         return {"k": self.k, "v": self.v, "pos": self.pos,
                 **({} if self.tail is None else self.tail.state_tensors()), **held}
 
-    def snapshot(self) -> dict:
-        saved = {name: None if t is None else t.clone() for name, t in (("k", self.k), ("v", self.v), ("pos", self.pos))}
-        saved["ring_at"] = self._ring_at
-        if self.tail is not None:
-            saved["tail"] = self.tail.snapshot()
-        return saved
-
-    def restore(self, saved: dict) -> None:
-        self.k, self.v, self.pos, self._ring_at = saved["k"], saved["v"], saved["pos"], saved["ring_at"]
-        if self.tail is not None:
-            self.tail.restore(saved["tail"])
-
     def store_again(self, k, v):
+        """Store ``k``/``v`` at sequence indices ``seen ..`` without attending: sinks + window of a
+        dense prefill, the kept tokens of a cropped forward."""
         self._reserve(k, v, self.seen + k.shape[2])
         self._write(k, v, self._row_start(k.shape[0], k.device))
         self.seen += k.shape[2]
@@ -525,9 +516,7 @@ class SlidingWindowLayer(SinkWindowLayer):
 
     def ingest_prefill(self, k, v):
         """Keep the last ``window`` tokens of a prompt whose attention already ran (with the window)."""
-        self._reserve(k, v, self.seen + k.shape[2])
-        self._write(k, v, self._row_start(k.shape[0], k.device))
-        self.seen += k.shape[2]
+        self.store_again(k, v)
 
     def copy_from(self, other: "SlidingWindowLayer") -> None:
         """This layer's state from ``other`` (the same layer of another cache; tensors cloned)."""

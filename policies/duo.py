@@ -309,16 +309,15 @@ class DuoLayer(CacheLayer):
     [B, H_str, <= S + W, D] plus positions [B, <= S + W] (``streaming_k/v/pos``).
     Query head q reads KV head q // G (GQA), so each group follows its KV head.
 
-    Croppable: the retrieval buffers are truncated, the streaming heads' slots recorded before
-    each forward once past recording is on (:class:`~kvpress.window_layers.SinkWindowLayer`).
+    Croppable: with streaming heads by recording (the retrieval buffer's length and the streaming
+    heads' slots, copied by the core before each forward once past recording is on), else by
+    truncating the retrieval buffer.
 
     Static decode (``plan.static``, a compiled step): the retrieval heads write at the plan's device
     position into a buffer sized to ``cache.capacity`` and attend over all of it with the slots past
     ``plan.end`` masked; the streaming heads take the static step of their ``SinkWindowLayer``
     (not with ``tail_chunk``: the tail estimate's decode is not static).
     """
-
-    croppable = True
 
     def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
                  prefill: str = "streaming", prefill_chunk: int | None = None, tail_chunk: int = 0):
@@ -431,28 +430,21 @@ class DuoLayer(CacheLayer):
         self.seen += k.shape[2]
 
     # ------------------------------------------------------------------ crop
-    def activate_past_recording(self):
-        super().activate_past_recording()
-        if self.stream is not None:
-            self.stream.activate_past_recording()
+    @property
+    def rollback(self) -> str:
+        """Truncate when every head is a retrieval head, else record (the streaming heads' slots)."""
+        return "truncate" if self.stream is None else "record"
 
-    def record_forward(self, k, v):
-        if self.stream is not None:
-            idx = self._indices(k.device)
-            self.stream.record_forward(k.index_select(1, idx["str"]), v.index_select(1, idx["str"]))
+    @property
+    def rollback_state(self) -> tuple[str, ...]:
+        return ("dense",) if self.stream is None else ("dense", "stream")
 
-    def removable(self) -> int:
-        return self.seen if self.stream is None else self.stream.removable()
-
-    def _removable_hint(self) -> str:
-        return "" if self.stream is None else self.stream._removable_hint()
-
-    def remove_latest(self, n):
-        if self.stream is not None:
-            self.stream.remove_latest(n)
-        if n and self.dense is not None:
-            self.dense.truncate(self.dense.length - n)
-        self.seen -= n
+    def store_again(self, k, v):
+        idx = self._indices(k.device)
+        if self.dense is not None:
+            self.dense.append(k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
+        self.stream.store_again(k.index_select(1, idx["str"]), v.index_select(1, idx["str"]))
+        self.seen += k.shape[2]
 
     def state_tensors(self):
         out = {}

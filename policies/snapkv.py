@@ -180,7 +180,7 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
     (shorter, left-padded rows leave free slots at the front; ``pos = -1`` there). Slot order
     carries no meaning for attention (keys are post-RoPE), so eviction overwrites in place.
 
-    Croppable (a :class:`~kvpress.cache.RecordingLayer`: the slots are copied before each
+    Croppable by recording (``rollback = "record"``: the core copies the slots before each
     forward). The prompt's forward is taken back by scoring the kept prompt again, for which it
     keeps its last ``window_size + PROMPT_CROP_TOKENS`` queries while recording: up to
     ``PROMPT_CROP_TOKENS`` of its tokens can be taken back.
@@ -189,6 +189,7 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
     """
 
     static_decode = True
+    rollback_state = ("k", "v", "pos", "kept", "score", "prompt_len", "filled")
 
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
         super().__init__(cache, layer_idx)
@@ -219,6 +220,7 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
                 self._prompt_q = (q[:, :, max(0, T - self.policy.window_size - PROMPT_CROP_TOKENS):], scaling, T)
             self.seen += T
             return out
+        self._prompt_q = None  # (a crop of the prompt's forward is no longer possible)
         n = k_new.shape[2]
         if self.policy.reselect_turns and (self.cache.prompt_open or (n > 1 and not self.record_past)):
             return self._turn(q, k_new, v_new, scaling)  # a new turn: selected again at its end
@@ -241,24 +243,11 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
         select(stage.window_queries(self.policy.window_size), stage.buffer.keys, stage.buffer.values, stage.scaling)
 
     # ------------------------------------------------------------------ crop
-    def snapshot(self) -> dict:
-        clone = lambda t: None if t is None else t.clone()  # noqa: E731
-        return {"k": clone(self.k), "v": clone(self.v), "pos": clone(self.pos), "kept": clone(self.kept),
-                "score": clone(self.score), "prompt_len": self.prompt_len, "filled": self.filled}
-
-    def restore(self, saved: dict) -> None:
-        for name, value in saved.items():
-            setattr(self, name, value)
-
     def removable(self) -> int:
         n = super().removable()
         if n and self._record[0] == 0:  # the prompt's forward: as far as its kept queries reach
             n = min(n, PROMPT_CROP_TOKENS, self._record[1].shape[2] - 1)
         return n
-
-    def remove_latest(self, n):
-        super().remove_latest(n)
-        self._prompt_q = None
 
     def store_again(self, k, v):
         if self.k is None:  # the prompt, shorter: score it again with the queries it keeps
