@@ -211,7 +211,7 @@ def run(args) -> int:
     import kvpress
     from kvpress.calibration import save_artifact, shipped_artifact
     from kvpress.evals.models import load_eval_model
-    from kvpress.policies.tidal import ARTIFACT_VERSION, artifact_name
+    from kvpress.policies._tidal_artifact import ARTIFACT_VERSION, artifact_name
 
     if args.samples < 1:
         raise SystemExit(f"--samples must be >= 1, got {args.samples}")

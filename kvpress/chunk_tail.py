@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVBuffer
+from .buffers import KVBuffer
 from .kernels import SparseIndex, sparse_decode_tail
 
 

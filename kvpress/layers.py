@@ -4,7 +4,8 @@ model's own sliding window in ``kvpress.window_layers``, re-exported with ``Chun
 from __future__ import annotations
 
 from .attention import dense_causal_attention, static_decode_attention
-from .cache import CacheLayer, KVBuffer
+from .buffers import KVBuffer
+from .cache_layer import CacheLayer
 from .chunk_tail import ChunkTail
 from .window_layers import SinkWindowLayer, SlidingWindowLayer, slot_index
 

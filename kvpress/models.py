@@ -96,7 +96,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-from . import model_cache  # noqa: E402
+import kvpress.model_cache as model_cache  # noqa: E402
 from .gemma3_cache import GEMMA3, GEMMA3_INSTALL_COMMAND, gemma3_cache_dir  # noqa: E402,F401
 from .model_cache import GgufModel, cache_root  # noqa: E402,F401  (public helpers re-exported)
 from .smollm2_cache import SMOLLM2, SMOLLM2_INSTALL_COMMAND, smollm2_cache_dir, smollm2_gguf_path  # noqa: E402,F401

@@ -1,7 +1,7 @@
 """`PolicyCache`: the transformers ``Cache`` whose per-layer objects are a policy's layers.
 
-The layer contract and the layer base classes are in ``kvpress.cache`` (which re-exports
-``PolicyCache`` and ``left_padding`` from here).
+The layer contract is documented in ``kvpress.cache``, which re-exports ``PolicyCache`` and
+``left_padding`` from here with the layer base classes of ``kvpress.cache_layer``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from .cache import _tokens_to_remove
+from .cache_layer import crop_count
 from .plan import ForwardKind, ForwardPlan, classify, static_address
+from .window_layers import SlidingWindowLayer
 
 PLAN_STEP = 128  # a planned capacity is a multiple of this (the slack is under PLAN_STEP tokens)
 
@@ -54,7 +55,6 @@ class PolicyCache(Cache):
         self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
         self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
         self._end: torch.Tensor | None = None
-        from .window_layers import SlidingWindowLayer  # kvpress.window_layers builds on this module
 
         # layers the model itself slides keep its window exactly; the policy runs the others
         layers = [policy.make_layer(self, i) if adapter.sliding_window(i) is None
@@ -171,7 +171,7 @@ class PolicyCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the latest tokens of every layer (see :meth:`kvpress.cache.CacheLayer.crop`)."""
-        n = _tokens_to_remove(tokens_to_remove, self.get_seq_length())
+        n = crop_count(tokens_to_remove, self.get_seq_length())
         short = next((layer for layer in self.layers if layer.removable() < n), None)
         if short is not None:  # checked on every layer first: a refused crop changes nothing
             short.crop(-n)  # raises, naming the layer and what it can take back

@@ -15,7 +15,7 @@ import torch
 from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
                         streaming_attention, whole_cache_index)
 from .buffers import doubled_slots
-from .cache import CacheLayer
+from .cache_layer import CacheLayer
 from .plan import static_address
 from .chunk_tail import ChunkTail
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode

@@ -70,11 +70,11 @@ import torch.nn.functional as F
 
 from kvpress.attention import sliding_causal_attention
 
-from .duo import PREFILL_MODES
-
-# duo's prefill modes the gated forward can mimic ("chunked" is not one: its chunks are longer than
+# Version of the gate file this calibration writes (``duo`` loads it with this version)
+ARTIFACT_VERSION = 1
+# duo's prefill modes the gated forward can mimic (its "chunked" is not one: its chunks are longer than
 # the calibration prompts, where it equals "dense")
-CALIBRATION_PREFILLS = tuple(m for m in PREFILL_MODES if m != "chunked")
+CALIBRATION_PREFILLS = ("streaming", "dense")
 
 ATTN_NAME = "kvpress_duo_calibration"
 LOSSES = ("hidden", "logits")
@@ -388,8 +388,6 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args) -> int:
     import kvpress
     from kvpress.calibration import save_artifact
-
-    from .duo import ARTIFACT_VERSION
 
     try:
         lengths = tuple(int(x) for x in str(args.lengths).split(",") if x.strip())

@@ -72,9 +72,9 @@ from kvpress.attention import dense_causal_attention, static_decode_attention, w
 from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
 from kvpress.layers import SinkWindowLayer
+from kvpress.policies._duo_calibrate import ARTIFACT_VERSION, configure_parser, run_from_args
 from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
 
-ARTIFACT_VERSION = 1
 SHIPPED = "duo-smollm2.safetensors"
 UPSTREAM_FILE = "full_attention_heads.tsv"
 # Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
@@ -475,22 +475,9 @@ class DuoLayer(CacheLayer):
         return total
 
 
-# ---------------------------------------------------------------------------- calibration CLI
-def _configure_calibration(parser) -> None:
-    from kvpress.policies._duo_calibrate import configure_parser
-
-    configure_parser(parser)
-
-
-def _run_calibration(args) -> int:
-    from kvpress.policies._duo_calibrate import run_from_args
-
-    return run_from_args(args)
-
-
 register_calibrator(
     "duo",
     "train DuoAttention's per-(layer, KV head) gates on synthetic passkey retrieval",
-    _configure_calibration,
-    _run_calibration,
+    configure_parser,
+    run_from_args,
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from dataclasses import dataclass
 
@@ -14,20 +13,11 @@ from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
 from kvpress.policies._sparse import (SelectiveLayer, check_budget, range_topk_index, select_pages, static_slots,
                                       topk_mask)
+from kvpress.policies._tidal_artifact import ARTIFACT_VERSION, artifact_name  # noqa: F401  (re-exported)
 from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
 
-ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
 CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
 DEFAULT_SELECTION_LAYER = 2  # the paper's choice, used for a model without a measurement
-
-
-def artifact_name(model_id: str) -> str:
-    """File name under ``policies/artifacts/`` of the measured layers of ``model_id``."""
-    # the last path part that is not kvpress' "tf-<version>" conversion folder, e.g. both
-    # "HuggingFaceTB/SmolLM2-135M-Instruct" and "~/.cache/kvpress/smollm2-135m-instruct/tf-5.23.0-x"
-    parts = [p for p in str(model_id).replace("\\", "/").split("/") if p and not p.startswith("tf-")]
-    key = re.sub(r"[^a-z0-9]+", "-", (parts[-1] if parts else "").lower()).strip("-") or "model"
-    return f"tidal-{key}.safetensors"
 
 
 @functools.lru_cache(maxsize=16)
