@@ -31,6 +31,12 @@ class CacheLayer(CacheLayerMixin):
     # than its decode steps do (a dense continuation). The core then hands the layer each token under
     # a DECODE plan of its own (``PolicyCache.attend``), so prompt lookup keeps plain greedy's tokens
     verify_as_steps = False
+    # True when the layer compresses a prompt as a whole: while a prompt given in several forwards is
+    # open (``ForwardKind.PIECE``) the core holds its pieces in ``prompt_stage`` (a PromptStage keeping
+    # the latest ``prompt_queries`` queries), attends each through :meth:`attend_staged` and hands the
+    # whole prompt to :meth:`take_prompt` when it ends
+    stages_prompt = False
+    prompt_queries = 0
 
     def __init__(self, cache: "PolicyCache", layer_idx: int):
         super().__init__()
@@ -40,6 +46,7 @@ class CacheLayer(CacheLayerMixin):
         self.record_past = False  # set by activate_past_recording (assisted decoding)
         self.counts_deferred = False  # a static step stored a token its caller still has to count
         self._record: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None  # the latest recorded forward
+        self.prompt_stage = None  # an open prompt's pieces, held by the core (``stages_prompt``)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -192,6 +199,19 @@ class CacheLayer(CacheLayerMixin):
         (The plan stays the forward's: ``verify_as_steps`` layers get DECODE plans from the core.)"""
         return torch.cat([step(q[:, :, t:t + 1], k_new[:, :, t:t + 1], v_new[:, :, t:t + 1], scaling)
                           for t in range(k_new.shape[2])], dim=2)
+
+    def attend_staged(self, q: torch.Tensor, stage, q_start: int, scaling: float) -> torch.Tensor:
+        """(``stages_prompt``) Attention of a piece's queries ``q`` [B, H_q, T, D], at stage indices
+        ``q_start ..``, once the core staged its keys / values: causal attention over the stage."""
+        from .attention import dense_causal_attention  # kvpress.attention imports the kernels
+
+        return dense_causal_attention(q, stage.buffer.keys, stage.buffer.values, scaling, q_start=q_start,
+                                      row_start=self.row_start)
+
+    def take_prompt(self, stage) -> None:
+        """(``stages_prompt``) The open prompt ended: compress the whole of it, ``stage`` (a
+        :class:`~kvpress.buffers.PromptStage`: keys, values, latest queries, scaling)."""
+        raise NotImplementedError(f"{type(self).__name__} stages a prompt but does not take it")
 
     def end_prompt(self) -> None:
         """The prompt given in several forwards is complete (see :meth:`PolicyCache.prompt`)."""

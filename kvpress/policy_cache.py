@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache
 
+from .buffers import PromptStage
 from .cache_layer import crop_count
 from .plan import ForwardKind, ForwardPlan, classify, static_address
 from .window_layers import SlidingWindowLayer
@@ -80,6 +81,8 @@ class PolicyCache(Cache):
         assisted decoding keeps plain decoding's tokens.
         """
         plan = self.plan
+        if plan is not None and plan.kind is ForwardKind.PIECE and layer.stages_prompt:
+            return self._attend_piece(layer, q, k_new, v_new, scaling)
         if plan is None or plan.kind is not ForwardKind.VERIFY or not layer.verify_as_steps:
             return layer.attend(q, k_new, v_new, scaling)
         outs = []
@@ -90,6 +93,18 @@ class PolicyCache(Cache):
         finally:
             self.plan = plan
         return torch.cat(outs, dim=2)
+
+    @staticmethod
+    def _attend_piece(layer, q, k_new, v_new, scaling: float) -> torch.Tensor:
+        """A piece of an open prompt for a layer that compresses the prompt as a whole
+        (``stages_prompt``): held in the layer's ``prompt_stage`` (with its latest ``prompt_queries``
+        queries) and attended by ``layer.attend_staged``; :meth:`end_prompt` hands the stage over."""
+        stage = layer.prompt_stage
+        if stage is None:
+            stage = layer.prompt_stage = PromptStage(keep_queries=layer.prompt_queries)
+        q_start = stage.add(q, k_new, v_new, scaling)
+        layer.seen += k_new.shape[2]
+        return layer.attend_staged(q, stage, q_start, scaling)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
@@ -229,6 +244,9 @@ class PolicyCache(Cache):
             raise ValueError("no prompt is open on this cache (begin_prompt)")
         self.prompt_open = False
         for layer in self.layers:
+            stage, layer.prompt_stage = layer.prompt_stage, None
+            if stage is not None:
+                layer.take_prompt(stage)
             layer.end_prompt()
         self.step_shared.clear()
         self.sync_positions()

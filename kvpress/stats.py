@@ -98,13 +98,15 @@ def cache_stats(cache) -> CacheStats:
         if not layer.is_initialized:
             layers.append(LayerStats(i, 0, 0, 0, 0))
             continue
+        stage = getattr(layer, "prompt_stage", None)  # an open prompt's pieces the core holds for the layer
+        staged = () if stage is None else stage.state_tensors().values()
         layers.append(
             LayerStats(
                 layer=i,
-                resident_bytes=tensor_bytes(layer.state_tensors().values()),
+                resident_bytes=tensor_bytes([*layer.state_tensors().values(), *staged]),
                 offloaded_bytes=tensor_bytes(layer.host_tensors().values()),
-                stored_tokens=int(layer.stored_tokens()),
-                cached_elements=int(layer.cached_elements()),
+                stored_tokens=int(layer.stored_tokens()) + (0 if stage is None else stage.length),
+                cached_elements=int(layer.cached_elements()) + (0 if stage is None else stage.cached_elements()),
             )
         )
     resident = sum(s.resident_bytes for s in layers)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
-from kvpress.cache import PROMPT_CROP_TOKENS, PromptStage, RecordingLayer
+from kvpress.cache import PROMPT_CROP_TOKENS, RecordingLayer
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps, StaticStep
 from kvpress.policies._sparse import check_budget
@@ -199,7 +199,6 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
         self.filled = 0
         self._validated = False
         self._prompt_q = None  # (last queries, scaling, prompt length) of a recorded prompt forward
-        self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
         self._deficit = None  # (kept, filled, max(filled - kept)): see _max_deficit
 
     # ------------------------------------------------------------------ prefill
@@ -207,11 +206,6 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
         plan = self.cache.plan
         if plan is not None and plan.static and self.k is not None:
             return self._static_step(q, k_new, v_new, scaling, plan)
-        if self.k is None and self.cache.prompt_open:  # a piece of a prompt: selected at its end
-            if self._stage is None:
-                self._stage = PromptStage(keep_queries=self.policy.window_size)
-            self.seen += k_new.shape[2]
-            return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
         if self.k is None:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             T = k_new.shape[2]
@@ -222,8 +216,8 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
             return out
         self._prompt_q = None  # (a crop of the prompt's forward is no longer possible)
         n = k_new.shape[2]
-        if self.policy.reselect_turns and (self.cache.prompt_open or (n > 1 and not self.record_past)):
-            return self._turn(q, k_new, v_new, scaling)  # a new turn: selected again at its end
+        if self.policy.reselect_turns and n > 1 and not self.record_past:
+            return self._turn(q, k_new, v_new, scaling)  # a new turn: selected again
         if n > 1:  # several tokens after the prompt (a verification, a turn as steps): planned at once
             slots = self._plan(n)
             if slots is not None:
@@ -234,11 +228,24 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
             return self._decode(q, k_new, v_new, scaling)
         return self.attend_as_steps(self._decode, q, k_new, v_new, scaling)  # where the plan does not apply
 
-    def end_prompt(self) -> None:
-        stage, self._stage = self._stage, None
-        if stage is None:
-            return
-        # the whole prompt (or turn), as one forward of it would have selected it
+    # ------------------------------------------------------------------ a prompt in pieces
+    # The core holds the pieces (``stages_prompt``): a first prompt always, a later turn with
+    # ``reselect_turns``; each piece attends as one forward of the whole would, and the whole is
+    # selected at the end.
+    @property
+    def stages_prompt(self) -> bool:
+        return self.k is None or self.policy.reselect_turns
+
+    @property
+    def prompt_queries(self) -> int:
+        return self.policy.window_size
+
+    def attend_staged(self, q, stage, q_start, scaling):
+        if self.k is None:
+            return super().attend_staged(q, stage, q_start, scaling)
+        return self._attend_turn(q, stage.buffer.keys, stage.buffer.values, q_start, scaling)
+
+    def take_prompt(self, stage) -> None:
         select = self._compress if self.k is None else self._reselect
         select(stage.window_queries(self.policy.window_size), stage.buffer.keys, stage.buffer.values, stage.scaling)
 
@@ -322,14 +329,9 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
 
     def _turn(self, q, k_new, v_new, scaling):
         self.seen += k_new.shape[2]
-        if not self.cache.prompt_open:
-            out = self._attend_turn(q, k_new, v_new, 0, scaling)
-            self._reselect(q[:, :, max(0, q.shape[2] - self.policy.window_size):], k_new, v_new, scaling)
-            return out
-        if self._stage is None:
-            self._stage = PromptStage(keep_queries=self.policy.window_size)
-        q_start = self._stage.add(q, k_new, v_new, scaling)
-        return self._attend_turn(q, self._stage.buffer.keys, self._stage.buffer.values, q_start, scaling)
+        out = self._attend_turn(q, k_new, v_new, 0, scaling)
+        self._reselect(q[:, :, max(0, q.shape[2] - self.policy.window_size):], k_new, v_new, scaling)
+        return out
 
     def _used(self) -> torch.Tensor:
         """bool ``(B, cap)``: the slots holding a row's tokens."""
@@ -450,15 +452,13 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
 
     # ------------------------------------------------------------------ accounting
     def state_tensors(self):
-        staged = {} if self._stage is None else self._stage.state_tensors()
-        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score, **staged}
+        return {"k": self.k, "v": self.v, "pos": self.pos, "kept": self.kept, "score": self.score}
 
     def stored_tokens(self) -> int:
-        return (self.filled if self.k is not None else 0) + (0 if self._stage is None else self._stage.length)
+        return self.filled if self.k is not None else 0
 
     def cached_elements(self) -> int:
-        staged = 0 if self._stage is None else self._stage.cached_elements()
         if self.k is None:
-            return staged
+            return 0
         b, h, _, d = self.k.shape
-        return 2 * b * h * self.filled * d + staged
+        return 2 * b * h * self.filled * d
