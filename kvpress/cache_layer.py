@@ -10,6 +10,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 
+ROLLBACKS = (None, "truncate", "record")  # the ways a layer can declare to take tokens back (`CacheLayer.rollback`)
+
+
 class CacheLayer(CacheLayerMixin):
     """Base class of policy cache layers (one per decoder layer)."""
 
@@ -38,7 +41,7 @@ class CacheLayer(CacheLayerMixin):
     stages_prompt = False
     prompt_queries = 0
 
-    def __init__(self, cache: "PolicyCache", layer_idx: int):
+    def __init__(self, cache, layer_idx: int):  # cache: the PolicyCache of the generation
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
@@ -133,6 +136,9 @@ class CacheLayer(CacheLayerMixin):
     def removable(self) -> int:
         """How many of the latest tokens :meth:`remove_latest` can take back now: every token
         (``rollback = "truncate"``), the recorded forward's (``"record"``), or none."""
+        if self.rollback not in ROLLBACKS:
+            raise ValueError(f"{type(self).__name__}.rollback is {self.rollback!r}; allowed: "
+                             f"{', '.join(map(repr, ROLLBACKS))}")
         if self.rollback == "truncate":
             return self.seen
         if self.rollback == "record" and self._record is not None:

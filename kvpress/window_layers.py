@@ -8,16 +8,15 @@ exact sliding window of a model's own sliding-window layers.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
 import torch
 
-from .attention import (dense_causal_attention, masked_decode_attention, sliding_causal_attention,
-                        streaming_attention, whole_cache_index)
+from .attention import masked_decode_attention, sliding_causal_attention, streaming_attention, whole_cache_index
 from .buffers import doubled_slots
 from .cache_layer import CacheLayer
-from .plan import static_address
 from .chunk_tail import ChunkTail
+from .plan import static_address
+from .window_prefill import ChunkedPrefill
 from .kernels import SparseIndex, chunk_attention, merge_states, sparse_decode
 
 RING_STEP = 128  # the fewest sink / ring slots a SinkWindowLayer allocates; they double up to sinks / window
@@ -118,13 +117,8 @@ class SinkWindowLayer(CacheLayer):
         self.dense_prefill = dense_prefill
         self.prefill_chunk = prefill_chunk
         self.k = self.v = self.pos = None
-        # An open prompt's chunks its last forward ended in: phase -> the chunk's first sequence index,
-        # per group of rows whose chunks start at indices = phase (mod prefill_chunk); the tokens
-        # from the earliest such start, every row (`_held_from`, `_held_k`, `_held_v`)
-        self._held: dict[int, int] = {}
-        self._held_from = 0
-        self._held_k = self._held_v = None
-        self._rows_row_start = None  # while one group of rows runs alone (`_only_rows`): its row_start
+        self.prefill = ChunkedPrefill(self, prefill_chunk) if dense_prefill else None
+        self._rows_row_start = None  # while one group of rows runs alone (`ChunkedPrefill.only_rows`)
 
     @property
     def row_start(self):
@@ -193,7 +187,7 @@ class SinkWindowLayer(CacheLayer):
             return out
         row_start = self._row_start(batch, k_new.device)
         if self.dense_prefill:
-            return self._chunked_prefill(q, k_new, v_new, scaling, row_start)
+            return self.prefill.attend(q, k_new, v_new, scaling, row_start)
         else:
             out = streaming_attention(
                 q, self.k, self.v, self._visible_pos(row_start), k_new, v_new, scaling,
@@ -204,146 +198,9 @@ class SinkWindowLayer(CacheLayer):
         self.seen += n_new
         return out
 
-    def _chunk_groups(self, row_start) -> list[tuple[int, torch.Tensor | None]]:
-        """``(phase, rows)``: rows whose chunks start at sequence indices ``phase`` (mod the chunk);
-        ``rows`` None for one group of every row. Read on the host once per row-start tensor (a
-        later prompt piece may extend a row's padding, `PolicyCache._extend_padding`)."""
-        size = self.prefill_chunk
-        if size is None or row_start is None:
-            return [(0, None)]
-        key = ("sink_window_chunk_groups", size, row_start.device)
-        cached = self.cache.shared.get(key)
-        if cached is not None and cached[0] is row_start:  # (the reference keeps its id unique)
-            return cached[1]
-        phases = (row_start % size).tolist()
-        distinct = sorted(set(phases))
-        if len(distinct) == 1:
-            groups = [(distinct[0], None)]
-        else:
-            groups = [(ph, torch.tensor([r for r, x in enumerate(phases) if x == ph], device=row_start.device))
-                      for ph in distinct]
-        self.cache.shared[key] = (row_start, groups)
-        return groups
-
-    @contextmanager
-    def _only_rows(self, rows: torch.Tensor | None, row_start: torch.Tensor):
-        """Run a group of rows as if the batch held only them: slots, tail sums and row starts are
-        taken out for the block and written back after it (``rows`` None: every row, no copy)."""
-        if rows is None:
-            yield row_start
-            return
-        full = (self.k, self.v, self.pos)
-        self.k, self.v, self.pos = (t.index_select(0, rows) for t in full)
-        tail = None if self.tail is None else self.tail.state_tensors()
-        if tail is not None and tail["tail_k_sum"] is not None:
-            for name, t in tail.items():
-                setattr(self.tail, name, t.index_select(0, rows))
-        self._rows_row_start = row_start.index_select(0, rows)
-        try:
-            yield self._rows_row_start
-        finally:
-            for t, sub in zip(full, (self.k, self.v, self.pos)):
-                t.index_copy_(0, rows, sub)
-            self.k, self.v, self.pos = full
-            self._rows_row_start = None
-            if tail is not None:
-                self.tail.merge_rows(rows, tail, self.k.shape[0])
-
-    def _chunked_prefill(self, q, k_new, v_new, scaling, row_start):
-        """Several tokens with ``dense_prefill``: each chunk (see the class doc) sees the kept
-        slots and its own earlier tokens; groups of rows whose chunks start elsewhere run one after
-        the other. In an open prompt (`PolicyCache.prompt`) a chunk the forward ends in is held, not
-        stored, so the next forward continues the same chunk."""
-        groups = self._chunk_groups(self.row_start)
-        phases = {phase for phase, _ in groups}
-        self._held = {ph: st for ph, st in self._held.items() if ph in phases}  # rows whose padding grew moved
-        seen = self.seen
-        if len(groups) == 1:
-            out = self._chunk_loop(q, k_new, v_new, scaling, row_start, groups[0][0], None)
-        else:
-            out = q.new_empty(q.shape)
-            for phase, rows in groups:
-                self.seen = seen
-                with self._only_rows(rows, row_start) as sub_start:
-                    part = self._chunk_loop(q.index_select(0, rows), k_new.index_select(0, rows),
-                                            v_new.index_select(0, rows), scaling, sub_start, phase, rows)
-                out.index_copy_(0, rows, part)
-        # keep every row's tokens from the earliest chunk still open (none: nothing held)
-        if self._held:
-            first = min(self._held.values())
-            k_h, v_h = (k_new, v_new) if self._held_k is None else (torch.cat([self._held_k, k_new], dim=2),
-                                                                    torch.cat([self._held_v, v_new], dim=2))
-            from_ = seen if self._held_k is None else self._held_from
-            self._held_k, self._held_v, self._held_from = k_h[:, :, first - from_:], v_h[:, :, first - from_:], first
-        else:
-            self._held_k = self._held_v = None
-        return out
-
-    def _held_rows(self, start: int, rows: torch.Tensor | None):
-        """Held keys / values from sequence index ``start`` of these rows (all: None)."""
-        k, v = self._held_k[:, :, start - self._held_from:], self._held_v[:, :, start - self._held_from:]
-        return (k, v) if rows is None else (k.index_select(0, rows), v.index_select(0, rows))
-
-    def _chunk_loop(self, q, k_new, v_new, scaling, row_start, phase: int, rows):
-        """The chunks of one group of rows (chunks start at indices ``phase`` mod the chunk size)."""
-        n_new = k_new.shape[2]
-        size = self.prefill_chunk
-        outs, a = [], 0
-        while a < n_new:
-            b = n_new if size is None else min(n_new, a + size - ((self.seen - phase) % size))
-            q_c, k_c, v_c = q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b]
-            start = self._held.pop(phase, None)
-            k_h = v_h = None
-            if start is None:
-                start = self.seen
-            elif start < self.seen:  # the chunk's tokens from the prompt's earlier forwards
-                k_h, v_h = self._held_rows(start, rows)
-            k_all = k_c if k_h is None else torch.cat([k_h, k_c], dim=2)  # the chunk so far
-            v_all = v_c if v_h is None else torch.cat([v_h, v_c], dim=2)
-            if start == 0:
-                outs.append(dense_causal_attention(q_c, k_all, v_all, scaling, q_start=self.seen,
-                                                   row_start=self.row_start))
-            else:
-                k_s, v_s, pos_s = self.k, self.v, self._visible_pos(row_start)
-                if k_h is not None:
-                    held = torch.arange(start, self.seen, device=k_c.device).expand(k_c.shape[0], -1)
-                    held = torch.where(held >= row_start[:, None], held, -1)
-                    k_s, v_s = torch.cat([k_s, k_h], dim=2), torch.cat([v_s, v_h], dim=2)
-                    pos_s = torch.cat([pos_s, held], dim=1)
-                # a window covering the slots and the whole chunk: every kept slot and every
-                # earlier token of the chunk is visible (causally)
-                outs.append(streaming_attention(
-                    q_c, k_s, v_s, pos_s, k_c, v_c, scaling,
-                    q_start=self.seen, row_start=row_start, sinks=self.sinks, window=self.seen + (b - a),
-                    tail=self.tail.means() if self.tail is not None and self.tail.chunks else None,
-                ))
-            self.seen += b - a
-            if self.cache.prompt_open and not (size is not None and (self.seen - phase) % size == 0):
-                self._held[phase] = start
-            else:
-                self._write_at(start, k_all, v_all, row_start)
-            a = b
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def _write_at(self, start: int, k, v, row_start) -> None:
-        """``_write`` of tokens at sequence indices ``start ..`` (``seen`` already past them)."""
-        seen, self.seen = self.seen, start
-        self._write(k, v, row_start)
-        self.seen = seen
-
     def end_prompt(self) -> None:
-        if not self._held:
-            return
-        row_start = self._row_start(self.k.shape[0], self.k.device)
-        for phase, rows in self._chunk_groups(self.row_start):
-            start = self._held.pop(phase, None)
-            if start is None:
-                continue
-            k, v = self._held_rows(start, rows)  # the prompt's last chunk of these rows
-            with self._only_rows(rows, row_start) as sub_start:
-                self._write_at(start, k, v, sub_start)
-        self._held = {}
-        self._held_k = self._held_v = None
+        if self.prefill is not None:
+            self.prefill.end_prompt()
 
     def ingest_prefill(self, k, v):
         """Keep sinks + window of a prompt that attended densely (``dense_prefill`` layers only)."""
@@ -461,7 +318,7 @@ class SinkWindowLayer(CacheLayer):
         return out.reshape(batch, h_q, 1, dim).to(q.dtype)
 
     def state_tensors(self):
-        held = {} if self._held_k is None else {"_held_k": self._held_k, "_held_v": self._held_v}
+        held = {} if self.prefill is None else self.prefill.state_tensors()
         return {"k": self.k, "v": self.v, "pos": self.pos,
                 **({} if self.tail is None else self.tail.state_tensors()), **held}
 

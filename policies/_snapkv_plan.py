@@ -1,7 +1,9 @@
-"""``snapkv``'s slot planning, mixed into ``SnapKVLayer``: a forward of several tokens as that many
-decode steps (a verification; any forward after the prompt with ``reselect_turns=False``), the
-steps' slots planned first and the queries attending at once (:class:`PlannedSteps`); and a
-compiled decode step whose slot is chosen on the device (:class:`StaticStep`)."""
+"""``snapkv``'s slot planning, functions of a ``SnapKVLayer`` (its state: ``k``, ``v``, ``pos``,
+``score``, ``kept``, ``filled``, ``seen``, ``prompt_len``, ``policy``; ``_grow``): a forward of
+several tokens as that many decode steps (a verification; any forward after the prompt with
+``reselect_turns=False``), the steps' slots planned first and the queries attending at once
+(:func:`plan_slots`, :func:`attend_planned`, :func:`apply_plan`); and a compiled decode step whose
+slot is chosen on the device (:func:`static_step`)."""
 
 from __future__ import annotations
 
@@ -12,134 +14,130 @@ from kvpress.attention import masked_decode_attention, masked_group_attention
 GROW = 64  # slots added at a time while a short cache grows towards the budget
 
 
-class PlannedSteps:
-    """The planned-steps methods of ``SnapKVLayer`` (its state: ``k``, ``v``, ``pos``, ``score``,
-    ``kept``, ``filled``, ``seen``, ``prompt_len``, ``policy``; ``_grow``)."""
+# ------------------------------------------------- several tokens after the prompt
+# A forward of n tokens after the prompt must equal n decode steps when it is a verification
+# (assisted generation checks its drafts with one), or a new turn with reselect_turns=False.
+# Which slot each token takes does not depend on the queries: growing appends, then the
+# lowest-scored prompt tokens in score order, then the generated token leaving the recent
+# window. So the n steps' slots are planned first, each key gets the steps it is visible in (a
+# kept key until the step that overwrites its slot, a new token from its own step until its
+# slot is reused), and the n queries attend at once under that mask, instead of one decode
+# step per token.
 
-    # ------------------------------------------------- several tokens after the prompt
-    # A forward of n tokens after the prompt must equal n decode steps when it is a verification
-    # (assisted generation checks its drafts with one), or a new turn with reselect_turns=False.
-    # Which slot each token takes does not depend on the queries: growing appends, then the
-    # lowest-scored prompt tokens in score order, then the generated token leaving the recent
-    # window. So the n steps' slots are planned first, each key gets the steps it is visible in (a
-    # kept key until the step that overwrites its slot, a new token from its own step until its
-    # slot is reused), and the n queries attend at once under that mask, instead of one decode
-    # step per token.
 
-    def _plan(self, n: int) -> torch.Tensor | None:
-        """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.
+def plan_slots(layer, n: int) -> torch.Tensor | None:
+    """Slot of each of the next ``n`` tokens, as ``n`` calls of `_store` would choose them.
 
-        Returns long ``(B, H_kv, n)``, after growing the buffers as those calls would; or None
-        (nothing changed) where a row has fewer scored prompt tokens than the steps that evict one
-        by score, and the caller stores token by token. Per row, once the rows stop growing: a
-        shorter left-padded row first fills the free slots before its tokens (last first), then,
-        as a full row, evicts its lowest-scored prompt tokens while the token leaving the recent
-        window is a prompt token, then the generated token leaving it.
-        """
-        p = self.policy
-        W, seen = p.window_size, self.seen
-        grow = min(n, p.budget - self.filled)  # steps that append while the rows grow
-        free = (self.filled - self.kept).clamp(min=0)  # (B,) free slots before each row's tokens
-        full_at = grow + free  # (B,) first step at which each row evicts
-        by_prompt = self.prompt_len + W - seen  # steps before this one see a prompt token leave the window
-        by_score = (min(n, by_prompt) - full_at).clamp(min=0)  # (B,) evictions by score per row
-        need = int(by_score.max()) if n > grow else 0
-        if need and bool((torch.isfinite(self.score).sum(-1) < by_score[:, None]).any()):
-            return None  # the observation window or generated tokens would be evicted: token by token
-        cap = self.k.shape[2]
-        while cap < self.filled + grow:
-            cap = min(p.budget, cap + GROW)
-        if cap > self.k.shape[2]:
-            self._grow(cap)
-        B, H, _ = self.pos.shape
-        dev = self.pos.device
-        slots = torch.empty(B, H, n, dtype=torch.long, device=dev)
-        slots[:, :, :grow] = self.filled + torch.arange(grow, device=dev)
-        if n == grow:
-            return slots
-        steps = torch.arange(grow, n, device=dev)  # (m,)
-        filling = steps[None, :] < full_at[:, None]  # (B, m) a free slot: the one before the row's tokens
-        free_slot = free[:, None] - 1 - (steps[None, :] - grow)
-        scored = ~filling & (steps[None, :] < by_prompt)  # (B, m) the next lowest-scored prompt token
-        score_slot = free_slot  # (placeholder where no row evicts by score)
-        if need:  # lowest score first, ties by slot (argmin's order); evicted slots score +inf
-            order = torch.sort(self.score, dim=-1, stable=True).indices  # (B, H, cap)
-            rank = (steps[None, :] - full_at[:, None]).clamp(0, need - 1)  # (B, m)
-            score_slot = order.gather(2, rank[:, None, :].expand(B, H, -1))
-        t = grow
-        while t < n:  # otherwise the generated token at position seen + t - W leaves: its slot
-            leaving = seen + t - W
-            if leaving < seen:  # stored before this forward: where it is
-                c = min(n - t, seen - leaving)
-                wanted = torch.arange(leaving, leaving + c, device=dev)
-                leave = (self.pos[:, :, None, :] == wanted[:, None]).to(torch.int8).argmax(-1)
-            else:  # a token of this forward: the slot it took
-                c = min(n - t, W)
-                leave = slots[:, :, t - W:t - W + c]
-            a, b = t - grow, t - grow + c
-            pick = lambda x: x[:, None, a:b] if x.dim() == 2 else x[:, :, a:b]  # noqa: E731
-            slots[:, :, t:t + c] = torch.where(pick(filling), pick(free_slot),
-                                               torch.where(pick(scored), pick(score_slot), leave))
-            t += c
+    Returns long ``(B, H_kv, n)``, after growing the buffers as those calls would; or None
+    (nothing changed) where a row has fewer scored prompt tokens than the steps that evict one
+    by score, and the caller stores token by token. Per row, once the rows stop growing: a
+    shorter left-padded row first fills the free slots before its tokens (last first), then,
+    as a full row, evicts its lowest-scored prompt tokens while the token leaving the recent
+    window is a prompt token, then the generated token leaving it.
+    """
+    p = layer.policy
+    W, seen = p.window_size, layer.seen
+    grow = min(n, p.budget - layer.filled)  # steps that append while the rows grow
+    free = (layer.filled - layer.kept).clamp(min=0)  # (B,) free slots before each row's tokens
+    full_at = grow + free  # (B,) first step at which each row evicts
+    by_prompt = layer.prompt_len + W - seen  # steps before this one see a prompt token leave the window
+    by_score = (min(n, by_prompt) - full_at).clamp(min=0)  # (B,) evictions by score per row
+    need = int(by_score.max()) if n > grow else 0
+    if need and bool((torch.isfinite(layer.score).sum(-1) < by_score[:, None]).any()):
+        return None  # the observation window or generated tokens would be evicted: token by token
+    cap = layer.k.shape[2]
+    while cap < layer.filled + grow:
+        cap = min(p.budget, cap + GROW)
+    if cap > layer.k.shape[2]:
+        layer._grow(cap)
+    B, H, _ = layer.pos.shape
+    dev = layer.pos.device
+    slots = torch.empty(B, H, n, dtype=torch.long, device=dev)
+    slots[:, :, :grow] = layer.filled + torch.arange(grow, device=dev)
+    if n == grow:
         return slots
+    steps = torch.arange(grow, n, device=dev)  # (m,)
+    filling = steps[None, :] < full_at[:, None]  # (B, m) a free slot: the one before the row's tokens
+    free_slot = free[:, None] - 1 - (steps[None, :] - grow)
+    scored = ~filling & (steps[None, :] < by_prompt)  # (B, m) the next lowest-scored prompt token
+    score_slot = free_slot  # (placeholder where no row evicts by score)
+    if need:  # lowest score first, ties by slot (argmin's order); evicted slots score +inf
+        order = torch.sort(layer.score, dim=-1, stable=True).indices  # (B, H, cap)
+        rank = (steps[None, :] - full_at[:, None]).clamp(0, need - 1)  # (B, m)
+        score_slot = order.gather(2, rank[:, None, :].expand(B, H, -1))
+    t = grow
+    while t < n:  # otherwise the generated token at position seen + t - W leaves: its slot
+        leaving = seen + t - W
+        if leaving < seen:  # stored before this forward: where it is
+            c = min(n - t, seen - leaving)
+            wanted = torch.arange(leaving, leaving + c, device=dev)
+            leave = (layer.pos[:, :, None, :] == wanted[:, None]).to(torch.int8).argmax(-1)
+        else:  # a token of this forward: the slot it took
+            c = min(n - t, W)
+            leave = slots[:, :, t - W:t - W + c]
+        a, b = t - grow, t - grow + c
+        pick = lambda x: x[:, None, a:b] if x.dim() == 2 else x[:, :, a:b]  # noqa: E731
+        slots[:, :, t:t + c] = torch.where(pick(filling), pick(free_slot),
+                                           torch.where(pick(scored), pick(score_slot), leave))
+        t += c
+    return slots
 
-    def _attend_planned(self, q, k_new, v_new, scaling, slots) -> torch.Tensor:
-        """The ``n`` queries of a planned forward, each over the keys its decode step would see."""
-        B, H, cap, D = self.k.shape
-        H_q, n = q.shape[1], q.shape[2]
-        G = H_q // H
-        dev = q.device
-        steps = torch.arange(n, device=dev)
-        # a slot's current key is visible until the first step that writes the slot
-        end_old = torch.full((B, H, cap), n, dtype=torch.long, device=dev)
-        end_old.scatter_reduce_(2, slots, steps.expand(B, H, n), "amin")
-        slot_ids = torch.arange(cap, device=dev)
-        used = (slot_ids >= (self.filled - self.kept)[:, None]) & (slot_ids < self.filled)  # (B, cap)
-        # token t's key is visible from step t until the next step that writes its slot
-        order = (slots * n + steps).sort(dim=-1).values
-        slot_sorted, step_sorted = order // n, order % n
-        reused = slot_sorted[:, :, 1:] == slot_sorted[:, :, :-1]
-        end_sorted = torch.cat([torch.where(reused, step_sorted[:, :, 1:], n),
-                                torch.full((B, H, 1), n, dtype=torch.long, device=dev)], dim=2)
-        end_new = torch.empty_like(end_sorted).scatter_(2, step_sorted, end_sorted)
-        qg = q.float().reshape(B, H, G, n, D)
-        k_old, v_old = self.k.float(), self.v.float()
-        out = torch.empty(B, H, G, n, D, device=dev)
-        block = 128
-        for t0 in range(0, n, block):
-            t1 = min(n, t0 + block)
-            t_q = steps[t0:t1]
-            # new tokens some query of the block still sees: from the first one alive at t0
-            lo = int(torch.where(end_new > t0, steps, n).amin())
-            t_k = steps[lo:t1]
-            see_old = used[:, None, None, :] & (t_q[:, None] < end_old[:, :, None, :])  # (B, H, b, cap)
-            see_new = (t_k[None, None, None, :] <= t_q[:, None]) & (t_q[:, None] < end_new[:, :, None, lo:t1])
-            keys = torch.cat([k_old, k_new[:, :, lo:t1].float()], dim=2)  # (B, H, cap + m, D)
-            values = torch.cat([v_old, v_new[:, :, lo:t1].float()], dim=2)
-            out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys, values,
-                                                         torch.cat([see_old, see_new], dim=-1), scaling)
-        return out.reshape(B, H_q, n, D).to(q.dtype)
+def attend_planned(layer, q, k_new, v_new, scaling, slots) -> torch.Tensor:
+    """The ``n`` queries of a planned forward, each over the keys its decode step would see."""
+    B, H, cap, D = layer.k.shape
+    H_q, n = q.shape[1], q.shape[2]
+    G = H_q // H
+    dev = q.device
+    steps = torch.arange(n, device=dev)
+    # a slot's current key is visible until the first step that writes the slot
+    end_old = torch.full((B, H, cap), n, dtype=torch.long, device=dev)
+    end_old.scatter_reduce_(2, slots, steps.expand(B, H, n), "amin")
+    slot_ids = torch.arange(cap, device=dev)
+    used = (slot_ids >= (layer.filled - layer.kept)[:, None]) & (slot_ids < layer.filled)  # (B, cap)
+    # token t's key is visible from step t until the next step that writes its slot
+    order = (slots * n + steps).sort(dim=-1).values
+    slot_sorted, step_sorted = order // n, order % n
+    reused = slot_sorted[:, :, 1:] == slot_sorted[:, :, :-1]
+    end_sorted = torch.cat([torch.where(reused, step_sorted[:, :, 1:], n),
+                            torch.full((B, H, 1), n, dtype=torch.long, device=dev)], dim=2)
+    end_new = torch.empty_like(end_sorted).scatter_(2, step_sorted, end_sorted)
+    qg = q.float().reshape(B, H, G, n, D)
+    k_old, v_old = layer.k.float(), layer.v.float()
+    out = torch.empty(B, H, G, n, D, device=dev)
+    block = 128
+    for t0 in range(0, n, block):
+        t1 = min(n, t0 + block)
+        t_q = steps[t0:t1]
+        # new tokens some query of the block still sees: from the first one alive at t0
+        lo = int(torch.where(end_new > t0, steps, n).amin())
+        t_k = steps[lo:t1]
+        see_old = used[:, None, None, :] & (t_q[:, None] < end_old[:, :, None, :])  # (B, H, b, cap)
+        see_new = (t_k[None, None, None, :] <= t_q[:, None]) & (t_q[:, None] < end_new[:, :, None, lo:t1])
+        keys = torch.cat([k_old, k_new[:, :, lo:t1].float()], dim=2)  # (B, H, cap + m, D)
+        values = torch.cat([v_old, v_new[:, :, lo:t1].float()], dim=2)
+        out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys, values,
+                                                     torch.cat([see_old, see_new], dim=-1), scaling)
+    return out.reshape(B, H_q, n, D).to(q.dtype)
 
-    def _apply_plan(self, k_new, v_new, slots) -> None:
-        """Store the planned tokens: each slot ends with the last token written to it."""
-        B, H, cap, D = self.k.shape
-        n = slots.shape[2]
-        last = torch.full((B, H, cap), -1, dtype=torch.long, device=slots.device)
-        last.scatter_reduce_(2, slots, torch.arange(n, device=slots.device).expand(B, H, n), "amax")
-        written = last >= 0
-        src = last.clamp(min=0)
-        self.k = torch.where(written[..., None], k_new.gather(2, src[..., None].expand(B, H, cap, D)), self.k)
-        self.v = torch.where(written[..., None], v_new.gather(2, src[..., None].expand(B, H, cap, D)), self.v)
-        self.pos = torch.where(written, src + self.seen, self.pos)
-        self.score = self.score.masked_fill(written, float("inf"))
-        self.filled += min(n, self.policy.budget - self.filled)
-        self.kept = (self.kept + n).clamp(max=self.filled)
-        self.seen += n
+def apply_plan(layer, k_new, v_new, slots) -> None:
+    """Store the planned tokens: each slot ends with the last token written to it."""
+    B, H, cap, D = layer.k.shape
+    n = slots.shape[2]
+    last = torch.full((B, H, cap), -1, dtype=torch.long, device=slots.device)
+    last.scatter_reduce_(2, slots, torch.arange(n, device=slots.device).expand(B, H, n), "amax")
+    written = last >= 0
+    src = last.clamp(min=0)
+    layer.k = torch.where(written[..., None], k_new.gather(2, src[..., None].expand(B, H, cap, D)), layer.k)
+    layer.v = torch.where(written[..., None], v_new.gather(2, src[..., None].expand(B, H, cap, D)), layer.v)
+    layer.pos = torch.where(written, src + layer.seen, layer.pos)
+    layer.score = layer.score.masked_fill(written, float("inf"))
+    layer.filled += min(n, layer.policy.budget - layer.filled)
+    layer.kept = (layer.kept + n).clamp(max=layer.filled)
+    layer.seen += n
 
 
-
-class StaticStep:
-    """The static decode step of ``SnapKVLayer`` (``plan.static``: a step ``torch.compile`` captures).
+def static_step(layer, q, k_new, v_new, scaling, plan) -> torch.Tensor:
+    """The static decode step of a ``SnapKVLayer`` (``plan.static``: a step ``torch.compile`` captures).
 
     It stores the token where the eager step (``SnapKVLayer._store``) would and attends over the
     same slots, with every choice made from device tensors: the position is the plan's, the slots
@@ -151,37 +149,30 @@ class StaticStep:
     cache.capacity)`` when the cache is planned), and the attention masks the unused slots, so
     every step of a generation has the same shapes.
     """
-
-    def _static_step(self, q, k_new, v_new, scaling, plan) -> torch.Tensor:
-        p = self.policy
-        # outgrown (an unplanned cache): a new shape. The host count is read only then (a planned
-        # cache's step reads none, so it keeps one graph)
-        if self.k.shape[2] < p.budget and self.filled == self.k.shape[2]:
-            self._grow(min(p.budget, self.filled + GROW))
-        B, H, cap, D = self.k.shape
-        slot_ids = torch.arange(cap, device=self.k.device)
-        in_use = torch.where(self.pos[:, 0] >= 0, slot_ids + 1, 0)  # (B, cap)
-        filled = in_use.amax()  # () the eager `filled`
-        leaving = plan.start - p.window_size  # [1]
-        by_window = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H) the generated token leaving
-        by_score = self.score.argmin(-1)  # (B, H) the lowest-scored prompt token
-        slot = torch.where(leaving >= self.prompt_len, by_window, by_score)
-        kept = self.kept[:, None]  # (B, 1)
-        slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row fills its free slots
-        slot = torch.where(filled < p.budget, filled, slot)  # growing: every row appends
-        filled = (filled + 1).clamp(max=p.budget)
-        self.kept.copy_(torch.minimum(self.kept + 1, filled))
-        index = slot[:, :, None]  # (B, H, 1)
-        rows = index[..., None].expand(B, H, 1, D)
-        self.k.scatter_(2, rows, k_new.to(self.k.dtype))
-        self.v.scatter_(2, rows, v_new.to(self.v.dtype))
-        self.pos.scatter_(2, index, plan.start.view(1, 1, 1).expand(B, H, 1))
-        self.score.scatter_(2, index, float("inf"))
-        self.count_static_step()
-        visible = (slot_ids >= filled - self.kept[:, None]) & (slot_ids < filled)  # (B, cap)
-        return masked_decode_attention(q, self.k, self.v, scaling, visible)
-
-    def count_tokens(self, n: int) -> None:
-        self.seen += n
-        self.filled = min(self.policy.budget, self.filled + n)
-        self._deficit = None  # `kept` changed in place: read again by the next eager step
+    p = layer.policy
+    # outgrown (an unplanned cache): a new shape. The host count is read only then (a planned
+    # cache's step reads none, so it keeps one graph)
+    if layer.k.shape[2] < p.budget and layer.filled == layer.k.shape[2]:
+        layer._grow(min(p.budget, layer.filled + GROW))
+    B, H, cap, D = layer.k.shape
+    slot_ids = torch.arange(cap, device=layer.k.device)
+    in_use = torch.where(layer.pos[:, 0] >= 0, slot_ids + 1, 0)  # (B, cap)
+    filled = in_use.amax()  # () the eager `filled`
+    leaving = plan.start - p.window_size  # [1]
+    by_window = (layer.pos == leaving).to(torch.int8).argmax(-1)  # (B, H) the generated token leaving
+    by_score = layer.score.argmin(-1)  # (B, H) the lowest-scored prompt token
+    slot = torch.where(leaving >= layer.prompt_len, by_window, by_score)
+    kept = layer.kept[:, None]  # (B, 1)
+    slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row fills its free slots
+    slot = torch.where(filled < p.budget, filled, slot)  # growing: every row appends
+    filled = (filled + 1).clamp(max=p.budget)
+    layer.kept.copy_(torch.minimum(layer.kept + 1, filled))
+    index = slot[:, :, None]  # (B, H, 1)
+    rows = index[..., None].expand(B, H, 1, D)
+    layer.k.scatter_(2, rows, k_new.to(layer.k.dtype))
+    layer.v.scatter_(2, rows, v_new.to(layer.v.dtype))
+    layer.pos.scatter_(2, index, plan.start.view(1, 1, 1).expand(B, H, 1))
+    layer.score.scatter_(2, index, float("inf"))
+    layer.count_static_step()
+    visible = (slot_ids >= filled - layer.kept[:, None]) & (slot_ids < filled)  # (B, cap)
+    return masked_decode_attention(q, layer.k, layer.v, scaling, visible)

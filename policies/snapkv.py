@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
-from kvpress.cache import PROMPT_CROP_TOKENS, RecordingLayer
+from kvpress.cache import PROMPT_CROP_TOKENS, CacheLayer
 from kvpress.kernels import SparseIndex, sparse_decode
-from kvpress.policies._snapkv_plan import GROW as _GROW, PlannedSteps, StaticStep
+from kvpress.policies._snapkv_plan import GROW as _GROW, apply_plan, attend_planned, plan_slots, static_step
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_tokens, register_policy
 
@@ -173,7 +173,7 @@ def turn_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, end: 
     return pooled.gather(3, at).mean(2)
 
 
-class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
+class SnapKVLayer(CacheLayer):
     """Compact per-head storage: ``k``/``v`` ``(B, H_kv, cap, D)`` and ``pos`` ``(B, H_kv, cap)``.
 
     Slots ``[0, filled)`` are in use; row ``b``'s tokens occupy ``[filled - kept[b], filled)``
@@ -185,10 +185,11 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
     keeps its last ``window_size + PROMPT_CROP_TOKENS`` queries while recording: up to
     ``PROMPT_CROP_TOKENS`` of its tokens can be taken back.
 
-    Static decode: a compiled decode step chooses its slot on the device (:class:`StaticStep`).
+    Static decode: a compiled decode step chooses its slot on the device (``_snapkv_plan.static_step``).
     """
 
     static_decode = True
+    rollback = "record"
     rollback_state = ("k", "v", "pos", "kept", "score", "prompt_len", "filled")
 
     def __init__(self, cache, layer_idx: int, policy: SnapKVPolicy):
@@ -205,7 +206,7 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
     def attend(self, q, k_new, v_new, scaling):
         plan = self.cache.plan
         if plan is not None and plan.static and self.k is not None:
-            return self._static_step(q, k_new, v_new, scaling, plan)
+            return static_step(self, q, k_new, v_new, scaling, plan)
         if self.k is None:
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             T = k_new.shape[2]
@@ -219,10 +220,10 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
         if self.policy.reselect_turns and n > 1 and not self.record_past:
             return self._turn(q, k_new, v_new, scaling)  # a new turn: selected again
         if n > 1:  # several tokens after the prompt (a verification, a turn as steps): planned at once
-            slots = self._plan(n)
+            slots = plan_slots(self, n)
             if slots is not None:
-                out = self._attend_planned(q, k_new, v_new, scaling, slots)
-                self._apply_plan(k_new, v_new, slots)
+                out = attend_planned(self, q, k_new, v_new, scaling, slots)
+                apply_plan(self, k_new, v_new, slots)
                 return out
         if n == 1:
             return self._decode(q, k_new, v_new, scaling)
@@ -264,9 +265,9 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
             self._compress(kept_q[:, :, kept_q.shape[2] - w:], k, v, scaling)
             self.seen += T
             return
-        slots = self._plan(k.shape[2]) if k.shape[2] > 1 else None
+        slots = plan_slots(self, k.shape[2]) if k.shape[2] > 1 else None
         if slots is not None:
-            self._apply_plan(k, v, slots)
+            apply_plan(self, k, v, slots)
             return
         for t in range(k.shape[2]):
             self._store(k[:, :, t : t + 1], v[:, :, t : t + 1])
@@ -419,6 +420,11 @@ class SnapKVLayer(PlannedSteps, StaticStep, RecordingLayer):
         self.pos.scatter_(2, index, position)
         self.score.scatter_(2, index, float("inf"))
         self.seen += 1
+
+    def count_tokens(self, n: int) -> None:
+        self.seen += n
+        self.filled = min(self.policy.budget, self.filled + n)
+        self._deficit = None  # `kept` changed in place: read again by the next eager step
 
     def _max_deficit(self) -> int:
         """Free slots of the emptiest row, ``max(filled - kept)`` (0 without padding): read from the

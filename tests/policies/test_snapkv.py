@@ -5,6 +5,7 @@ import torch
 
 import kvpress
 from kvpress.cache import PolicyCache
+from kvpress.policies._snapkv_plan import plan_slots
 from kvpress.policies.snapkv import snap_scores
 from kvpress.stats import tensor_bytes
 
@@ -200,7 +201,7 @@ def test_several_tokens_after_the_prompt_equal_as_many_decode_steps(model, lengt
     if not record:
         fields = {**fields, "reselect_turns": False}
     (one, steps), (q, k, v) = _twins(model, length, extra, batch, row_start, **fields)
-    assert (one._plan(extra) is not None) == planned  # (a plan only grows the buffers, as the steps would)
+    assert (plan_slots(one, extra) is not None) == planned  # (a plan only grows the buffers, as the steps would)
     if record:
         one.activate_past_recording()
         one.record_forward(k, v)
@@ -350,7 +351,7 @@ def test_turn_pieces_held_densely_until_the_end_and_counted(model):
 
 @pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("row_start,length,turn", [(None, 30, 0), ([0, 7], 12, 0), ([3, 0], 9, 6)])
-def test_static_step_stores_and_attends_as_the_eager_step(model, row_start, length, turn, planned):
+def test_static_step_stores_and_attends_as_the_eager_step(model, row_start, length, turn, planned, monkeypatch):
     """The static decode step (``plan.static``; run here without compiling) chooses every slot on the
     device as the eager step does on the host: growing, a shorter row's free slots, evictions by
     score, then the generated tokens leaving the window; after a prompt, and after a new turn."""
@@ -367,8 +368,10 @@ def test_static_step_stores_and_attends_as_the_eager_step(model, row_start, leng
             layer.attend(torch.randn(2, 4, turn, 16, generator=g), torch.randn(2, 2, turn, 16, generator=g),
                          torch.randn(2, 2, turn, 16, generator=g), 0.25)
     assert static.k.shape[2] == (20 if planned else eager.k.shape[2])
-    calls, static_step = [], static._static_step
-    static._static_step = lambda *args: calls.append(1) or static_step(*args)
+    import kvpress.policies.snapkv as snapkv_module
+
+    calls, static_step = [], snapkv_module.static_step
+    monkeypatch.setattr(snapkv_module, "static_step", lambda *args: calls.append(1) or static_step(*args))
     for t in range(40):
         seen = static.seen
         static.cache.plan = ForwardPlan(ForwardKind.DECODE, 1, torch.tensor([seen]), torch.tensor([seen + 1]),
