@@ -4,8 +4,8 @@
 transformers calls ``cache.update(k, v, layer_idx)`` with the new post-RoPE keys/values, then the
 attention function registered by :func:`kvpress.apply` calls ``cache.attend(layer, q, k, v,
 scaling)``, which runs ``layer.attend``. A layer therefore sees each step's (q, k, v) together and
-decides what to store, what to evict, what to select and how to attend. All per-generation state lives in the layer objects, which
-are created fresh for every cache.
+decides what to store, what to evict, what to select and how to attend. All per-generation state
+lives in the layer objects, which are created fresh for every cache.
 
 Layer contract (subclass :class:`CacheLayer`):
 
