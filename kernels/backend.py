@@ -81,14 +81,14 @@ def choose(op: str, backend: str, allowed: tuple[str, ...], why_not: dict) -> st
 # ----------------------------------------------------------------------------- shared limits
 def triton_unsupported(t: torch.Tensor, head_dim: int, group: int, head_dims=TRITON_HEAD_DIMS) -> str | None:
     """Why the Triton kernels cannot run on ``t``'s device with this head_dim and GQA group, or None."""
-    if t.device.type != "cuda" and not interpreting():
-        return f"it needs CUDA tensors (got {t.device}; TRITON_INTERPRET=1 runs CPU tensors in the tests)"
-    if not triton_available():
-        return "triton is not installed"
     if head_dim not in head_dims:
         return f"it takes head_dim in {head_dims}, got {head_dim}"
     if not 1 <= group <= MAX_GROUP:
         return f"it takes GQA groups of 1..{MAX_GROUP} query heads per KV head, got {group}"
+    if t.device.type != "cuda" and not interpreting():
+        return f"it needs CUDA tensors (got {t.device}; TRITON_INTERPRET=1 runs CPU tensors in the tests)"
+    if not triton_available():
+        return "triton is not installed"
     return None
 
 
@@ -101,10 +101,10 @@ def _dense_rows(t: torch.Tensor) -> bool:
     return t.stride(3) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3])
 
 
-def _native_why(group: int, *fp32: torch.Tensor) -> str | None:
+def _native_why(group: int, *fp32: torch.Tensor, max_group: int | None = NATIVE_MAX_GROUP) -> str | None:
     if not _fp32_cpu(*fp32):
         return "it needs fp32 CPU tensors"
-    if not 1 <= group <= NATIVE_MAX_GROUP:
+    if group < 1 or (max_group is not None and group > max_group):
         return f"it takes GQA groups of 1..{NATIVE_MAX_GROUP} query heads per KV head, got {group}"
     if not native_available():
         return _native_reason()
@@ -121,8 +121,8 @@ def sparse_decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """`kvpress.kernels.sparse_decode` / `sparse_decode_tail` (``tail`` = ``(k_sum, v_sum, count)``)."""
     G = _group(q, k_cache.shape[1])
 
-    def native():
-        why = _native_why(G, q, k_cache, v_cache)
+    def native():  # the compiled sparse decode takes any GQA group
+        why = _native_why(G, q, k_cache, v_cache, max_group=None)
         if why is None and not (_dense_rows(k_cache) and _dense_rows(v_cache)):
             why = "it needs caches whose (T, D) dims are dense"
         if why is None and block_idx.dtype != torch.int32:
@@ -208,7 +208,7 @@ def quant_read_backend(x: torch.Tensor, codes, scale, zero, backend: str, max_ro
         why = quant_read_unsupported(x, codes, scale, zero)
         return why if why is not None else (None if native_available() else _native_reason())
 
-    return choose("packed-store read", backend, ("native", "torch"), {"native": native})
+    return choose("packed-store read", backend, ("torch", "native"), {"native": native})
 
 
 def quant_step_backend(q: torch.Tensor, num_kv_heads: int, stores, *, n_quant: int, backend: str,

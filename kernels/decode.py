@@ -35,8 +35,8 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         on CPU: it gathers only the selected rows). ``"native"``: fp32 CPU tensors and a clean
         index (no padding slots), one compiled C call (`kvpress.kernels.native`; an error when
         it cannot run the inputs). ``"auto"``: triton for CUDA tensors with a supported
-        head_dim when triton is importable; native for inputs it runs when it is built (an index
-        that is not clean then runs the torch path inside the native op); else torch. The choice
+        head_dim when triton is importable; native for inputs it runs when it is built (torch for an
+        index that is not clean); else torch. The choice
         is `kvpress.kernels.backend.sparse_decode`'s.
     out : torch.Tensor, optional
         Preallocated ``(B, H_q, D)`` output in q's dtype.
@@ -57,23 +57,30 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     check_decode_inputs(q, k_cache, v_cache, index, out, validate_index and not torch.compiler.is_compiling())
     choice = sparse_decode_backend(q, k_cache, v_cache, index.block_idx, backend)
     if choice == "native":
-        return native_decode(q, k_cache, v_cache, index, scale, out, required=backend == "native")
+        done = native_decode(q, k_cache, v_cache, index, scale, out, required=backend == "native")
+        if done is not None:
+            return done
+        choice = "torch"
     if choice == "triton":
         return triton_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out, validate_index=False)
     return torch_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out, validate_index=False)
 
 
 def native_decode(q, k_cache, v_cache, index, scale, out, *, required: bool, tail=None, chunk_size=0):
-    """`kvpress.kernels.native.sparse_decode` of validated inputs. With ``required`` (a forced
-    ``backend="native"``, eager) an index that is not clean is a ValueError; otherwise the op
-    runs the torch path for it."""
+    """`kvpress.kernels.native.sparse_decode` of validated inputs, or None for an index that is not
+    clean (the caller runs the torch path; with ``required``, a forced ``backend="native"``, a
+    ValueError). While `torch.compile` traces, the index is not read: the op itself runs the torch
+    path for an index that is not clean."""
     from .native import sparse_decode as native_sparse_decode
 
-    if required and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         from .torch_fast import clean_rows
 
         if clean_rows(index) is None:
-            raise ValueError("sparse_decode: backend='native' cannot run these inputs: it needs a clean index (no "
-                             "padding slots; every row holds its sinks, tail and blocks); use backend='auto' or 'torch'")
+            if required:
+                raise ValueError("sparse_decode: backend='native' cannot run these inputs: it needs a clean index (no "
+                                 "padding slots; every row holds its sinks, tail and blocks); use backend='auto' or "
+                                 "'torch'")
+            return None
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
     return native_sparse_decode(q, k_cache, v_cache, index, scale=scale, tail=tail, chunk_size=chunk_size, out=out)

@@ -130,8 +130,10 @@ def sparse_decode_tail(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     choice = sparse_decode_backend(q, k_cache, v_cache, index.block_idx, backend, tail=(k_sum, v_sum, count))
     if choice == "native":
-        return native_decode(q, k_cache, v_cache, index, scale, None, required=backend == "native",
+        done = native_decode(q, k_cache, v_cache, index, scale, None, required=backend == "native",
                              tail=(k_sum, v_sum, count), chunk_size=chunk_size)
+        if done is not None:
+            return done
     if choice == "triton":
         out, lse = triton_sparse_decode(q, k_cache, v_cache, index, scale=scale, validate_index=False)
         t_out, t_lse = tail_estimate(q, k_cache, v_cache, index, k_sum, v_sum, count, chunk_size=chunk_size,
