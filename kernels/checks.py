@@ -38,6 +38,17 @@ def require_cuda_or_interpreter(t: torch.Tensor, what: str) -> None:
                          "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
 
 
+def wrap_kernel(kernel):
+    """``torch.library.wrap_triton(kernel)`` for a ``@triton.jit`` kernel, so that a launch inside a
+    ``triton_op`` is traced as the kernel itself; anything else (the compile tests' launch
+    recorders) is returned as it is."""
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction) or type(kernel).__name__ == "InterpretedFunction":
+        return torch.library.wrap_triton(kernel)
+    return kernel
+
+
 def next_pow2(x: int) -> int:
     """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (x - 1).bit_length())

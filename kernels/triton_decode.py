@@ -12,10 +12,10 @@ import math
 from typing import Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, check_decode_inputs, interpreting,  # noqa: F401
-                     next_pow2 as _next_pow2, require_cuda_or_interpreter)
+                     next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
 from .index import SparseIndex
 
 BLOCK_N = 64  # tokens per tile: one 64-token block, or several smaller blocks gathered together
@@ -103,7 +103,7 @@ def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if B * H_q == 0:
         return out, lse
 
-    wrap_triton(_sparse_decode_split_kernel)[(B, H_kv, splits)](
+    wrap_kernel(_sparse_decode_split_kernel)[(B, H_kv, splits)](
         qc, kc, vc, block_idx, block_cnt, seq_lens, starts, out_part, lse_part,
         qc.stride(0), qc.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
@@ -118,7 +118,7 @@ def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
-    wrap_triton(_merge_splits_kernel)[(B, H_q)](
+    wrap_kernel(_merge_splits_kernel)[(B, H_q)](
         out_part, lse_part, out_buf, lse,
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),

@@ -6,9 +6,9 @@ not this Python. Triton is imported lazily; CPU tensors run only under ``TRITON_
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from .checks import interpreting, next_pow2 as _next_pow2, require_cuda_or_interpreter
+from .checks import interpreting, next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel
 
 BLOCK_R = 16  # rows (query heads x batch) per program
 
@@ -33,7 +33,7 @@ def _merge_states_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
     if n and D:
         flat = lambda t: (t.float() if interpreting() else t).contiguous()  # noqa: E731
-        wrap_triton(_merge_two_kernel)[(-(-n // BLOCK_R),)](
+        wrap_kernel(_merge_two_kernel)[(-(-n // BLOCK_R),)](
             flat(out_a), flat(lse_a), flat(out_b), flat(lse_b), out, lse, n,
             HEAD_DIM=D, BLOCK_R=BLOCK_R, BLOCK_D=max(16, _next_pow2(D)), num_warps=4)
     return (out if out.dtype == out_a.dtype else out.to(out_a.dtype)), lse

@@ -12,11 +12,10 @@ import math
 from typing import Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from .checks import (MAX_GROUP, TRITON_QUANT_HEAD_DIMS, check_quant_decode as _check_decode, interpreting,  # noqa: F401
-                     require_cuda_or_interpreter)
-from .checks import next_pow2 as _next_pow2
+from .checks import (MAX_GROUP, TRITON_QUANT_HEAD_DIMS, check_quant_decode as _check_decode,  # noqa: F401
+                     interpreting, next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
 from .quant_format import check_quant_config
 from .triton_decode import MAX_SPLITS, _sm_count
 # decode launch configuration, from H200 sweeps (``benchmarks/gpu/tune_quant.py``) with PTX_CODES: one warp per
@@ -114,7 +113,7 @@ def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
     R = 0 if refine_channels is None else refine_channels.shape[-1]
     rc, rs, ridx = (refine_codes, refine_scale, refine_channels) if R else (k_codes, k_scale, starts)  # dummies when off
-    wrap_triton(_quant_decode_split_kernel)[(B, H_kv, splits)](
+    wrap_kernel(_quant_decode_split_kernel)[(B, H_kv, splits)](
         qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part, rc, rs, ridx,
         qc.stride(0), qc.stride(1),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
@@ -135,7 +134,7 @@ def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
         PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), REFINE=R, num_warps=warps,
         num_stages=NUM_STAGES,
     )
-    wrap_triton(_merge_splits_kernel)[(B, H_q)](
+    wrap_kernel(_merge_splits_kernel)[(B, H_q)](
         out_part, lse_part, out, lse,
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
@@ -185,7 +184,7 @@ def _quantize_pack_op(x: torch.Tensor, bits: int, group_size: int,
     zero = torch.empty(ps, dtype=torch.float16, device=x.device)
     block_t = group_size if per_channel else BLOCK_T
     if B * H * T:
-        wrap_triton(_quantize_pack_kernel)[(B * H, -(-T // block_t))](
+        wrap_kernel(_quantize_pack_kernel)[(B * H, -(-T // block_t))](
             xc, codes, scale, zero,
             xc.stride(0), xc.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
             T, BLOCK_T=block_t, HEAD_DIM=D, BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=per_channel,

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, TRITON_MAX_SETS, check_row_sets, interpreting,
-                     next_pow2 as _next_pow2, require_cuda_or_interpreter)
+                     next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
 from .triton_decode import BLOCK_N
 
 
@@ -58,7 +58,7 @@ def _attend_rows_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tens
         strides += [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                     c.stride(0) if cnt is not None else 0, c.stride(1) if cnt is not None else 0]
         has_cnt.append(cnt is not None)
-    wrap_triton(_attend_rows_kernel)[(B, H)](
+    wrap_kernel(_attend_rows_kernel)[(B, H)](
         qc, out, lse, *ptrs, *sizes,
         qc.stride(0), qc.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *strides,
