@@ -5,8 +5,8 @@ implementation runs; the policies do too (`quant_step_backend`, `label_select_ba
 `shadowkv_step_backend`, `residual_backend`), so none of them tests availability or limits itself.
 
 * ``"torch"``: plain torch operators on any device (the reference of the other two).
-* ``"native"``: the compiled CPU kernels (`kvpress.kernels.native`, fp32 CPU tensors, a GQA group
-  of at most 8, the library built).
+* ``"native"``: the compiled CPU kernels (`kvpress.kernels.native`, fp32 CPU tensors, the library
+  built; a GQA group of at most 8 except for `sparse_decode`).
 * ``"triton"``: the Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``,
   the tests' way; triton importable, head_dim 64 or 128, a GQA group of at most 16).
 * ``"auto"``: the first of triton, native, torch that can run the inputs.
@@ -15,7 +15,8 @@ A forced backend that cannot run the inputs raises a ValueError naming why and w
 Every check here reads shapes, dtypes, devices and strides only, never tensor values, so a
 choice made while `torch.compile` traces is the choice eager makes (availability is a constant
 for the tracer). The one value-dependent limit, the native `sparse_decode`'s clean index, is
-checked by that kernel's op itself, which runs the torch path for an index that is not clean.
+checked after the choice: in eager by `kvpress.kernels.decode.native_decode` (the torch path runs
+instead), while tracing by the native op itself, which then runs the torch path inside.
 """
 from __future__ import annotations
 
@@ -254,7 +255,12 @@ def quant_step_backend(q: torch.Tensor, num_kv_heads: int, stores, *, n_quant: i
 def label_select_backend(q: torch.Tensor, num_kv_heads: int, labels: torch.Tensor, k_cache: torch.Tensor,
                  backend: str) -> str:
     """Double Sparsity's decode selection (`native.label_select` or its torch path): native for
-    ``"auto"`` on fp32 CPU labels and keys with a contiguous cache, G <= 8, the library built."""
+    ``"auto"`` on fp32 CPU labels and keys with a contiguous cache, G <= 8, the library built.
+    ``backend`` is the policy's (any of `BACKENDS`): ``"triton"`` names the attention kernel, the
+    selection then runs on torch."""
+    if backend == "triton":
+        return "torch"
+
     def native():
         if not (k_cache.is_contiguous() and labels.dtype == torch.float32):
             return "it needs fp32 labels and a contiguous fp32 K cache"
@@ -265,7 +271,11 @@ def label_select_backend(q: torch.Tensor, num_kv_heads: int, labels: torch.Tenso
 
 def shadowkv_step_backend(q: torch.Tensor, gen_k: torch.Tensor, backend: str, landmarks=None, factor=None,
                   basis=None) -> str:
-    """ShadowKV's compiled decode step (`native.shadowkv_select` + `native.attend_rows`) or torch."""
+    """ShadowKV's compiled decode step (`native.shadowkv_select` + `native.attend_rows`) or torch.
+    ``backend`` is the policy's (any of `BACKENDS`); ``"triton"`` means the torch / Triton step."""
+    if backend == "triton":
+        return "torch"
+
     def native():
         why = _native_why(_group(q, gen_k.shape[1]), q, gen_k)
         if why is None and landmarks is not None:
@@ -278,7 +288,11 @@ def shadowkv_step_backend(q: torch.Tensor, gen_k: torch.Tensor, backend: str, la
 
 
 def residual_backend(keys: torch.Tensor, table: torch.Tensor, backend: str) -> str:
-    """ShadowKV's residual correction of rebuilt keys (`native.add_residual` or torch)."""
+    """ShadowKV's residual correction of rebuilt keys (`native.add_residual` or torch). ``backend``
+    is the policy's (any of `BACKENDS`); only ``"torch"`` keeps fp32 CPU keys off the native pass."""
+    if backend == "triton":
+        backend = "auto"
+
     def native():
         if table.device.type != "cpu" or table.dtype != torch.uint8:
             return "it needs a uint8 CPU residual table"
