@@ -30,6 +30,9 @@ from .checks import (MAX_GROUP, NATIVE_MAX_GROUP, NATIVE_MAX_SETS, TRITON_HEAD_D
 
 BACKENDS = ("auto", "triton", "torch", "native")
 ORDER = ("triton", "native", "torch")  # what "auto" tries, first that can run wins
+# under TRITON_INTERPRET=1, "auto" picks the Triton kernels for CPU tensors as it would for CUDA ones
+# (the op-count benchmark's --cuda-path sets it, with `native_available` off, to walk a GPU step's routes)
+AUTO_TRITON_ON_CPU = False
 
 
 @torch.compiler.assume_constant_result
@@ -80,13 +83,16 @@ def choose(op: str, backend: str, allowed: tuple[str, ...], why_not: dict) -> st
 
 
 # ----------------------------------------------------------------------------- shared limits
-def triton_unsupported(t: torch.Tensor, head_dim: int, group: int, head_dims=TRITON_HEAD_DIMS) -> str | None:
-    """Why the Triton kernels cannot run on ``t``'s device with this head_dim and GQA group, or None."""
+def triton_unsupported(t: torch.Tensor, head_dim: int, group: int, head_dims=TRITON_HEAD_DIMS, *,
+                       forced: bool = True) -> str | None:
+    """Why the Triton kernels cannot run on ``t``'s device with this head_dim and GQA group, or None.
+    CPU tensors run under ``TRITON_INTERPRET=1`` when the backend is ``forced`` (the tests' way), for
+    ``"auto"`` only with `AUTO_TRITON_ON_CPU`."""
     if head_dim not in head_dims:
         return f"it takes head_dim in {head_dims}, got {head_dim}"
     if not 1 <= group <= MAX_GROUP:
         return f"it takes GQA groups of 1..{MAX_GROUP} query heads per KV head, got {group}"
-    if t.device.type != "cuda" and not interpreting():
+    if t.device.type != "cuda" and not (interpreting() and (forced or AUTO_TRITON_ON_CPU)):
         return f"it needs CUDA tensors (got {t.device}; TRITON_INTERPRET=1 runs CPU tensors in the tests)"
     if not triton_available():
         return "triton is not installed"
@@ -136,7 +142,8 @@ def sparse_decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return why
 
     return choose("sparse_decode", backend, ORDER,
-                  {"triton": lambda: triton_unsupported(q, q.shape[-1], G), "native": native})
+                  {"triton": lambda: triton_unsupported(q, q.shape[-1], G, forced=backend == "triton"),
+                   "native": native})
 
 
 def merge_backend(out_a: torch.Tensor, backend: str) -> str:
@@ -145,7 +152,10 @@ def merge_backend(out_a: torch.Tensor, backend: str) -> str:
     def native():
         return _native_why(1, out_a)
 
-    choice = choose("merge_states", backend, ORDER, {"triton": lambda: triton_unsupported(out_a, 64, 1), "native": native})
+    def triton():
+        return triton_unsupported(out_a, 64, 1, forced=backend == "triton")
+
+    choice = choose("merge_states", backend, ORDER, {"triton": triton, "native": native})
     return "torch" if backend == "auto" and choice == "native" else choice
 
 
@@ -157,7 +167,7 @@ def rows_backend(q: torch.Tensor, sets, backend: str) -> str:
     def triton():
         if len(sets) > TRITON_MAX_SETS:
             return f"it takes up to {TRITON_MAX_SETS} row sets, got {len(sets)}"
-        return triton_unsupported(q, q.shape[-1], G)
+        return triton_unsupported(q, q.shape[-1], G, forced=backend == "triton")
 
     def native():
         if len(sets) > NATIVE_MAX_SETS:
@@ -176,7 +186,8 @@ def quant_decode_backend(q: torch.Tensor, k_codes: torch.Tensor, refine, backend
         R = 0 if refine is None else refine[2].shape[-1]
         if R & (R - 1):
             return f"it reads a power-of-two count of refined key channels, got {R}"
-        return triton_unsupported(q, q.shape[-1], _group(q, k_codes.shape[1]), TRITON_QUANT_HEAD_DIMS)
+        return triton_unsupported(q, q.shape[-1], _group(q, k_codes.shape[1]), TRITON_QUANT_HEAD_DIMS,
+                                  forced=backend == "triton")
 
     return choose("quant_decode", backend, ("triton", "torch"), {"triton": triton})
 
@@ -228,8 +239,8 @@ def quant_step_backend(q: torch.Tensor, num_kv_heads: int, stores, *, n_quant: i
     G = _group(q, num_kv_heads)
     if decode_backend not in ("auto", "triton", "torch"):
         raise ValueError(f"decode_backend must be one of ('auto', 'triton', 'torch'), got {decode_backend!r}")
-    if decode_backend != "torch" and (q.is_cuda or decode_backend == "triton"):
-        why = triton_unsupported(q, q.shape[-1], G, TRITON_QUANT_HEAD_DIMS)
+    if decode_backend != "torch" and (q.is_cuda or decode_backend == "triton" or AUTO_TRITON_ON_CPU):
+        why = triton_unsupported(q, q.shape[-1], G, TRITON_QUANT_HEAD_DIMS, forced=decode_backend == "triton")
         if why is None:
             return "triton"
         if decode_backend == "triton":

@@ -42,8 +42,8 @@ def torch_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Ten
 
 def triton_rows_supported(q: torch.Tensor, num_kv_heads: int, num_sets: int) -> bool:
     """Whether the Triton launch takes these inputs (CUDA, head_dim 64 / 128, G <= 16, 1-4 sets)."""
-    return (q.is_cuda and 1 <= num_sets <= TRITON_MAX_SETS and num_kv_heads > 0 and q.shape[1] % num_kv_heads == 0
-            and triton_unsupported(q, q.shape[-1], q.shape[1] // num_kv_heads) is None)
+    return (1 <= num_sets <= TRITON_MAX_SETS and num_kv_heads > 0 and q.shape[1] % num_kv_heads == 0
+            and triton_unsupported(q, q.shape[-1], q.shape[1] // num_kv_heads, forced=False) is None)
 
 
 def native_rows_supported(q: torch.Tensor, sets) -> bool:
