@@ -88,7 +88,8 @@ def check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise ValueError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device == index.device):
         raise ValueError(f"q, k_cache, v_cache and index must be on one device, got {q.device}, "
                          f"{k_cache.device}, {v_cache.device}, {index.device}")

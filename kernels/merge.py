@@ -37,7 +37,8 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
         raise ValueError(f"backend must be one of {MERGE_BACKENDS}, got {backend!r}")
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
         raise ValueError(f"merge_states needs out (..., D) and lse (...) of matching shapes, got "
-                         f"out {tuple(out_a.shape)}/{tuple(out_b.shape)}, lse {tuple(lse_a.shape)}/{tuple(lse_b.shape)}")
+                         f"out {tuple(out_a.shape)}/{tuple(out_b.shape)}, "
+                         f"lse {tuple(lse_a.shape)}/{tuple(lse_b.shape)}")
     choice = merge_backend(out_a, backend)
     if choice != "torch" and len({t.device for t in (out_a, lse_a, out_b, lse_b)}) != 1:
         raise ValueError("merge_states: the four tensors must be on one device")

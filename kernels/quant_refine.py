@@ -1,6 +1,7 @@
 """Refined key channels: per-channel keys with a few channels of each head at twice the bits
 (``zipcache``'s ``refine_key_channels``). Re-exported by `kvpress.kernels.quant`; the quantizer
-and packing are `kvpress.kernels.quant_format`'s; read by its torch / reference decode, `kvpress.kernels.native.quant_attend`
+and packing are `kvpress.kernels.quant_format`'s; read by its torch / reference decode,
+`kvpress.kernels.native.quant_attend`
 (``PackedSegment.refine``) and the fused Triton ``quant_decode`` (``refine=``)."""
 from __future__ import annotations
 

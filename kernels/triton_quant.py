@@ -112,7 +112,8 @@ def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
     starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
     R = 0 if refine_channels is None else refine_channels.shape[-1]
-    rc, rs, ridx = (refine_codes, refine_scale, refine_channels) if R else (k_codes, k_scale, starts)  # dummies when off
+    # dummy pointers when there are no refined channels
+    rc, rs, ridx = (refine_codes, refine_scale, refine_channels) if R else (k_codes, k_scale, starts)
     wrap_kernel(_quant_decode_split_kernel)[(B, H_kv, splits)](
         qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part, rc, rs, ridx,
         qc.stride(0), qc.stride(1),

@@ -28,7 +28,8 @@ def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Te
 
 @triton_op("kvpress::triton_attend_rows", mutates_args=())
 def _attend_rows_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-                    cnts: list[Optional[torch.Tensor]], ns: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    cnts: list[Optional[torch.Tensor]], ns: list[int],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch of `triton_attend_rows` (inputs validated): fp32 ``(out, lse)``."""
     from .triton_rows_kernel import _attend_rows_kernel
 

@@ -10,7 +10,8 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="native CPU kernels not bui
 
 
 def qkv(dtype=torch.float32, G=2, D=64):
-    return torch.randn(1, 2 * G, D, dtype=dtype), torch.randn(1, 2, 16, D, dtype=dtype), torch.randn(1, 2, 16, D, dtype=dtype)
+    return (torch.randn(1, 2 * G, D, dtype=dtype), torch.randn(1, 2, 16, D, dtype=dtype),
+            torch.randn(1, 2, 16, D, dtype=dtype))
 
 
 def test_choose_takes_the_first_that_can_run_and_refuses_what_cannot():
