@@ -4,7 +4,7 @@ public entry point on fp32 CPU tensors gives one graph holding the op and eager'
 import pytest
 import torch
 
-from kvpress.kernels import (attend_rows, merge_states, native, quantize_per_channel, quantize_per_token,
+from kvpress.kernels import (attend_rows, merge_states, native, quantize_per_token,
                              sparse_decode, sparse_decode_tail)
 from kvpress.kernels.quant import channel_quant_scores, token_quant_values
 
@@ -144,6 +144,12 @@ def test_quant_attend_with_gear_parts_compiles_to_the_native_op():
     s = torch.randn(B, H, M, N, generator=gen)
     assert_same(compiled_once(key_extra, s, q, op="native_gear_key_extra"), key_extra(s, q))
 
+    def value_extra(o, p):
+        return native.gear_value_extra(o.clone(), p, G, parts)
+
+    o, p = torch.randn(B, H, M, D, generator=gen), torch.softmax(torch.randn(B, H, M, N, generator=gen), -1)
+    assert_same(compiled_once(value_extra, o, p, op="native_gear_value_extra"), value_extra(o, p))
+
 
 def test_selection_kernels_compile_to_native_ops():
     gen = torch.Generator().manual_seed(2)
@@ -166,6 +172,24 @@ def test_selection_kernels_compile_to_native_ops():
 
     args = (q, lm, sel, factor, basis)
     assert_same(compiled_once(shadow, *args, op="native_shadowkv_select"), shadow(*args))
+
+    def tail(q, lm, v_sum):
+        return native.shadowkv_tail(q, lm, sel, v_sum, None, None, chunk_size=8, tail_chunk=16, scale=0.3)
+
+    v_sum = torch.randn(lm.shape[0], lm.shape[1], 12, lm.shape[3], generator=gen)
+    assert_same(compiled_once(tail, q, lm, v_sum, op="native_shadowkv_tail"), tail(q, lm, v_sum))
+    keys, rebuilt = torch.randn(1, 2, 6, 32, generator=gen), torch.randn(1, 2, 6, 32, generator=gen)
+    c, s, z = quantize_per_token(keys - rebuilt, 4, 16)
+    table = torch.cat([c, s.view(torch.uint8), z.view(torch.uint8)], dim=-1)
+
+    def residual(rebuilt, table):
+        return native.add_residual(rebuilt, table, 4, 16)
+
+    got = compiled_once(residual, rebuilt, table, op="native_add_residual")
+    assert_same(got, residual(rebuilt, table))
+    from kvpress.policies._shadowkv_store import add_residual as torch_add_residual
+
+    torch.testing.assert_close(got, torch_add_residual(rebuilt, table, 4, 16, backend="torch"), atol=1e-6, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- opcheck of every op
@@ -206,6 +230,8 @@ def _op_samples():
         "native_token_values": (p4, vc, vss, vz, 4, 16),
         "native_quant_attend": (q4, kw, vw, None, seg_t, seg_i),
         "native_gear_key_extra": (torch.randn(1, 2, 3, 64, generator=gen), q4, 32, gear),
+        "native_gear_value_extra": (torch.randn(1, 2, 3, 64, generator=gen), p4, 32,
+                                    native.flatten_gear(native.GearParts(low[2], v_low=low[:2]))),
     }
 
 
