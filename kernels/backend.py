@@ -25,6 +25,7 @@ import importlib.util
 
 import torch
 
+from ._native_lib import available as _library_loaded, unavailable_reason
 from .checks import (MAX_GROUP, NATIVE_MAX_GROUP, NATIVE_MAX_SETS, TRITON_HEAD_DIMS, TRITON_MAX_SETS,
                      TRITON_QUANT_HEAD_DIMS, interpreting)
 
@@ -45,15 +46,11 @@ def triton_available() -> bool:
 @torch.compiler.assume_constant_result
 def native_available() -> bool:
     """Whether the compiled CPU kernels are built and loaded (built on the first call)."""
-    from ._native_lib import available
-
-    return available()
+    return _library_loaded()
 
 
 def _native_reason() -> str:
-    from ._native_lib import _library
-
-    return f"the native library is not available: {_library()[1]}"
+    return f"the native library is not available: {unavailable_reason()}"
 
 
 def choose(op: str, backend: str, allowed: tuple[str, ...], why_not: dict) -> str:
@@ -92,7 +89,7 @@ def triton_unsupported(t: torch.Tensor, head_dim: int, group: int, head_dims=TRI
         return f"it takes head_dim in {head_dims}, got {head_dim}"
     if not 1 <= group <= MAX_GROUP:
         return f"it takes GQA groups of 1..{MAX_GROUP} query heads per KV head, got {group}"
-    if t.device.type != "cuda" and not (interpreting() and (forced or AUTO_TRITON_ON_CPU)):
+    if not t.is_cuda and not ((forced or AUTO_TRITON_ON_CPU) and interpreting()):
         return f"it needs CUDA tensors (got {t.device}; TRITON_INTERPRET=1 runs CPU tensors in the tests)"
     if not triton_available():
         return "triton is not installed"
@@ -100,12 +97,13 @@ def triton_unsupported(t: torch.Tensor, head_dim: int, group: int, head_dims=TRI
 
 
 def _fp32_cpu(*tensors) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
 
 
 def _dense_rows(t: torch.Tensor) -> bool:
     """(B, H, T, D) with rows of D contiguous and consecutive (the last two dims dense)."""
-    return t.stride(3) == 1 and (t.shape[2] <= 1 or t.stride(2) == t.shape[3])
+    stride, shape = t.stride(), t.shape
+    return stride[3] == 1 and (shape[2] <= 1 or stride[2] == shape[3])
 
 
 def _native_why(group: int, *fp32: torch.Tensor, max_group: int | None = NATIVE_MAX_GROUP) -> str | None:

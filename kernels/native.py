@@ -63,7 +63,11 @@ from __future__ import annotations
 
 import torch
 
-from .native_ops import flatten_gear, flatten_segments  # (importing it registers the kvpress::native_* ops)
+# importing native_ops registers the kvpress::native_* ops; its functions are their bodies
+from .native_ops import (flatten_gear, flatten_segments, native_add_residual, native_attend_rows,
+                         native_channel_scores, native_gear_key_extra, native_gear_value_extra, native_label_select,
+                         native_merge_states, native_quant_attend, native_shadowkv_select, native_shadowkv_tail,
+                         native_token_values, sparse_decode_index)
 from ._native_lib import (ABI_VERSION, BUILDS, FLAGS, SOURCES, _fp32_cpu, _lib, _ptr, _rows_contiguous,  # noqa: F401
                           available, openmp_runtimes, threads)
 from .index import SparseIndex
@@ -72,6 +76,14 @@ from .native_quant import (MAX_SEGMENTS, QUANT_MAX_ROWS, QUANT_NATIVE_READ_ROWS,
 from .native_sparse import REDUCTION_CODES, decode_unsupported, shadowkv_unsupported  # noqa: F401
 
 _OPS = torch.ops.kvpress
+
+
+def _call(body, *args):
+    """``kvpress::<body's name>(*args)`` while `torch.compile` traces, else ``body(*args)``: the same
+    function without the op's dispatch (~25 us a call, more than some kernels take)."""
+    if torch.compiler.is_compiling():
+        return getattr(_OPS, body.__name__)(*args)
+    return body(*args)
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex, *,
@@ -84,6 +96,12 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     Returns fp32 ``out`` (B, H_q, D) (copied into ``out`` when given) and ``lse`` (B, H_q).
     """
     k_sum, v_sum, count = (None, None, None) if tail is None else tail
+    if not torch.compiler.is_compiling():
+        res, lse = sparse_decode_index(q, k_cache, v_cache, index, k_sum, v_sum, count, int(chunk_size), float(scale))
+        if out is not None:
+            out.copy_(res)
+            res = out
+        return res, lse
     res, lse = _OPS.native_sparse_decode(q, k_cache, v_cache, index.block_idx, index.block_cnt, index.seq_lens,
                                          index.seq_starts, index.block_size, index.sinks, index.dense_tail,
                                          None if index.id_range is None else list(index.id_range),
@@ -98,7 +116,7 @@ def label_select(q: torch.Tensor, channels: torch.Tensor, labels: torch.Tensor, 
                  lo: int, hi: int, keep: int, shortlist: int, scale: float, reduction: str) -> torch.Tensor:
     """Double Sparsity's selection of one unpadded decode step: int32 (B, H_kv, keep) ascending
     token ids (`kvpress.kernels.native_sparse.label_select` documents the arguments)."""
-    return _OPS.native_label_select(q, channels, labels, k_cache, lo, hi, keep, shortlist, float(scale), reduction)
+    return _call(native_label_select, q, channels, labels, k_cache, lo, hi, keep, shortlist, float(scale), reduction)
 
 
 def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, factor: torch.Tensor,
@@ -107,7 +125,7 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
                     reduction: str, tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """ShadowKV's chunk selection of one decode step: int32 ids and fp32 rebuilt keys
     (`kvpress.kernels.native_sparse.shadowkv_select` documents the arguments)."""
-    return _OPS.native_shadowkv_select(q, landmarks, selectable, factor, basis, inv_freq, rope_start, allow, k,
+    return _call(native_shadowkv_select, q, landmarks, selectable, factor, basis, inv_freq, rope_start, allow, k,
                                        shortlist, chunk_size, float(scale), reduction, bool(tokens))
 
 
@@ -115,20 +133,20 @@ def attend_rows(q: torch.Tensor, sets: list[tuple], *, scale: float) -> tuple[to
     """Exact attention of ``q`` (B, H_q, D) fp32 over the union of up to 8 row sets ``(k, v, cnt, n)``,
     one softmax (`kvpress.kernels.native_sparse.attend_rows` documents the arguments)."""
     sets = list(sets)
-    return _OPS.native_attend_rows(q, [s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets],
+    return _call(native_attend_rows, q, [s[0] for s in sets], [s[1] for s in sets], [s[2] for s in sets],
                                    [int(s[3]) for s in sets], float(scale))
 
 
 def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """fp32 ``keys`` (..., n, D) plus the residual rows ``table`` (..., n, W) uint8 carry: a new
     fp32 tensor (`kvpress.kernels.native_sparse.add_residual` documents the format)."""
-    return _OPS.native_add_residual(keys, table, int(bits), int(group_size))
+    return _call(native_add_residual, keys, table, int(bits), int(group_size))
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kvpress.kernels.merge_states` of fp32 CPU states in one call: new fp32 ``out`` and ``lse``."""
-    return _OPS.native_merge_states(out_a, lse_a, out_b, lse_b)
+    return _call(native_merge_states, out_a, lse_a, out_b, lse_b)
 
 
 def shadowkv_tail(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
@@ -136,7 +154,7 @@ def shadowkv_tail(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``shadowkv:tail_chunk``'s estimate in one call: fp32 out (B, H_q, D), lse (B, H_q)
     (`kvpress.kernels.native_sparse.shadowkv_tail` documents the arguments)."""
-    return _OPS.native_shadowkv_tail(q, landmarks, selectable, v_sum, ids, values, int(chunk_size), int(tail_chunk),
+    return _call(native_shadowkv_tail, q, landmarks, selectable, v_sum, ids, values, int(chunk_size), int(tail_chunk),
                                      float(scale))
 
 
@@ -144,14 +162,14 @@ def channel_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, ze
                    group_size: int) -> torch.Tensor:
     """``q @ dequant(k)^T`` for per-channel-quantized keys: fp32 (B, H, M, T), unscaled
     (`kvpress.kernels.native_quant.channel_scores` documents the arguments)."""
-    return _OPS.native_channel_scores(q, codes, scale, zero, int(bits), int(group_size))
+    return _call(native_channel_scores, q, codes, scale, zero, int(bits), int(group_size))
 
 
 def token_values(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
                  group_size: int) -> torch.Tensor:
     """``p @ dequant(v)`` for per-token-quantized values: fp32 (B, H, M, D)
     (`kvpress.kernels.native_quant.token_values` documents the arguments)."""
-    return _OPS.native_token_values(p, codes, scale, zero, int(bits), int(group_size))
+    return _call(native_token_values, p, codes, scale, zero, int(bits), int(group_size))
 
 
 def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None, *,
@@ -169,18 +187,18 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     if len(segments) > MAX_SEGMENTS:
         raise ValueError(f"quant_attend takes at most {MAX_SEGMENTS} segments, got {len(segments)}")
     tensors, ints = flatten_segments(segments)
-    return _OPS.native_quant_attend(q, k_win, v_win, win_starts, tensors, ints)
+    return _call(native_quant_attend, q, k_win, v_win, win_starts, tensors, ints)
 
 
 def gear_key_extra(s: torch.Tensor, q: torch.Tensor, group_size: int, parts: GearParts) -> torch.Tensor:
     """Adds GEAR's key corrections to the scores ``s`` (fp32 (B, H, M, N) contiguous) in place and
     returns ``s`` (`kvpress.kernels.native_quant.gear_key_extra` documents the arguments)."""
-    _OPS.native_gear_key_extra(s, q, int(group_size), flatten_gear(parts))
+    _call(native_gear_key_extra, s, q, int(group_size), flatten_gear(parts))
     return s
 
 
 def gear_value_extra(out: torch.Tensor, p: torch.Tensor, group_size: int, parts: GearParts) -> torch.Tensor:
     """Adds GEAR's value corrections to ``out`` (fp32 (B, H, M, D) contiguous) in place and returns
     it (`kvpress.kernels.native_quant.gear_value_extra` documents the arguments)."""
-    _OPS.native_gear_value_extra(out, p, int(group_size), flatten_gear(parts))
+    _call(native_gear_value_extra, out, p, int(group_size), flatten_gear(parts))
     return out

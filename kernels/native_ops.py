@@ -5,8 +5,10 @@ implementation giving its outputs' shapes and dtypes, so `torch.compile` traces 
 opaque node and never enters ctypes. The ops copy inputs whose strides the C code does not take
 (the compiler may hand them other layouts than eager would). Call them through the public
 functions of `kvpress.kernels.native`, which keep their Python signatures (dataclasses, tuples)
-and flatten them into the ops' tensors and ints.
+and flatten them into the ops' tensors and ints; in eager they call the bodies directly (the
+functions below: the op's dispatch costs ~25 us per call, more than some kernels take).
 """
+import dataclasses
 from typing import Optional
 
 import torch
@@ -62,6 +64,11 @@ def unflatten_segments(tensors: list, ints: list) -> list:
     return segs
 
 
+def _register(body, mutates=()):
+    """``body`` as the op ``kvpress::<its name>``."""
+    return torch.library.custom_op(f"kvpress::{body.__name__}", body, mutates_args=mutates)
+
+
 def _dense(t: Tensor) -> Tensor:
     return t if _rows_contiguous(t) else t.contiguous()
 
@@ -72,16 +79,23 @@ def _rows_out(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------- sparse decode
-@torch.library.custom_op("kvpress::native_sparse_decode", mutates_args=())
 def native_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_idx: Tensor, block_cnt: Tensor,
                          seq_lens: Tensor, seq_starts: Optional[Tensor], block_size: int, sinks: int, dense_tail: int,
                          id_range: Optional[list[int]], k_sum: Optional[Tensor], v_sum: Optional[Tensor],
                          count: Optional[Tensor], chunk_size: int, scale: float) -> tuple[Tensor, Tensor]:
-    """`native_sparse.sparse_decode`; an index the kernel does not take (not clean) runs the torch path."""
+    """`native_sparse.sparse_decode` of the index these tensors describe (`sparse_decode_index`)."""
+    index = SparseIndex(block_size, block_idx, block_cnt, seq_lens, seq_starts, sinks, dense_tail,
+                        None if id_range is None else (int(id_range[0]), int(id_range[1])))
+    return sparse_decode_index(q, k_cache, v_cache, index, k_sum, v_sum, count, chunk_size, scale)
+
+
+def sparse_decode_index(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: SparseIndex, k_sum: Optional[Tensor],
+                        v_sum: Optional[Tensor], count: Optional[Tensor], chunk_size: int,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """`native_sparse.sparse_decode` (merged with the tail estimate when ``k_sum`` is given); an index
+    the kernel does not take (not clean) runs the torch path. New fp32 ``out`` and ``lse``."""
     from .torch_fast import clean_rows
 
-    index = SparseIndex(block_size, block_idx.contiguous(), block_cnt, seq_lens, seq_starts, sinks, dense_tail,
-                        None if id_range is None else (int(id_range[0]), int(id_range[1])))
     if clean_rows(index) is None:
         if k_sum is None:
             from .torch_decode import torch_sparse_decode
@@ -90,21 +104,25 @@ def native_sparse_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_idx:
         from .torch_tail import _estimate
 
         return _estimate(q, k_cache, v_cache, index, k_sum, v_sum, count, chunk_size, scale, None, with_exact=True)
+    if not index.block_idx.is_contiguous():
+        index = dataclasses.replace(index, block_idx=index.block_idx.contiguous())
     tail = None
     if k_sum is not None:
         k_sum = _dense(k_sum)
-        tail = (k_sum, v_sum if v_sum.stride() == k_sum.stride() else v_sum.contiguous(), count.contiguous())
+        tail = (k_sum, v_sum if v_sum.stride() == k_sum.stride() else v_sum.contiguous(), count if count.stride(-1) == 1 else count.contiguous())
     return sparse_decode(q.contiguous(), _dense(k_cache), _dense(v_cache), index, scale=scale, tail=tail,
-                            chunk_size=chunk_size)
+                         chunk_size=chunk_size)
 
 
-@native_sparse_decode.register_fake
+native_sparse_decode_op = _register(native_sparse_decode)
+
+
+@native_sparse_decode_op.register_fake
 def _(q, k_cache, v_cache, block_idx, block_cnt, seq_lens, seq_starts, block_size, sinks, dense_tail, id_range,
       k_sum, v_sum, count, chunk_size, scale):
     return _rows_out(q)
 
 
-@torch.library.custom_op("kvpress::native_label_select", mutates_args=())
 def native_label_select(q: Tensor, channels: Tensor, labels: Tensor, k_cache: Optional[Tensor], lo: int, hi: int,
                         keep: int, shortlist: int, scale: float, reduction: str) -> Tensor:
     """`native_sparse.label_select`: int32 (B, H_kv, keep) token ids."""
@@ -114,12 +132,14 @@ def native_label_select(q: Tensor, channels: Tensor, labels: Tensor, k_cache: Op
                            lo=lo, hi=hi, keep=keep, shortlist=shortlist, scale=scale, reduction=reduction)
 
 
-@native_label_select.register_fake
+native_label_select_op = _register(native_label_select)
+
+
+@native_label_select_op.register_fake
 def _(q, channels, labels, k_cache, lo, hi, keep, shortlist, scale, reduction):
     return q.new_empty(q.shape[0], channels.shape[0], keep, dtype=torch.int32)
 
 
-@torch.library.custom_op("kvpress::native_shadowkv_select", mutates_args=())
 def native_shadowkv_select(q: Tensor, landmarks: Tensor, selectable: Tensor, factor: Tensor, basis: Tensor,
                            inv_freq: Tensor, rope_start: Tensor, allow: Tensor, k: int, shortlist: int,
                            chunk_size: int, scale: float, reduction: str, tokens: bool) -> tuple[Tensor, Tensor]:
@@ -129,7 +149,10 @@ def native_shadowkv_select(q: Tensor, landmarks: Tensor, selectable: Tensor, fac
                               tokens=tokens)
 
 
-@native_shadowkv_select.register_fake
+native_shadowkv_select_op = _register(native_shadowkv_select)
+
+
+@native_shadowkv_select_op.register_fake
 def _(q, landmarks, selectable, factor, basis, inv_freq, rope_start, allow, k, shortlist, chunk_size, scale,
       reduction, tokens):
     B, H, D = q.shape[0], landmarks.shape[1], q.shape[2]
@@ -137,7 +160,6 @@ def _(q, landmarks, selectable, factor, basis, inv_freq, rope_start, allow, k, s
     return ids, q.new_empty(B, H, k * chunk_size, D, dtype=torch.float32)
 
 
-@torch.library.custom_op("kvpress::native_attend_rows", mutates_args=())
 def native_attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], cnts: list[Optional[Tensor]], ns_: list[int],
                        scale: float) -> tuple[Tensor, Tensor]:
     """`native_sparse.attend_rows` over the sets ``zip(ks, vs, cnts, ns_)``."""
@@ -149,35 +171,41 @@ def native_attend_rows(q: Tensor, ks: list[Tensor], vs: list[Tensor], cnts: list
     return attend_rows(q, sets, scale=scale)
 
 
-@native_attend_rows.register_fake
+native_attend_rows_op = _register(native_attend_rows)
+
+
+@native_attend_rows_op.register_fake
 def _(q, ks, vs, cnts, ns_, scale):
     return _rows_out(q)
 
 
-@torch.library.custom_op("kvpress::native_add_residual", mutates_args=())
 def native_add_residual(keys: Tensor, table: Tensor, bits: int, group_size: int) -> Tensor:
     """`native_sparse.add_residual`: a new fp32 tensor of ``keys``' shape."""
     return add_residual(keys, table, bits, group_size)
 
 
-@native_add_residual.register_fake
+native_add_residual_op = _register(native_add_residual)
+
+
+@native_add_residual_op.register_fake
 def _(keys, table, bits, group_size):
     return torch.empty_like(keys, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("kvpress::native_merge_states", mutates_args=())
 def native_merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """`native_sparse.merge_states`: new fp32 ``out`` and ``lse``."""
     return merge_states(out_a, lse_a, out_b, lse_b)
 
 
-@native_merge_states.register_fake
+native_merge_states_op = _register(native_merge_states)
+
+
+@native_merge_states_op.register_fake
 def _(out_a, lse_a, out_b, lse_b):
     return (torch.empty_like(out_a, memory_format=torch.contiguous_format),
             torch.empty_like(lse_a, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("kvpress::native_shadowkv_tail", mutates_args=())
 def native_shadowkv_tail(q: Tensor, landmarks: Tensor, selectable: Tensor, v_sum: Tensor, ids: Optional[Tensor],
                          values: Optional[Tensor], chunk_size: int, tail_chunk: int,
                          scale: float) -> tuple[Tensor, Tensor]:
@@ -186,13 +214,15 @@ def native_shadowkv_tail(q: Tensor, landmarks: Tensor, selectable: Tensor, v_sum
                             tail_chunk=tail_chunk, scale=scale)
 
 
-@native_shadowkv_tail.register_fake
+native_shadowkv_tail_op = _register(native_shadowkv_tail)
+
+
+@native_shadowkv_tail_op.register_fake
 def _(q, landmarks, selectable, v_sum, ids, values, chunk_size, tail_chunk, scale):
     return _rows_out(q)
 
 
 # ----------------------------------------------------------------------------- packed stores
-@torch.library.custom_op("kvpress::native_channel_scores", mutates_args=())
 def native_channel_scores(q: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
                           group_size: int) -> Tensor:
     """`native_quant.channel_scores`: fp32 (B, H, M, T)."""
@@ -203,13 +233,15 @@ def native_channel_scores(q: Tensor, codes: Tensor, scale: Tensor, zero: Tensor,
     return channel_scores(q, codes, scale, zero, bits, group_size)
 
 
-@native_channel_scores.register_fake
+native_channel_scores_op = _register(native_channel_scores)
+
+
+@native_channel_scores_op.register_fake
 def _(q, codes, scale, zero, bits, group_size):
     B, H, M, _ = q.shape
     return q.new_empty(B, H, M, codes.shape[2], dtype=torch.float32)
 
 
-@torch.library.custom_op("kvpress::native_token_values", mutates_args=())
 def native_token_values(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, bits: int,
                         group_size: int) -> Tensor:
     """`native_quant.token_values`: fp32 (B, H, M, D)."""
@@ -222,13 +254,15 @@ def native_token_values(p: Tensor, codes: Tensor, scale: Tensor, zero: Tensor, b
     return token_values(p, codes, scale, zero, bits, group_size)
 
 
-@native_token_values.register_fake
+native_token_values_op = _register(native_token_values)
+
+
+@native_token_values_op.register_fake
 def _(p, codes, scale, zero, bits, group_size):
     B, H, M, _ = p.shape
     return p.new_empty(B, H, M, codes.shape[3] * 8 // bits, dtype=torch.float32)
 
 
-@torch.library.custom_op("kvpress::native_quant_attend", mutates_args=())
 def native_quant_attend(q: Tensor, k_win: Tensor, v_win: Tensor, win_starts: Optional[Tensor],
                         segment_tensors: list[Optional[Tensor]], segment_ints: list[int]) -> tuple[Tensor, Tensor]:
     """`native_quant.quant_attend` over segments flattened by `flatten_segments`."""
@@ -238,29 +272,36 @@ def native_quant_attend(q: Tensor, k_win: Tensor, v_win: Tensor, win_starts: Opt
                            segments=unflatten_segments(segment_tensors, segment_ints))
 
 
-@native_quant_attend.register_fake
+native_quant_attend_op = _register(native_quant_attend)
+
+
+@native_quant_attend_op.register_fake
 def _(q, k_win, v_win, win_starts, segment_tensors, segment_ints):
     B, H, M, D = q.shape
     return q.new_empty(B, H, M, D, dtype=torch.float32), q.new_empty(B, H, M, dtype=torch.float32)
 
 
-@torch.library.custom_op("kvpress::native_gear_key_extra", mutates_args=("s",))
 def native_gear_key_extra(s: Tensor, q: Tensor, group_size: int, gear: list[Optional[Tensor]]) -> None:
     """`native_quant.gear_key_extra`, in place on the contiguous scores ``s``."""
     gear_key_extra(s, q, group_size, unflatten_gear(gear))
 
 
-@native_gear_key_extra.register_fake
+native_gear_key_extra_op = _register(native_gear_key_extra, ("s",))
+
+
+@native_gear_key_extra_op.register_fake
 def _(s, q, group_size, gear):
     return None
 
 
-@torch.library.custom_op("kvpress::native_gear_value_extra", mutates_args=("out",))
 def native_gear_value_extra(out: Tensor, p: Tensor, group_size: int, gear: list[Optional[Tensor]]) -> None:
     """`native_quant.gear_value_extra`, in place on the contiguous output ``out``."""
     gear_value_extra(out, p, group_size, unflatten_gear(gear))
 
 
-@native_gear_value_extra.register_fake
+native_gear_value_extra_op = _register(native_gear_value_extra, ("out",))
+
+
+@native_gear_value_extra_op.register_fake
 def _(out, p, group_size, gear):
     return None

@@ -15,7 +15,7 @@ import torch
 from torch.library import triton_op
 
 from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, check_decode_inputs, interpreting,  # noqa: F401
-                     next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
+                     next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
 from .index import SparseIndex
 
 BLOCK_N = 64  # tokens per tile: one 64-token block, or several smaller blocks gathered together
@@ -62,7 +62,7 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    res, lse = torch.ops.kvpress.triton_sparse_decode(
+    res, lse = op_or_body("triton_sparse_decode", _sparse_decode_op)(
         q, k_cache, v_cache, index.block_idx, index.block_cnt, index.seq_lens, index.seq_starts, index.block_size,
         index.sinks, index.dense_tail, index.max_blocks, scale, num_splits or 0)
     if out is not None:
@@ -71,7 +71,6 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return res, lse
 
 
-@triton_op("kvpress::triton_sparse_decode", mutates_args=())
 def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_idx: torch.Tensor,
                       block_cnt: torch.Tensor, seq_lens: torch.Tensor, seq_starts: Optional[torch.Tensor],
                       block_size: int, sinks: int, dense_tail: int, max_blocks: int, scale: float,
@@ -131,3 +130,6 @@ def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if out_buf is not out:
         out.copy_(out_buf)
     return out, lse
+
+
+triton_op("kvpress::triton_sparse_decode", _sparse_decode_op, mutates_args=())

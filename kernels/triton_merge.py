@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
-from .checks import interpreting, next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel
+from .checks import interpreting, next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel
 
 BLOCK_R = 16  # rows (query heads x batch) per program
 
@@ -17,10 +17,9 @@ def triton_merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.T
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kvpress.kernels.merge_states` on CUDA (shapes already checked by the caller)."""
     require_cuda_or_interpreter(out_a, "the triton merge_states")
-    return torch.ops.kvpress.triton_merge_states(out_a, lse_a, out_b, lse_b)
+    return op_or_body("triton_merge_states", _merge_states_op)(out_a, lse_a, out_b, lse_b)
 
 
-@triton_op("kvpress::triton_merge_states", mutates_args=())
 def _merge_states_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                      lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The launch of `triton_merge_states`: ``(out in out_a's dtype, fp32 lse)``."""
@@ -37,3 +36,6 @@ def _merge_states_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tens
             flat(out_a), flat(lse_a), flat(out_b), flat(lse_b), out, lse, n,
             HEAD_DIM=D, BLOCK_R=BLOCK_R, BLOCK_D=max(16, _next_pow2(D)), num_warps=4)
     return (out if out.dtype == out_a.dtype else out.to(out_a.dtype)), lse
+
+
+triton_op("kvpress::triton_merge_states", _merge_states_op, mutates_args=())

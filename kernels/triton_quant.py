@@ -15,7 +15,7 @@ import torch
 from torch.library import triton_op
 
 from .checks import (MAX_GROUP, TRITON_QUANT_HEAD_DIMS, check_quant_decode as _check_decode,  # noqa: F401
-                     interpreting, next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
+                     interpreting, next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
 from .quant_format import check_quant_config
 from .triton_decode import MAX_SPLITS, _sm_count
 # decode launch configuration, from H200 sweeps (``benchmarks/gpu/tune_quant.py``) with PTX_CODES: one warp per
@@ -78,12 +78,11 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         raise ValueError(f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     rc, rs, ridx = refine if R else (None, None, None)
-    return torch.ops.kvpress.triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, seq_starts,
-                                                 rc, rs, ridx, bits, group_size, value_group_size, scale,
-                                                 num_splits or 0)
+    launch = op_or_body("triton_quant_decode", _quant_decode_op)
+    return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, seq_starts, rc, rs, ridx, bits, group_size,
+                  value_group_size, scale, num_splits or 0)
 
 
-@triton_op("kvpress::triton_quant_decode", mutates_args=())
 def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                      v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                      seq_starts: Optional[torch.Tensor], refine_codes: Optional[torch.Tensor],
@@ -148,6 +147,9 @@ def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tens
     return out.to(q.dtype), lse
 
 
+triton_op("kvpress::triton_quant_decode", _quant_decode_op, mutates_args=())
+
+
 def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_channel: bool):
     """Triton twin of :func:`~kvpress.kernels.quant.quantize_per_channel` (``per_channel=True``)
     and :func:`~kvpress.kernels.quant.quantize_per_token`: same outputs, except that exact
@@ -165,10 +167,9 @@ def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_cha
     if per_channel and T % group_size:
         raise ValueError(f"per-channel quantization needs a token count divisible by group_size={group_size}, got {T}")
     require_cuda_or_interpreter(x, "the triton quantize kernel")
-    return torch.ops.kvpress.triton_quantize_pack(x, bits, group_size, per_channel)
+    return op_or_body("triton_quantize_pack", _quantize_pack_op)(x, bits, group_size, per_channel)
 
 
-@triton_op("kvpress::triton_quantize_pack", mutates_args=())
 def _quantize_pack_op(x: torch.Tensor, bits: int, group_size: int,
                       per_channel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch of `triton_quantize_pack` (inputs validated): codes, scale, zero."""
@@ -192,3 +193,6 @@ def _quantize_pack_op(x: torch.Tensor, bits: int, group_size: int,
             num_warps=4,
         )
     return codes.view(B, H, T, -1), scale.view(B, H, *ps[1:]), zero.view(B, H, *ps[1:])
+
+
+triton_op("kvpress::triton_quantize_pack", _quantize_pack_op, mutates_args=())

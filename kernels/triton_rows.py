@@ -10,7 +10,7 @@ import torch
 from torch.library import triton_op
 
 from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, TRITON_MAX_SETS, check_row_sets, interpreting,
-                     next_pow2 as _next_pow2, require_cuda_or_interpreter, wrap_kernel)
+                     next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
 from .triton_decode import BLOCK_N
 
 
@@ -22,11 +22,10 @@ def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Te
                          f"and up to {TRITON_MAX_SETS} row sets, got head_dim {D}, group {G}, {len(sets)} sets; "
                          "use backend='torch' (or 'auto', which falls back to it)")
     require_cuda_or_interpreter(q, "the triton attend_rows backend")
-    return torch.ops.kvpress.triton_attend_rows(q, [s[0] for s in sets], [s[1] for s in sets],
+    return op_or_body("triton_attend_rows", _attend_rows_op)(q, [s[0] for s in sets], [s[1] for s in sets],
                                                 [s[2] for s in sets], [int(s[3]) for s in sets], float(scale))
 
 
-@triton_op("kvpress::triton_attend_rows", mutates_args=())
 def _attend_rows_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
                     cnts: list[Optional[torch.Tensor]], ns: list[int],
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,3 +69,6 @@ def _attend_rows_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tens
         num_warps=4, num_stages=2,
     )
     return out, lse
+
+
+triton_op("kvpress::triton_attend_rows", _attend_rows_op, mutates_args=())
