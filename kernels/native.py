@@ -53,7 +53,7 @@ one thread.
 Each kernel is a torch op, ``kvpress::native_<name>`` (`kvpress.kernels.native_ops`: the ctypes
 call as its body, a fake implementation for its output shapes), so a `torch.compile` trace holds
 one opaque node per call and never enters ctypes; the functions here keep their signatures and
-call the ops.
+call the ops while tracing, their bodies directly in eager (`_call`).
 
 Files: ``_native_lib.py`` builds and loads the library (and holds the input helpers);
 ``native_sparse.py`` and ``native_quant.py`` wrap the C functions; ``native_ops.py`` registers them
