@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .backend import BACKENDS, sparse_decode_backend, triton_available  # noqa: F401  (importable from here, as before)
-from .checks import check_decode_inputs
+from .checks import MAX_GROUP, TRITON_HEAD_DIMS, check_decode_inputs  # noqa: F401
 from .index import SparseIndex
 from .torch_decode import torch_sparse_decode
 from .triton_decode import triton_sparse_decode

@@ -11,6 +11,7 @@ import torch
 
 from .backend import quant_decode_backend
 from .checks import check_quant_decode
+from .quant_format import check_quant_config  # noqa: F401  (importable from here, as before)
 from .quant import (channel_quant_scores, dequantize_per_channel, dequantize_per_token,
                     token_quant_values)
 from .quant_refine import dequantize_refinement, refined_scores

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import rows_backend, triton_unsupported
-from .checks import RowDims, TRITON_MAX_SETS, check_row_sets  # noqa: F401  (importable from here, as before)
+from .backend import rows_backend, triton_available, triton_unsupported  # noqa: F401
+from .checks import (ALLOWED_DTYPES, MAX_GROUP, TRITON_HEAD_DIMS, TRITON_MAX_SETS, RowDims,  # noqa: F401
+                     check_row_sets)  # (importable from here, as before)
 from .triton_rows import triton_attend_rows
 
 ROW_BACKENDS = ("auto", "triton", "native", "torch")

@@ -33,6 +33,7 @@ from .decode import native_decode
 from .index import SparseIndex
 from .merge import merge_states
 from .triton_decode import triton_sparse_decode
+from .torch_decode import selected_positions  # noqa: F401  (importable from here, as before)
 from .torch_tail import _check, _chunk_attention, _estimate, _positions  # noqa: F401
 
 
