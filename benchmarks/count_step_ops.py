@@ -85,7 +85,9 @@ class CountOps(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.in_launch:
+        # a kvpress::triton_* op is its launches (counted inside it) and allocations (no launch)
+        triton_op = func.namespace == "kvpress" and func.overloadpacket.__name__.startswith("triton_")
+        if not self.in_launch and not triton_op:
             name = func.overloadpacket.__name__
             if name in ("index", "index_put", "index_put_") and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())
@@ -115,19 +117,15 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args(argv)
     if args.cuda_path:
-        import kvpress.kernels.merge as merge
-        import kvpress.kernels.rows as rows
+        import kvpress.kernels.backend as kernel_backend
         import kvpress.policies._shadowkv_step as step
         step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
-        rows.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
-        merge.merge_states.__kwdefaults__["backend"] = "triton"  # the one-launch merge a CUDA run takes
+        # every kernel's "auto" takes the Triton kernel a CUDA run takes (the native CPU kernels off)
+        kernel_backend.AUTO_TRITON_ON_CPU = True
+        kernel_backend.native_available = lambda: False
         import kvpress.kernels.quant as quant
         import kvpress.policies.gear as gear
         quant.CHUNK_BYTES, gear.OUTLIER_CHUNK = quant.CUDA_CHUNK_BYTES, gear.CUDA_OUTLIER_CHUNK  # CUDA's pass sizes
-        import kvpress.kernels.decode as decode
-        from kvpress.kernels.triton_decode import triton_sparse_decode
-        decode._native_first = lambda q, backend: False  # `sparse_decode`'s auto: the Triton kernel, as on CUDA
-        decode.torch_sparse_decode = triton_sparse_decode
     model, _ = load_eval_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))
     ids = torch.randint(3, model.config.vocab_size - 1, (args.batch, args.length), generator=torch.Generator().manual_seed(0))
     name, overrides = kvpress.parse_policy_spec(args.spec)

@@ -1,6 +1,23 @@
 """kvpress.kernels: one selection format (`SparseIndex`), one sparse decode kernel, score functions.
 
 Triton is optional: it is imported only when the triton backend runs.
+
+Backends. Every entry point takes ``backend=`` ("auto", "torch", "native", "triton") and
+`kvpress.kernels.backend` alone decides which implementation runs (from shapes, dtypes, devices,
+strides and availability, never tensor values), with a ValueError naming why when a forced one
+cannot run; policies ask it too (``*_backend`` functions) instead of testing availability.
+
+Torch ops. The compiled CPU kernels are ``kvpress::native_*`` ops (`torch.library.custom_op`
+with fake implementations, `native_ops`), the Triton launches ``kvpress::triton_*`` ops
+(`torch.library.triton_op`, kernels through `torch.library.wrap_triton`); the public functions
+keep their signatures and call the ops while `torch.compile` traces (so a ``fullgraph=True``
+trace of a decode step never enters ctypes or launcher Python) and the ops' bodies directly in
+eager (an op's dispatch costs ~25 us of host time a call).
+
+Imports run one way, so the graph of this package is acyclic: leaves (`index`, `quant_format`,
+`checks`, `backend`, `_native_lib`) <- torch implementations (``torch_*``, `quant`) and ``triton_x``
+launchers <- the entry points (``x`` imports ``triton_x``, never back) <- this ``__init__``, which
+only re-exports. (Exception: `shadowkv_rebuild` and `triton_shadowkv` still import each other.)
 """
 from .decode import BACKENDS, sparse_decode, triton_available
 from .index import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk, topk_ids

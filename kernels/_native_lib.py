@@ -275,6 +275,11 @@ def available() -> bool:
     return _library()[0] is not None
 
 
+def unavailable_reason() -> str:
+    """Why the library is not available ("" when it is)."""
+    return _library()[1]
+
+
 def _lib() -> ctypes.CDLL:
     lib, why = _library()
     if lib is None:

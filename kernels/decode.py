@@ -1,24 +1,13 @@
 """`sparse_decode`: one decode step of attention over the tokens a `SparseIndex` selects."""
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 
-from .checks import MAX_GROUP
+from .backend import BACKENDS, sparse_decode_backend, triton_available  # noqa: F401  (importable from here, as before)
+from .checks import MAX_GROUP, TRITON_HEAD_DIMS, check_decode_inputs  # noqa: F401
 from .index import SparseIndex
 from .torch_decode import torch_sparse_decode
-from .triton_decode import TRITON_HEAD_DIMS
-
-BACKENDS = ("auto", "triton", "torch", "native")
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Whether the ``triton`` package can be imported (checked once, without importing it: the
-    decode paths ask on every call)."""
-    return importlib.util.find_spec("triton") is not None
+from .triton_decode import triton_sparse_decode
 
 
 def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: SparseIndex,
@@ -46,13 +35,14 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         on CPU: it gathers only the selected rows). ``"native"``: fp32 CPU tensors and a clean
         index (no padding slots), one compiled C call (`kvpress.kernels.native`; an error when
         it cannot run the inputs). ``"auto"``: triton for CUDA tensors with a supported
-        head_dim when triton is importable; native for inputs it runs when it is built; else
-        torch.
+        head_dim when triton is importable; native for inputs it runs when it is built (torch for an
+        index that is not clean); else torch. The choice
+        is `kvpress.kernels.backend.sparse_decode`'s.
     out : torch.Tensor, optional
         Preallocated ``(B, H_q, D)`` output in q's dtype.
     validate_index : bool
         Check index values against the cache (a device sync); pass False in hot loops once the
-        index was validated at plan time.
+        index was validated at plan time. Not checked while `torch.compile` traces.
 
     Returns
     -------
@@ -64,48 +54,33 @@ def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if _native_first(q, backend):
-        done = _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, backend == "native")
+    check_decode_inputs(q, k_cache, v_cache, index, out, validate_index and not torch.compiler.is_compiling())
+    choice = sparse_decode_backend(q, k_cache, v_cache, index.block_idx, backend)
+    if choice == "native":
+        done = native_decode(q, k_cache, v_cache, index, scale, out, required=backend == "native")
         if done is not None:
             return done
-        backend, validate_index = "torch", False  # validated by _native_decode
-    if backend == "auto":
-        use_triton = (isinstance(q, torch.Tensor) and q.is_cuda and q.dim() == 3
-                      and q.shape[-1] in TRITON_HEAD_DIMS and isinstance(k_cache, torch.Tensor) and k_cache.dim() == 4
-                      and k_cache.shape[1] and q.shape[1] // k_cache.shape[1] <= MAX_GROUP and triton_available())
-        backend = "triton" if use_triton else "torch"
-    if backend == "triton":
-        from .triton_decode import triton_sparse_decode
-
-        return triton_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out,
-                                    validate_index=validate_index)
-    return torch_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out,
-                               validate_index=validate_index)
+        choice = "torch"
+    if choice == "triton":
+        return triton_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out, validate_index=False)
+    return torch_sparse_decode(q, k_cache, v_cache, index, scale=scale, out=out, validate_index=False)
 
 
-def _native_first(q, backend: str) -> bool:
-    """Whether to try the native kernels: ``backend="native"``, or ``"auto"`` with fp32 CPU q and
-    the kernels built (otherwise the torch / triton path runs and validates as before)."""
-    if backend == "native":
-        return True
-    if backend != "auto" or not isinstance(q, torch.Tensor) or q.is_cuda or q.dtype != torch.float32:
-        return False
-    from . import native
+def native_decode(q, k_cache, v_cache, index, scale, out, *, required: bool, tail=None, chunk_size=0):
+    """`kvpress.kernels.native.sparse_decode` of validated inputs, or None for an index that is not
+    clean (the caller runs the torch path; with ``required``, a forced ``backend="native"``, a
+    ValueError). While `torch.compile` traces, the index is not read: the op itself runs the torch
+    path for an index that is not clean."""
+    from .native import sparse_decode as native_sparse_decode
 
-    return native.available()
+    if not torch.compiler.is_compiling():
+        from .torch_fast import clean_rows
 
-
-def _native_decode(q, k_cache, v_cache, index, scale, out, validate_index, required: bool, tail=None, chunk_size=0):
-    """Validate the inputs and run `kvpress.kernels.native.sparse_decode` when it can run them;
-    else None (validated, not runnable natively), or with ``required`` a ValueError naming why."""
-    from . import native
-    from .checks import check_decode_inputs
-
-    check_decode_inputs(q, k_cache, v_cache, index, out, validate_index)
-    why = native.decode_unsupported(q, k_cache, v_cache, index, tail)
-    if why is not None:
-        if required:
-            raise ValueError(f"backend='native' cannot run these inputs: {why}; use backend='auto' or 'torch'")
-        return None
+        if clean_rows(index) is None:
+            if required:
+                raise ValueError("sparse_decode: backend='native' cannot run these inputs: it needs a clean index (no "
+                                 "padding slots; every row holds its sinks, tail and blocks); use backend='auto' or "
+                                 "'torch'")
+            return None
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
-    return native.sparse_decode(q, k_cache, v_cache, index, scale=scale, tail=tail, chunk_size=chunk_size, out=out)
+    return native_sparse_decode(q, k_cache, v_cache, index, scale=scale, tail=tail, chunk_size=chunk_size, out=out)

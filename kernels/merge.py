@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from .backend import merge_backend
+from .triton_merge import triton_merge_states
 
-MERGE_BACKENDS = ("auto", "triton", "torch")
+MERGE_BACKENDS = ("auto", "triton", "native", "torch")
 
 
 def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
@@ -26,25 +28,27 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     lse : torch.Tensor
         fp32 ``(...)``; ``-inf`` where both parts are empty. Never NaN for finite inputs.
 
-    ``backend``: ``"triton"`` is one launch (CUDA tensors); ``"torch"`` the reference below, ~25
-    small ops; ``"auto"`` takes triton for CUDA tensors when it is importable.
+    ``backend``: ``"triton"`` is one launch (CUDA tensors); ``"native"`` one compiled call (fp32
+    CPU, `kvpress.kernels.native.merge_states`); ``"torch"`` the reference below, ~25 small ops;
+    ``"auto"`` takes triton for CUDA tensors when it is importable, else torch
+    (`kvpress.kernels.backend.merge_states` decides).
     """
-    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
-        raise ValueError(f"merge_states needs out (..., D) and lse (...) of matching shapes, got "
-                         f"out {tuple(out_a.shape)}/{tuple(out_b.shape)}, lse {tuple(lse_a.shape)}/{tuple(lse_b.shape)}")
     if backend not in MERGE_BACKENDS:
         raise ValueError(f"backend must be one of {MERGE_BACKENDS}, got {backend!r}")
-    if backend == "triton" or (backend == "auto" and out_a.is_cuda and _triton_available()):
-        if len({t.device for t in (out_a, lse_a, out_b, lse_b)}) != 1:
-            raise ValueError("merge_states: the four tensors must be on one device")
-        from .triton_merge import triton_merge_states
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
+        raise ValueError(f"merge_states needs out (..., D) and lse (...) of matching shapes, got "
+                         f"out {tuple(out_a.shape)}/{tuple(out_b.shape)}, "
+                         f"lse {tuple(lse_a.shape)}/{tuple(lse_b.shape)}")
+    choice = merge_backend(out_a, backend)
+    if choice != "torch" and len({t.device for t in (out_a, lse_a, out_b, lse_b)}) != 1:
+        raise ValueError("merge_states: the four tensors must be on one device")
+    if choice == "triton":
         return triton_merge_states(out_a, lse_a, out_b, lse_b)
+    if choice == "native":
+        from .native import merge_states as native_merge_states
+
+        return native_merge_states(out_a, lse_a, out_b, lse_b)
     return torch_merge_states(out_a, lse_a, out_b, lse_b)
-
-
-def _triton_available() -> bool:
-    from .decode import triton_available  # decode imports this module's users, not this module
-    return triton_available()
 
 
 def torch_merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor

@@ -37,53 +37,16 @@ from __future__ import annotations
 
 import torch
 
-ALLOWED_BITS = (2, 4, 8)
-ALLOWED_GROUP_SIZES = (8, 16, 32, 64, 128)
+from .backend import quant_read_backend
+from .quant_format import (ALLOWED_BITS, ALLOWED_GROUP_SIZES, _quantize, _shifts, check_quant_config,  # noqa: F401
+                           pack_codes, unpack_codes)
+# refined key channels (zipcache's refine_key_channels), re-exported here where their readers look
+from .quant_refine import dequantize_refinement, quantize_refined_keys, refined_scores  # noqa: F401
+
 CHUNK_BYTES = 4 << 20  # fp32 bytes of codes unpacked at a time by the torch path (all rows and heads together)
 # on a GPU each chunk costs a dozen small launches of host time and memory is plentiful: one
 # chunk covers 64k tokens of 8 KV heads at D=128 (gear's and zipcache's torch reads there)
 CUDA_CHUNK_BYTES = 256 << 20
-
-
-def check_quant_config(bits: int, group_size: int, head_dim: int | None = None) -> None:
-    """Raise ValueError unless ``bits`` and ``group_size`` are supported (and divide ``head_dim``)."""
-    if bits not in ALLOWED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; allowed: {list(ALLOWED_BITS)}")
-    if group_size not in ALLOWED_GROUP_SIZES:
-        raise ValueError(f"group_size={group_size!r} is not supported; allowed: {list(ALLOWED_GROUP_SIZES)}")
-    if head_dim is not None and head_dim % group_size:
-        fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
-        hint = (f"pick a group_size in {fits}" if fits else
-                f"no supported group size ({list(ALLOWED_GROUP_SIZES)}) divides it, so this model's KV cache "
-                "cannot be quantized in channel groups; use a policy that does not quantize")
-        raise ValueError(f"head_dim={head_dim} is not divisible by group_size={group_size}; {hint}")
-
-
-def _shifts(bits: int, device) -> torch.Tensor:
-    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)  # (8 / bits,)
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes ``(..., N)`` (values < 2^bits) into uint8 ``(..., N * bits / 8)``."""
-    per = 8 // bits
-    if codes.shape[-1] % per:
-        raise ValueError(f"last dim {codes.shape[-1]} must be a multiple of {per} to pack {bits}-bit codes")
-    if per == 1:
-        return codes.to(torch.uint8).contiguous()
-    grouped = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per)  # (..., N/per, per)
-    packed = grouped[..., 0].clone()
-    for i in range(1, per):
-        packed |= grouped[..., i] << (i * bits)
-    return packed
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: uint8 ``(..., N * bits / 8)`` -> uint8 ``(..., N)``."""
-    if bits == 8:
-        return packed
-    mask = (1 << bits) - 1
-    out = (packed[..., None] >> _shifts(bits, packed.device)) & mask  # (..., N/per, per)
-    return out.reshape(*packed.shape[:-1], -1)
 
 
 _ORDERS: dict = {}
@@ -118,20 +81,6 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         words = packed
     planes = torch.stack([(words >> (i * bits) if i else words) & mask for i in range(per)], dim=-2)
     return planes.view(torch.uint8).float().view(*packed.shape[:-1], nbytes * per)
-
-
-def _quantize(x: torch.Tensor, bits: int, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Min/max quantize ``x`` (fp32) over ``reduce_dim``; scale and zero are rounded to fp16 first
-    so that the codes are optimal for the parameters actually stored."""
-    levels = (1 << bits) - 1
-    mn = x.amin(dim=reduce_dim, keepdim=True)
-    mx = x.amax(dim=reduce_dim, keepdim=True)
-    scale = ((mx - mn) / levels).to(torch.float16)
-    zero = mn.to(torch.float16)
-    s = scale.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))  # a constant group: every code 0, exact
-    codes = torch.clamp(torch.round((x - zero.float()) / s), 0, levels).to(torch.uint8)
-    return codes, scale, zero
 
 
 def quantize_per_channel(x: torch.Tensor, bits: int, group_size: int):
@@ -234,20 +183,11 @@ def reads_natively(x: torch.Tensor, codes, scale, zero, backend: str) -> bool:
     """Whether a packed-store read goes through `kvpress.kernels.native`: ``"auto"`` on CPU with
     the kernels built and inputs they take, ``"native"`` always (a ValueError naming why when it
     cannot). Reads for more than `native.QUANT_NATIVE_READ_ROWS` query rows per KV head (prefill
-    chunks, not decode steps or short verifications) take the torch path under either."""
-    if backend not in READ_BACKENDS:
-        raise ValueError(f"backend must be one of {READ_BACKENDS}, got {backend!r}")
-    from . import native
+    chunks, not decode steps or short verifications) take the torch path under either
+    (`kvpress.kernels.backend.quant_read` decides)."""
+    from .native_quant import QUANT_NATIVE_READ_ROWS
 
-    if backend == "torch" or (backend == "auto" and x.is_cuda) or (x.dim() == 4 and x.shape[2] > native.QUANT_NATIVE_READ_ROWS):
-        return False
-
-    if backend == "auto" and not native.available():
-        return False
-    why = native.quant_unsupported(x, codes, scale, zero)
-    if why is not None and backend == "native":
-        raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
-    return why is None
+    return quant_read_backend(x, codes, scale, zero, backend, QUANT_NATIVE_READ_ROWS) == "native"
 
 
 def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_size: int,
@@ -268,9 +208,9 @@ def channel_quant_scores(q: torch.Tensor, codes, scale, zero, bits: int, group_s
     fp32 (B, H, M, T), unscaled dot products.
     """
     if reads_natively(q, codes, scale, zero, backend):
-        from . import native
+        from .native import channel_scores
 
-        return native.channel_scores(q, codes, scale, zero, bits, group_size)
+        return channel_scores(q, codes, scale, zero, bits, group_size)
     B, H, M, D = q.shape
     T = codes.shape[2]
     out = q.new_empty(B, H, M, T)
@@ -359,9 +299,9 @@ def token_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_siz
     is dequantized.
     """
     if reads_natively(p, codes, scale, zero, backend):
-        from . import native
+        from .native import token_values
 
-        return native.token_values(p, codes, scale, zero, bits, group_size)
+        return token_values(p, codes, scale, zero, bits, group_size)
     B, H, M, T = p.shape
     D = codes.shape[-1] * 8 // bits
     ng = D // group_size
@@ -401,7 +341,3 @@ def channel_quant_values(p: torch.Tensor, codes, scale, zero, bits: int, group_s
         out += (pg.sum(-1, keepdim=True) * zero[:, :, g0:g1, None][..., order].float()).sum(2)
     return out[..., inverse]
 
-
-# refined key channels (zipcache's refine_key_channels) live in quant_refine.py, which reads this
-# module's quantizer; imported last so that both sides of the import find what they need
-from .quant_refine import dequantize_refinement, quantize_refined_keys, refined_scores  # noqa: E402,F401

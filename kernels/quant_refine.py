@@ -1,12 +1,13 @@
 """Refined key channels: per-channel keys with a few channels of each head at twice the bits
-(``zipcache``'s ``refine_key_channels``). Re-exported by `kvpress.kernels.quant`, whose quantizer
-and packing they use; read by its torch / reference decode, `kvpress.kernels.native.quant_attend`
+(``zipcache``'s ``refine_key_channels``). Re-exported by `kvpress.kernels.quant`; the quantizer
+and packing are `kvpress.kernels.quant_format`'s; read by its torch / reference decode,
+`kvpress.kernels.native.quant_attend`
 (``PackedSegment.refine``) and the fused Triton ``quant_decode`` (``refine=``)."""
 from __future__ import annotations
 
 import torch
 
-from .quant import _quantize, check_quant_config, pack_codes, unpack_codes
+from .quant_format import _quantize, check_quant_config, pack_codes, unpack_codes
 
 
 def quantize_refined_keys(x: torch.Tensor, bits: int, group_size: int, channels: torch.Tensor):

@@ -1,38 +1,25 @@
 """Launcher for the Triton `sparse_decode` kernels: validate, allocate, pick splits, launch.
 
-Triton is imported lazily inside `triton_sparse_decode`, so ``import kvpress.kernels`` works
-without it. CPU tensors run only under ``TRITON_INTERPRET=1`` (the tests); there every input is
-upcast to fp32 first, because the interpreter silently mishandles bf16.
+The launch is the torch op ``kvpress::triton_sparse_decode`` (`torch.library.triton_op`, each
+kernel launched through `torch.library.wrap_triton`), so `torch.compile` traces the kernels
+themselves, never this launcher's Python. Triton is imported lazily inside the op, so ``import
+kvpress.kernels`` works without it. CPU tensors run only under ``TRITON_INTERPRET=1`` (the tests);
+there every input is upcast to fp32 first, because the interpreter silently mishandles bf16.
 """
 from __future__ import annotations
 
 import math
-import os
+from typing import Optional
 
 import torch
+from torch.library import triton_op
 
-from .checks import MAX_GROUP, check_decode_inputs
+from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, check_decode_inputs, interpreting,  # noqa: F401
+                     next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
 from .index import SparseIndex
 
-TRITON_HEAD_DIMS = (64, 128)
 BLOCK_N = 64  # tokens per tile: one 64-token block, or several smaller blocks gathered together
 MAX_SPLITS = 64
-
-
-def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def require_cuda_or_interpreter(t: torch.Tensor, what: str) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter (the tests)."""
-    if t.device.type != "cuda" and not interpreting():
-        raise ValueError(f"{what} needs CUDA tensors (got {t.device}); use backend='torch' on CPU, "
-                         "or set TRITON_INTERPRET=1 before importing triton to test the kernel")
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 _SM_COUNT: dict = {}
@@ -74,19 +61,33 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     require_cuda_or_interpreter(q, "the triton sparse_decode backend")
     if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    import triton  # noqa: F401  (lazy: only this backend needs it)
-
-    from . import triton_decode_kernel as kern
-
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if out is None:
-        out = torch.empty_like(q)
+    res, lse = op_or_body("triton_sparse_decode", _sparse_decode_op)(
+        q, k_cache, v_cache, index.block_idx, index.block_cnt, index.seq_lens, index.seq_starts, index.block_size,
+        index.sinks, index.dense_tail, index.max_blocks, scale, num_splits or 0)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    return res, lse
+
+
+def _sparse_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_idx: torch.Tensor,
+                      block_cnt: torch.Tensor, seq_lens: torch.Tensor, seq_starts: Optional[torch.Tensor],
+                      block_size: int, sinks: int, dense_tail: int, max_blocks: int, scale: float,
+                      num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches of `triton_sparse_decode` (inputs validated): ``(out in q's dtype, fp32 lse)``."""
+    from .triton_decode_kernel import _merge_splits_kernel, _sparse_decode_split_kernel
+
+    B, H_q, D = q.shape
+    H_kv = k_cache.shape[1]
+    G = H_q // H_kv
+    out = torch.empty_like(q)
     qc, kc, vc = q, k_cache, v_cache
     if interpreting() and q.dtype != torch.float32:
         qc, kc, vc = q.float(), k_cache.float(), v_cache.float()
     out_buf = out if out.dtype == qc.dtype else torch.empty_like(qc)
 
-    max_virtual = index.sinks + index.dense_tail + index.max_blocks * index.block_size
+    max_virtual = sinks + dense_tail + max_blocks * block_size
     splits = num_splits or choose_num_splits(B, H_kv, max_virtual, q.device)
     tiles = max(1, -(-max_virtual // BLOCK_N))
     tiles_per_split = -(-tiles // splits)
@@ -95,28 +96,28 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
     # an empty block table can have a null data pointer; block_cnt == 0 means it is never read
-    block_idx = index.block_idx if index.max_blocks else torch.full((B, H_kv, 1), -1, dtype=torch.int32,
-                                                                    device=q.device)
-    starts = index.seq_starts if index.seq_starts is not None else index.seq_lens
+    if not max_blocks:
+        block_idx = torch.full((B, H_kv, 1), -1, dtype=torch.int32, device=q.device)
+    starts = seq_starts if seq_starts is not None else seq_lens
     if B * H_q == 0:
         return out, lse
 
-    kern._sparse_decode_split_kernel[(B, H_kv, splits)](
-        qc, kc, vc, block_idx, index.block_cnt, index.seq_lens, starts, out_part, lse_part,
+    wrap_kernel(_sparse_decode_split_kernel)[(B, H_kv, splits)](
+        qc, kc, vc, block_idx, block_cnt, seq_lens, starts, out_part, lse_part,
         qc.stride(0), qc.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
         block_idx.stride(0), block_idx.stride(1),
-        index.block_cnt.stride(0), index.block_cnt.stride(1),
+        block_cnt.stride(0), block_cnt.stride(1),
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        scale * 1.4426950408889634, index.sinks, index.dense_tail, tiles_per_split * BLOCK_N,
+        scale * 1.4426950408889634, sinks, dense_tail, tiles_per_split * BLOCK_N,
         GROUP=G, BLOCK_G=max(16, _next_pow2(G)), BLOCK_N=BLOCK_N, HEAD_DIM=D,
-        BLOCK_SIZE=index.block_size, HAS_STARTS=index.seq_starts is not None,
+        BLOCK_SIZE=block_size, HAS_STARTS=seq_starts is not None,
         DOT_PRECISION="ieee" if qc.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
-    kern._merge_splits_kernel[(B, H_q)](
+    wrap_kernel(_merge_splits_kernel)[(B, H_q)](
         out_part, lse_part, out_buf, lse,
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
@@ -129,3 +130,6 @@ def triton_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if out_buf is not out:
         out.copy_(out_buf)
     return out, lse
+
+
+triton_op("kvpress::triton_sparse_decode", _sparse_decode_op, mutates_args=())

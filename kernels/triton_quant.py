@@ -1,21 +1,23 @@
 """Launchers of the Triton quantization kernels: validate, allocate, pick the grid, launch.
 
-Triton is imported lazily here, so ``import kvpress.kernels`` works without it. CPU tensors run
-only under ``TRITON_INTERPRET=1`` (the tests); there inputs are upcast to fp32 first, because
-the interpreter silently mishandles bf16.
+The launches are the torch ops ``kvpress::triton_quant_decode`` and ``kvpress::triton_quantize_pack``
+(`torch.library.triton_op`, kernels launched through `torch.library.wrap_triton`), so `torch.compile`
+traces the kernels, not this Python. Triton is imported lazily here, so ``import kvpress.kernels``
+works without it. CPU tensors run only under ``TRITON_INTERPRET=1`` (the tests); there inputs are
+upcast to fp32 first, because the interpreter silently mishandles bf16.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
+from torch.library import triton_op
 
-from .checks import MAX_GROUP
-from .packed_decode import _check_decode
-from .quant import check_quant_config
-from .triton_decode import MAX_SPLITS, _next_pow2, _sm_count, interpreting, require_cuda_or_interpreter
-
-TRITON_QUANT_HEAD_DIMS = (64, 128)
+from .checks import (MAX_GROUP, TRITON_QUANT_HEAD_DIMS, check_quant_decode as _check_decode,  # noqa: F401
+                     interpreting, next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
+from .quant_format import check_quant_config
+from .triton_decode import MAX_SPLITS, _sm_count
 # decode launch configuration, from H200 sweeps (``benchmarks/gpu/tune_quant.py``) with PTX_CODES: one warp per
 # 32 tokens of a tile was the best warp count at every tile size; 64-token tiles were fastest for one row of 8 KV
 # heads, 32-token tiles for 2, 4 and 8 rows (more, smaller programs); 16 split-K programs per multiprocessor
@@ -68,12 +70,33 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
             raise ValueError(f"{name} must have a contiguous last dimension")
     if k_scale.stride() != k_zero.stride() or v_scale.stride() != v_zero.stride():
         raise ValueError("scale and zero tensors must share strides")
+    R = 0 if refine is None else refine[2].shape[-1]
+    if R and (R & (R - 1) or refine[0].stride(-1) != 1 or refine[1].stride(-1) != 1 or refine[2].stride(-1) != 1):
+        raise ValueError(f"triton quant_decode reads a power-of-two count of refined key channels with contiguous "
+                         f"last dims, got {R}; use backend='torch'")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    rc, rs, ridx = refine if R else (None, None, None)
+    launch = op_or_body("triton_quant_decode", _quant_decode_op)
+    return launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, seq_starts, rc, rs, ridx, bits, group_size,
+                  value_group_size, scale, num_splits or 0)
+
+
+def _quant_decode_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                     v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+                     seq_starts: Optional[torch.Tensor], refine_codes: Optional[torch.Tensor],
+                     refine_scale: Optional[torch.Tensor], refine_channels: Optional[torch.Tensor], bits: int,
+                     group_size: int, value_group_size: int, scale: float,
+                     num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches of `triton_quant_decode` (inputs validated): ``(out in q's dtype, fp32 lse)``."""
     import triton.language as tl
 
-    from . import triton_decode_kernel as dec
-    from . import triton_quant_kernel as kern
+    from .triton_decode_kernel import _merge_splits_kernel
+    from .triton_quant_kernel import _quant_decode_split_kernel
 
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    B, H_q, D = q.shape
+    H_kv, T = k_codes.shape[1], k_codes.shape[2]
     qc = q.float() if (interpreting() and q.dtype != torch.float32) else q
     out = torch.empty_like(qc)
     lse = torch.empty(B, H_q, device=q.device, dtype=torch.float32)
@@ -87,12 +110,10 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
     out_part = torch.empty(B, H_q, splits, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(B, H_q, splits, device=q.device, dtype=torch.float32)
     starts = seq_starts.to(device=q.device, dtype=torch.int64) if seq_starts is not None else lse  # dummy pointer
-    R = 0 if refine is None else refine[2].shape[-1]
-    if R and (R & (R - 1) or refine[0].stride(-1) != 1 or refine[1].stride(-1) != 1 or refine[2].stride(-1) != 1):
-        raise ValueError(f"triton quant_decode reads a power-of-two count of refined key channels with contiguous "
-                         f"last dims, got {R}; use backend='torch'")
-    rc, rs, ridx = refine if R else (k_codes, k_scale, starts)  # dummy pointers when off
-    kern._quant_decode_split_kernel[(B, H_kv, splits)](
+    R = 0 if refine_channels is None else refine_channels.shape[-1]
+    # dummy pointers when there are no refined channels
+    rc, rs, ridx = (refine_codes, refine_scale, refine_channels) if R else (k_codes, k_scale, starts)
+    wrap_kernel(_quant_decode_split_kernel)[(B, H_kv, splits)](
         qc, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, starts, out_part, lse_part, rc, rs, ridx,
         qc.stride(0), qc.stride(1),
         k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
@@ -113,7 +134,7 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         PTX_CODES=PTX_CODES and qc.dtype != torch.float32 and not interpreting(), REFINE=R, num_warps=warps,
         num_stages=NUM_STAGES,
     )
-    dec._merge_splits_kernel[(B, H_q)](
+    wrap_kernel(_merge_splits_kernel)[(B, H_q)](
         out_part, lse_part, out, lse,
         out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
@@ -124,6 +145,9 @@ def triton_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, *
         num_warps=4,
     )
     return out.to(q.dtype), lse
+
+
+triton_op("kvpress::triton_quant_decode", _quant_decode_op, mutates_args=())
 
 
 def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_channel: bool):
@@ -143,10 +167,15 @@ def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_cha
     if per_channel and T % group_size:
         raise ValueError(f"per-channel quantization needs a token count divisible by group_size={group_size}, got {T}")
     require_cuda_or_interpreter(x, "the triton quantize kernel")
-    import triton  # noqa: F401
+    return op_or_body("triton_quantize_pack", _quantize_pack_op)(x, bits, group_size, per_channel)
 
-    from . import triton_quant_kernel as kern
 
+def _quantize_pack_op(x: torch.Tensor, bits: int, group_size: int,
+                      per_channel: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch of `triton_quantize_pack` (inputs validated): codes, scale, zero."""
+    from .triton_quant_kernel import _quantize_pack_kernel
+
+    B, H, T, D = x.shape
     xc = x.float() if (interpreting() and x.dtype != torch.float32) else x
     xc = xc.reshape(B * H, T, D)
     if xc.stride(-1) != 1:
@@ -157,10 +186,13 @@ def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int, *, per_cha
     zero = torch.empty(ps, dtype=torch.float16, device=x.device)
     block_t = group_size if per_channel else BLOCK_T
     if B * H * T:
-        kern._quantize_pack_kernel[(B * H, -(-T // block_t))](
+        wrap_kernel(_quantize_pack_kernel)[(B * H, -(-T // block_t))](
             xc, codes, scale, zero,
             xc.stride(0), xc.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
             T, BLOCK_T=block_t, HEAD_DIM=D, BITS=bits, GROUP_SIZE=group_size, PER_CHANNEL=per_channel,
             num_warps=4,
         )
     return codes.view(B, H, T, -1), scale.view(B, H, *ps[1:]), zero.view(B, H, *ps[1:])
+
+
+triton_op("kvpress::triton_quantize_pack", _quantize_pack_op, mutates_args=())

@@ -1,13 +1,17 @@
 """Launcher for the Triton `attend_rows` kernel: validate, allocate, launch (one program per
-(row, KV head)). Triton is imported lazily; CPU tensors run only under ``TRITON_INTERPRET=1``,
-upcast to fp32 there (the interpreter mishandles bf16)."""
+(row, KV head)). The launch is the torch op ``kvpress::triton_attend_rows`` (`torch.library.triton_op`),
+so `torch.compile` traces the kernel, not this Python. Triton is imported lazily; CPU tensors run
+only under ``TRITON_INTERPRET=1``, upcast to fp32 there (the interpreter mishandles bf16)."""
 from __future__ import annotations
 
-import torch
+from typing import Optional
 
-from .checks import MAX_GROUP
-from .rows import TRITON_MAX_SETS, check_row_sets
-from .triton_decode import BLOCK_N, TRITON_HEAD_DIMS, _next_pow2, interpreting, require_cuda_or_interpreter
+import torch
+from torch.library import triton_op
+
+from .checks import (MAX_GROUP, TRITON_HEAD_DIMS, TRITON_MAX_SETS, check_row_sets, interpreting,
+                     next_pow2 as _next_pow2, op_or_body, require_cuda_or_interpreter, wrap_kernel)
+from .triton_decode import BLOCK_N
 
 
 def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,8 +22,20 @@ def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Te
                          f"and up to {TRITON_MAX_SETS} row sets, got head_dim {D}, group {G}, {len(sets)} sets; "
                          "use backend='torch' (or 'auto', which falls back to it)")
     require_cuda_or_interpreter(q, "the triton attend_rows backend")
-    from . import triton_rows_kernel as kern
+    return op_or_body("triton_attend_rows", _attend_rows_op)(q, [s[0] for s in sets], [s[1] for s in sets],
+                                                [s[2] for s in sets], [int(s[3]) for s in sets], float(scale))
 
+
+def _attend_rows_op(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                    cnts: list[Optional[torch.Tensor]], ns: list[int],
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launch of `triton_attend_rows` (inputs validated): fp32 ``(out, lse)``."""
+    from .triton_rows_kernel import _attend_rows_kernel
+
+    sets = list(zip(ks, vs, cnts, ns))
+    B, H_q, D = q.shape
+    H = ks[0].shape[1]
+    G = H_q // H
     dtype = torch.float32 if interpreting() else q.dtype
     qc = q.to(dtype).contiguous()
     out = torch.empty(B, H_q, D, device=q.device, dtype=torch.float32)
@@ -42,7 +58,7 @@ def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Te
         strides += [k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
                     c.stride(0) if cnt is not None else 0, c.stride(1) if cnt is not None else 0]
         has_cnt.append(cnt is not None)
-    kern._attend_rows_kernel[(B, H)](
+    wrap_kernel(_attend_rows_kernel)[(B, H)](
         qc, out, lse, *ptrs, *sizes,
         qc.stride(0), qc.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         *strides,
@@ -53,3 +69,6 @@ def triton_attend_rows(q: torch.Tensor, sets, *, scale: float) -> tuple[torch.Te
         num_warps=4, num_stages=2,
     )
     return out, lse
+
+
+triton_op("kvpress::triton_attend_rows", _attend_rows_op, mutates_args=())

@@ -160,5 +160,5 @@ def test_missing_symbol_makes_native_unavailable_and_wrappers_use_torch(cache, m
                         torch.tensor([10], dtype=torch.int32), None, 2, 2)
     out, _ = sparse_decode(q, k, k, index)  # backend="auto": the torch kernels
     assert torch.isfinite(out).all()
-    with pytest.raises(RuntimeError, match="kvp_not_in_this_build"):
+    with pytest.raises(ValueError, match="kvp_not_in_this_build"):
         sparse_decode(q, k, k, index, backend="native")

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from kernels.triton_quant_kernel import _codes_ptx  # noqa: E402
+from kvpress.kernels.triton_quant_kernel import _codes_ptx  # noqa: E402
 
 
 def _f16x2(x: int) -> np.ndarray:
