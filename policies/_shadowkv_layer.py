@@ -15,6 +15,7 @@ from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
 from ._shadowkv_fold import FoldedChunks
+from ._shadowkv_static import StaticStore
 from ._shadowkv_step import SelectedSteps
 from ._shadowkv_store import (TransferCounters, add_residual, default_rank, fetch_tables, low_rank,
                               query_pair_weights, residual_table, to_host)
@@ -44,6 +45,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
     """
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
+    static_decode = True  # `StaticStore`, built after a prompt or a turn when the capacity is planned
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
               "tail_v_sum", "key_weight")
@@ -75,10 +77,15 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         self.exact_mode = False
         self.n_chunks = 0  # chunks of the store's token axis: the padded prompt's, then folded ones
         self._exact_cnt_cpu = self._sel_cnt_cpu = None
+        self._static = None  # the state at fixed shapes while static steps may come (`StaticStore`)
         self.seen = 0
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
+        plan = self.cache.plan
+        if plan is not None and plan.static and self._static is not None:
+            return self._static.step(self, q, k_new, v_new, scaling)
+        self._leave_static()
         if self.cache.prompt_open and (self.seen == 0 or self._stage is not None):  # factorised at its end
             if self._stage is None:
                 self._stage = PromptStage()
@@ -118,6 +125,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         self._ingest(k, v)
 
     def end_prompt(self) -> None:
+        self._leave_static()
         stage, self._stage = self._stage, None
         q_sq, self._stage_qsq = self._stage_qsq, None
         if stage is not None:  # the whole prompt, as one forward would have left it
@@ -207,6 +215,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
             if p.tail_chunk:
                 self.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
         self.seen += T
+        self._enter_static()
 
     # ------------------------------------------------------------------ a new turn
     def _attend_turn(self, q, k_new, v_new, scaling):
@@ -262,7 +271,26 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
                                                          values[:, :, : n0 + t1], visible, scaling)
         self._append_generated(k_new, v_new)
         self.seen += T
+        self._enter_static()
         return out.reshape(B, H_q, T, D).to(q.dtype)
+
+    # ------------------------------------------------------------------ static decode
+    _MOVED = ("gen_k", "gen_v", "exact_k", "exact_v", "exact_idx", "landmarks", "selectable", "factor", "v_host",
+              "k_host", "kr_host", "tail_v_sum")  # held by the `StaticStore` while it lives
+
+    def _enter_static(self) -> None:
+        """After a prompt or a turn, with the cache's capacity planned: move the state into a
+        `StaticStore` (fixed shapes), which the static steps use and `_leave_static` gives back."""
+        if self.cache.capacity and self.exact_k is not None:
+            self._static = StaticStore(self)
+            for name in self._MOVED:
+                setattr(self, name, None)
+
+    def _leave_static(self) -> None:
+        """The eager paths need the state as attributes again (host counts read once)."""
+        if self._static is not None:
+            store, self._static = self._static, None
+            store.to_layer(self)
 
     # ------------------------------------------------------------------ decode
     def _append_generated(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -331,6 +359,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         self._fold_undo = []  # an earlier forward's folds are final
 
     def removable(self) -> int:
+        self._leave_static()
         if self._prompt_record is not None:
             return self._prompt_record[0].shape[2]
         if self._fold_undo:  # undoing the forward's folds gives back the tokens they took
@@ -343,6 +372,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
                 "its forward, with past recording on)")
 
     def remove_latest(self, n):
+        self._leave_static()
         record, self._prompt_record = self._prompt_record, None
         q_sq, self._prompt_qsq = self._prompt_qsq, None
         undo, self._fold_undo = self._fold_undo, []  # the forward's folds, oldest first
@@ -368,10 +398,14 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
 
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):
+        if self._static is not None:
+            return {**{name: getattr(self, name) for name in self._STATE}, **self._static.device_tensors()}
         staged = {} if self._stage is None else {**self._stage.state_tensors(), "_stage_qsq": self._stage_qsq}
         return {**{name: getattr(self, name) for name in self._STATE}, **staged}
 
     def host_tensors(self):
+        if self._static is not None:
+            return self._static.host_tensors()
         return {"v_host": self.v_host, "k_host": self.k_host, "kr_host": self.kr_host}
 
     def _key_table(self):
@@ -391,6 +425,7 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
         return residual_table(k, rebuilt, p.residual_bits, p.residual_group_for(k.shape[-1]))
 
     def batch_select(self, indices: torch.Tensor) -> None:
+        self._leave_static()
         super().batch_select(indices)
         # the per-head budget tables live on the host (read each step without a device sync)
         host_idx = indices.cpu()
@@ -408,8 +443,9 @@ class ShadowKVLayer(SelectedSteps, FoldedChunks, CacheLayer):
     def cached_elements(self) -> int:
         if self._stage is not None:
             return self._stage.cached_elements()
-        if self.exact_k is None:
+        exact_k = self.exact_k if self._static is None else self._static.exact_k
+        if exact_k is None:
             return 0
-        b, h, _, d = self.exact_k.shape
+        b, h, _, d = exact_k.shape
         return 2 * b * h * self.seen * d
 
