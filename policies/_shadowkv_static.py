@@ -265,7 +265,7 @@ class StaticStore:
     # ------------------------------------------------------------------ back to the eager paths
     def to_layer(self, layer) -> None:
         """Give the state back to ``layer``'s eager attributes (host counts read once)."""
-        p, cs = self.policy, self.policy.chunk_size
+        cs = self.policy.chunk_size
         n = int(self.n_chunks)
         layer.gen_len = int(self.gen_len)
         layer.gen_k, layer.gen_v = self.gen_k, self.gen_v
