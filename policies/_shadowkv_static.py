@@ -9,7 +9,7 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.merge import torch_merge_states
 from kvpress.kernels.shadowkv_rebuild import torch_shadowkv_rebuild
 from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
-from kvpress.plan import static_address
+from kvpress.plan import capacity_bucket, static_address
 
 from ._shadowkv_select import (chunk_scores, pick_chunks, pick_tokens, tail_estimate, tail_estimate_tokens,
                                tail_value_sums, token_scores, top_chunks)
@@ -40,7 +40,7 @@ class StaticStore:
         fold, lw, g0 = p.fold_tokens, p.local_window, layer.gen_len
         # tokens a step may fold: `fold`, more only right after a turn left many generated tokens
         self.fold_max = max(fold, (g0 - lw) // fold * fold) if fold else 0
-        self.tokens = max(layer.cache.capacity or 0, layer.seen + 1)
+        self.tokens = max(layer.cache.capacity or 0, layer.seen + 1)  # tokens (seen) the buffers hold
         future = self.tokens - layer.seen  # decode steps the buffers have room for
         n0 = layer.n_chunks
         self.group = p.tail_chunk // cs if p.tail_chunk else 1  # chunks per tail group
@@ -53,9 +53,11 @@ class StaticStore:
         R = layer.factor.shape[2] if layer.factor is not None else min(
             default_rank(H * D) if p.rank is None else p.rank, H * D)
 
+        self.pinned = dev.type == "cuda"  # the host tables are pinned memory
+
         def zeros(*shape, dtype=dtype, host=False):
             if host:
-                return torch.zeros(*shape, dtype=dtype, pin_memory=dev.type == "cuda")
+                return torch.zeros(*shape, dtype=dtype, pin_memory=self.pinned)
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
         def filled(buf, t, dim):  # buf with t's entries first along dim
@@ -109,6 +111,8 @@ class StaticStore:
     def step(self, layer, q, k_new, v_new, scaling):
         """One decode token: fold, store, select, fetch, attend. Returns (B, H_q, 1, D)."""
         p, cs = self.policy, self.policy.chunk_size
+        if layer.seen + 1 > self.tokens:  # past the planned capacity: the next bucket (new shapes, a recompile)
+            self._grow(capacity_bucket(layer.seen + 1))
         if self.fold_max:
             self._fold()
         self.gen_k.index_copy_(2, self.gen_len, k_new)
@@ -147,6 +151,26 @@ class StaticStore:
             out, lse = torch_merge_states(out, lse, o, l)
         layer.count_static_step()
         return out.to(q.dtype)[:, :, None]
+
+    def _grow(self, tokens: int) -> None:
+        """Room for ``tokens`` tokens: every capacity axis extended with zeros (empty chunks, groups, slots)."""
+        extra, cs = tokens - self.tokens, self.policy.chunk_size
+        chunks = -(-extra // cs)
+        chunks += (-chunks) % self.group  # whole tail groups: the grid stays aligned with them
+        for name, dim, n in (("landmarks", 2, chunks), ("selectable", 2, chunks), ("factor", 1, chunks * cs),
+                             ("v_host", 2, chunks), ("k_host", 2, chunks), ("kr_host", 2, chunks),
+                             ("tail_v_sum", 2, chunks // self.group),
+                             ("gen_k", 2, 0 if self.fold_max else extra), ("gen_v", 2, 0 if self.fold_max else extra)):
+            t = getattr(self, name)
+            if t is not None and n:
+                shape = list(t.shape)
+                shape[dim] += n
+                host = t.device.type == "cpu" and self.pinned
+                grown = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=host)
+                grown.narrow(dim, 0, t.shape[dim]).copy_(t)
+                setattr(self, name, grown)
+        self.k_max = min(self.policy.budget // cs, self.landmarks.shape[2])
+        self.tokens = tokens
 
     def _select(self, q0, allow, sel_cnt, scaling):
         """The eager step's choice at a constant size ``k_max``: ids (B, H, k_max) (tokens: k_max * cs)

@@ -20,7 +20,7 @@ from shadowkv_helpers import model  # noqa: E402,F401  (model: the fixture)
 BASE = dict(budget=32, chunk_size=8, rank=8, outlier_chunks=1, local_window=8)
 
 
-def _run(model, policy, prompt, steps, static, turn=None, turn_after=0, batch_pad=0):
+def _run(model, policy, prompt, steps, static, turn=None, turn_after=0, batch_pad=0, planned=None):
     """Greedy tokens of ``steps`` decode steps (``static``: the static path, run eagerly), with an
     optional ``turn`` of several tokens after ``turn_after`` steps; and each layer's state after."""
     ids = prompt
@@ -32,7 +32,7 @@ def _run(model, policy, prompt, steps, static, turn=None, turn_after=0, batch_pa
     tokens = []
     with torch.no_grad(), kvpress.apply(model, policy):
         cache = kvpress.make_cache(model, policy)
-        cache.plan_capacity(ids.shape[1] + steps + (0 if turn is None else turn.shape[1]) + 1)
+        cache.plan_capacity(planned or ids.shape[1] + steps + (0 if turn is None else turn.shape[1]) + 1)
         out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
         pos = ids.shape[1]
@@ -112,6 +112,16 @@ def test_static_steps_after_a_turn_fold_its_backlog_as_eager_steps_do(model):
     prompt, turn = random_ids(44, seed=5), random_ids(40, seed=6)
     eager, eager_state = _run(model, policy, prompt, 40, static=False, turn=turn, turn_after=10)
     static, static_state = _run(model, policy, prompt, 40, static=True, turn=turn, turn_after=10)
+    assert static == eager
+    assert static_state == eager_state
+
+
+@pytest.mark.parametrize("fold_size", [16, 0])
+def test_static_steps_past_the_planned_capacity_grow_the_store(model, fold_size):
+    policy = kvpress.get_policy("shadowkv", **BASE, tail_chunk=16, fold_size=fold_size)
+    prompt = random_ids(100, seed=7)
+    eager, eager_state = _run(model, policy, prompt, 60, static=False, planned=120)
+    static, static_state = _run(model, policy, prompt, 60, static=True, planned=120)
     assert static == eager
     assert static_state == eager_state
 
