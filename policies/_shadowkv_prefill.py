@@ -10,10 +10,10 @@ from kvpress.attention import masked_group_attention
 from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
-from ._shadowkv_fold import residual_rows
 from ._shadowkv_select import tail_value_sums
 from ._shadowkv_step import append_generated, key_table
-from ._shadowkv_store import add_residual, default_rank, fetch_tables, low_rank, query_pair_weights, to_host
+from ._shadowkv_store import (add_residual, default_rank, fetch_tables, low_rank, query_pair_weights,
+                              residual_table, to_host)
 
 
 def query_squares(policy, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor | None:
@@ -106,7 +106,11 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
         if p.fetch_keys:
             layer.k_host = to_host(kp.view(B, H, C, cs, D))
         if p.residual_bits:
-            layer.kr_host = to_host(residual_rows(layer, kp, 0).view(B, H, C, cs, -1))
+            ids = torch.arange(C, dtype=torch.int32, device=dev).expand(B, H, -1).contiguous()
+            rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(dev), rope_start,
+                                       chunk_size=cs, backend=p.backend)
+            residual = residual_table(kp, rebuilt, p.residual_bits, p.residual_group_for(D))  # (B, H, T_pad, W)
+            layer.kr_host = to_host(residual.view(B, H, C, cs, -1))
         if p.tail_chunk:
             layer.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
     layer.seen += T

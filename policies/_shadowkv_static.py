@@ -32,7 +32,7 @@ class StaticStore:
     it keeps no previous fetch to reuse and counts no transfers.
     """
 
-    def __init__(self, layer):
+    def __init__(self, layer, tokens: int | None = None):
         p, cs = layer.policy, layer.policy.chunk_size
         B, H, E0, D = layer.exact_k.shape
         dev, dtype = layer.exact_k.device, layer.exact_k.dtype
@@ -40,7 +40,8 @@ class StaticStore:
         fold, lw, g0 = p.fold_tokens, p.local_window, layer.gen_len
         # tokens a step may fold: `fold`, more only right after a turn left many generated tokens
         self.fold_max = max(fold, (g0 - lw) // fold * fold) if fold else 0
-        self.tokens = max(layer.cache.capacity or 0, layer.seen + 1)  # tokens (seen) the buffers hold
+        # tokens (seen) the buffers hold: the planned capacity, or ``tokens``
+        self.tokens = tokens or max(layer.cache.capacity or 0, layer.seen + 1)
         future = self.tokens - layer.seen  # decode steps the buffers have room for
         n0 = layer.n_chunks
         self.group = p.tail_chunk // cs if p.tail_chunk else 1  # chunks per tail group
@@ -114,7 +115,7 @@ class StaticStore:
         if layer.seen + 1 > self.tokens:  # past the planned capacity: the next bucket (new shapes, a recompile)
             self._grow(capacity_bucket(layer.seen + 1))
         if self.fold_max:
-            self._fold()
+            self.fold()
         self.gen_k.index_copy_(2, self.gen_len, k_new)
         self.gen_v.index_copy_(2, self.gen_len, v_new)
         self.gen_len.add_(1)
@@ -213,7 +214,7 @@ class StaticStore:
         table = self.k_host if self.policy.fetch_keys else self.kr_host
         return gather(self.v_host), None if table is None else gather(table)
 
-    def _fold(self) -> None:
+    def fold(self) -> None:
         """The eager step's fold (`ShadowKVLayer._fold`) under a device condition: the oldest ``f``
         generated tokens (0 when the step folds none) join the exact tokens or the chunk grid."""
         p, cs, F = self.policy, self.policy.chunk_size, self.fold_max
@@ -261,7 +262,11 @@ class StaticStore:
         written = do & crow.any()
 
         def put(table, x):  # x (B, H, F, W) into the host table's new chunks
-            host_scatter(table.view(B * H * Cc, -1), rows, x.reshape(B * H * nf, -1).to(table.dtype), written)
+            x, table = x.reshape(B * H * nf, -1).to(table.dtype), table.view(B * H * Cc, -1)
+            if torch.compiler.is_compiling():
+                host_scatter(table, rows, x, written)
+            elif bool(written):  # an eager fold: the host copies the rows (no device access to the tier needed)
+                table.index_copy_(0, rows.cpu(), x.cpu())
 
         put(self.v_host, v)
         if self.k_host is not None:
@@ -287,8 +292,10 @@ class StaticStore:
         self.gen_len.sub_(f)
 
     # ------------------------------------------------------------------ back to the eager paths
-    def to_layer(self, layer) -> None:
-        """Give the state back to ``layer``'s eager attributes (host counts read once)."""
+    def to_layer(self, layer, keep_fetched: bool = False) -> None:
+        """Give the state back to ``layer``'s eager attributes (host counts read once; new tensors, so
+        state held elsewhere, such as a recorded fold's undo, keeps the old ones). ``keep_fetched``:
+        the previous step's fetch stays for reuse (chunk ids are stable: the grid only grows)."""
         cs = self.policy.chunk_size
         n = int(self.n_chunks)
         layer.gen_len = int(self.gen_len)
@@ -303,7 +310,8 @@ class StaticStore:
         layer.n_chunks = n
         layer.row_exact, layer.has_basis = self.row_exact, self.has_basis
         layer.exact_mode = bool(self.row_exact.all())
-        layer.sel_idx = layer.sel_values = layer.sel_keys = None
+        if not keep_fetched:
+            layer.sel_idx = layer.sel_values = layer.sel_keys = None
         if not bool(self.chunked):
             return
         layer.landmarks = self.landmarks[:, :, :n].contiguous()

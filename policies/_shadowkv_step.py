@@ -9,8 +9,8 @@ import torch
 from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
 
-from ._shadowkv_fold import fold_generated
 from ._shadowkv_select import select_chunks, select_tokens, tail_estimate, tail_estimate_tokens
+from ._shadowkv_static import StaticStore
 from ._shadowkv_store import add_residual, fetch_chunks, fetch_tables
 
 
@@ -69,6 +69,20 @@ def decode(layer, q, k_new, v_new, scaling):
     attended = int((layer._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
     layer.max_attended = max(layer.max_attended, attended + layer.gen_len)
     return out[:, :, None]
+
+
+def fold_generated(layer, f: int) -> None:
+    """Move the oldest ``f`` generated tokens (whole chunks) into ``layer``'s store (see
+    `ShadowKVPolicy.fold_size`): the device fold of a `StaticStore` built for it, given back.
+
+    Each is placed on the chunk grid after the prompt, so positions, chunk ids and tail groups
+    continue the prompt's. Rows whose tokens up to the fold's end still fit the budget add them
+    to their exact tokens; every row gets the chunk entries (the exact rows' not selectable) so
+    the grid stays one for the batch.
+    """
+    store = StaticStore(layer, tokens=layer.seen + 1)
+    store.fold()
+    store.to_layer(layer, keep_fetched=True)
 
 
 def decode_backend(policy) -> str:
