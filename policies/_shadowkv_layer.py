@@ -1,5 +1,7 @@
-"""The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): prefill factorisation, per-step
-sparse rebuild with the host value tier, a new turn's dense pass, crop."""
+"""The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): it holds the state and routes each
+forward -- a prompt to `ingest`, a new turn to `attend_turn` (``_shadowkv_prefill``), an eager
+decode step to `decode` (``_shadowkv_step``), a static one to its `StaticStore`
+(``_shadowkv_static``) -- and takes tokens back (crop)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class ShadowKVLayer(CacheLayer):
     chunk_size, D), with ``fetch_keys`` the exact post-RoPE keys ``k_host`` in the same layout,
     with ``residual_bits`` the quantized residual of the rebuilt keys ``kr_host`` (B, H_kv, C,
     chunk_size, W; `residual_table`). Transfers: ``counters`` (:class:`TransferCounters`).
+    While a `StaticStore` holds the state (``_static``), the attributes in ``_MOVED`` are None.
     """
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
@@ -50,7 +53,7 @@ class ShadowKVLayer(CacheLayer):
         self.counters = TransferCounters()
         self._inv_freq = None
         self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
-        self._prompt_qsq = None  # with svd="query": that forward's query squares (`_query_squares`)
+        self._prompt_qsq = None  # with svd="query": that forward's query squares (`query_squares`)
         self._stage_qsq = None  # with svd="query": the staged prompt's query squares
         self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
         self._fold_undo: list[tuple[int, dict]] = []  # folds of the recorded forward: (seen before, state)

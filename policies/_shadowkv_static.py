@@ -19,9 +19,9 @@ from ._shadowkv_store import add_residual, default_rank, project, residual_table
 class StaticStore:
     """A ShadowKV layer's decode state at fixed shapes, for steps `torch.compile` captures.
 
-    Built from the layer's state after a prompt or a turn when the cache's capacity is planned
-    (`from_layer`); `step` is the layer's decode step while ``plan.static``; `to_layer` gives the
-    state back to the eager paths. The chunk grid (``landmarks``, ``selectable``, ``factor``, the
+    Built from the layer's state after a prompt or a turn when the cache's capacity is planned;
+    `step` is the layer's decode step while ``plan.static``; `to_layer` gives the state back to
+    the eager paths (whose folds also run here: a store built for one `fold`, given back). The chunk grid (``landmarks``, ``selectable``, ``factor``, the
     host tables, ``tail_v_sum``), the exact tokens and the generated tokens are preallocated for
     every token the capacity allows; ``n_chunks``, ``gen_len`` and ``exact_cnt`` live on the
     device. A step folds (`ShadowKVPolicy.fold_size`) under a device condition with masked
@@ -29,7 +29,7 @@ class StaticStore:
     and rerank decision as device masks), gathers the chosen values from the host tier by device
     ids (`kvpress.kernels.triton_shadowkv_host.host_gather`), attends exact, chosen and generated
     tokens under one masked softmax and merges the ``tail_chunk`` estimate. Unlike the eager step
-    it keeps no previous fetch to reuse and counts no transfers.
+    it keeps no previous fetch to reuse and counts neither transfers nor ``max_attended``.
     """
 
     def __init__(self, layer, tokens: int | None = None):
@@ -95,7 +95,6 @@ class StaticStore:
         # a row without a basis factors its first chunks itself (an SVD in the step while any may)
         self.may_need_basis = not bool(self.has_basis.all())
         self.inv_freq = layer._rope_inv_freq(dev)
-        self.seen = layer.seen  # the layer's count when built: no static step ran while it is unchanged
         static_address(self.gen_k, self.gen_v, self.gen_len, self.n_chunks, self.exact_k, self.exact_v,
                        self.exact_cnt, self.landmarks, self.selectable, self.factor, self.basis, self.tail_v_sum,
                        self.chunked, self.row_exact, self.has_basis)
@@ -318,7 +317,11 @@ class StaticStore:
         layer.selectable = self.selectable[:, :, :n].contiguous()
         layer.factor = self.factor[:, : n * cs].contiguous()
         layer.basis = self.basis
-        host = lambda t: None if t is None else t[:, :, :n].clone(memory_format=torch.contiguous_format)  # noqa: E731
+
+        def host(t):  # the first n chunks, contiguous (pinned for a CUDA layer, as `to_host` makes them)
+            return None if t is None else torch.empty(t[:, :, :n].shape, dtype=t.dtype,
+                                                      pin_memory=self.pinned).copy_(t[:, :, :n])
+
         layer.v_host, layer.k_host, layer.kr_host = host(self.v_host), host(self.k_host), host(self.kr_host)
         if self.tail_v_sum is not None:
             layer.tail_v_sum = self.tail_v_sum[:, :, : (n + self.offset) // self.group].contiguous()
