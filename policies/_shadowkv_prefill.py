@@ -98,7 +98,8 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
     if layer.max_selectable:
         layer.landmarks, layer.selectable = landmarks, selectable
         # Pre-RoPE keys (exact inverse rotation), padding zeroed.
-        k_pre = adapter.invert_rope(kp, (tok[None, :] - rope_start[:, None])[:, None, :], layer.layer_idx)  # (B, H, T_pad, D)
+        positions = (tok[None, :] - rope_start[:, None])[:, None, :]
+        k_pre = adapter.invert_rope(kp, positions, layer.layer_idx)  # (B, H, T_pad, D)
         k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
         rank = default_rank(H * D) if p.rank is None else p.rank
         layer.factor, layer.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype, layer.key_weight)

@@ -108,11 +108,12 @@ def torch_step(layer, q0, k_sel, allow, scaling):
         return out.to(q0.dtype), lse, ids, values
     full = lambda n: torch.full((B,), n, dtype=torch.int32, device=dev)  # noqa: E731
     gen_index = SparseIndex.dense(full(layer.gen_len), H, block_size=64, capacity=layer.gen_k.shape[2])  # no sync
-    out, lse = sparse_decode(q0, layer.gen_k, layer.gen_v, gen_index, scale=scaling, backend=decode_backend(layer.policy),
+    backend = decode_backend(layer.policy)
+    out, lse = sparse_decode(q0, layer.gen_k, layer.gen_v, gen_index, scale=scaling, backend=backend,
                              validate_index=False)
     if layer.exact_max:
         index = SparseIndex(1, layer.exact_idx, layer.exact_cnt, full(layer.exact_max))
-        o, l = sparse_decode(q0, layer.exact_k, layer.exact_v, index, scale=scaling, backend=decode_backend(layer.policy),
+        o, l = sparse_decode(q0, layer.exact_k, layer.exact_v, index, scale=scaling, backend=backend,
                              validate_index=False)
         out, lse = merge_states(out, lse, o, l)
     if k_sel:
