@@ -18,10 +18,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import kvpress.policies._shadowkv_layer as shadowkv_layer
+import kvpress.policies._shadowkv_step as shadowkv_step
 from kvpress.cli import main
 
-_estimate = shadowkv_layer.native.shadowkv_tail
+_estimate = shadowkv_step.native.shadowkv_tail
 counts = {"calls": 0, "groups": 0, "under_one_chunk": 0}
 
 
@@ -43,7 +43,7 @@ def counted(q, landmarks, selectable, v_sum, ids, values, *, chunk_size, tail_ch
 
 
 if __name__ == "__main__":
-    shadowkv_layer.native.shadowkv_tail = counted
+    shadowkv_step.native.shadowkv_tail = counted
     rc = main(sys.argv[1:])
     print("TAIL_GROUPS", json.dumps(counts))
     sys.exit(rc)

@@ -38,21 +38,26 @@ def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
 
 def _shortlist(q, scores, factor, basis, inv_freq, rope_start, *, shortlist, chunk_size, scale, reduction, backend):
     """The landmark shortlist's chunk ids ``cand`` (B, H, M) ascending, -1 last, their rebuilt
-    keys (B, H, M * cs, D) and each token's exact score (B, H, M * cs), GQA group reduced
-    (-inf on empty slots)."""
-    B, H, C = scores.shape
-    D, cs = q.shape[-1], chunk_size
+    keys (B, H, M * cs, D) and each token's exact score (B, H, M * cs) (`token_scores`)."""
     allow_all = torch.full(scores.shape[:2], shortlist, dtype=torch.long, device=scores.device)
     cand = top_chunks(scores, shortlist, allow_all)  # (B, H, M) ascending, -1 last
-    keys = shadowkv_rebuild(factor, basis, cand, inv_freq, rope_start, chunk_size=cs, backend=backend)  # (B, H, M*cs, D)
+    keys = shadowkv_rebuild(factor, basis, cand, inv_freq, rope_start, chunk_size=chunk_size, backend=backend)
+    return cand, keys, token_scores(q, cand, keys, chunk_size=chunk_size, scale=scale, reduction=reduction)
+
+
+def token_scores(q: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor, *, chunk_size: int, scale: float,
+                 reduction: str) -> torch.Tensor:
+    """Exact score (B, H_kv, M * cs) of each token of the candidate chunks ``cand`` (B, H_kv, M; -1
+    empty) from their rebuilt keys (B, H_kv, M * cs, D), GQA group reduced, -inf on empty slots."""
+    B, H, M = cand.shape
+    D = q.shape[-1]
     G = q.shape[1] // H
     logits = (q.float().view(B, H, G, D) * scale) @ keys.float().transpose(-1, -2)  # (B, H, G, M*cs)
-    tok_ok = (cand >= 0).repeat_interleave(cs, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
+    tok_ok = (cand >= 0).repeat_interleave(chunk_size, dim=-1)[:, :, None]  # (B, H, 1, M*cs)
     logits = logits.masked_fill(~tok_ok, float("-inf"))
     if reduction.startswith("softmax"):  # normalise per query head before the group reduction
         logits = torch.softmax(logits, dim=-1).nan_to_num(0.0).masked_fill(~tok_ok, float("-inf"))
-    tok = logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
-    return cand, keys, tok
+    return logits.mean(2) if reduction.endswith("mean") else logits.amax(2)  # (B, H, M*cs)
 
 
 def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortlist, chunk_size, scale, reduction,
@@ -63,18 +68,26 @@ def _rerank(q, scores, factor, basis, inv_freq, rope_start, allow, *, k, shortli
     (a needle among filler) can score below chunks of uniformly mediocre keys. The rebuilt
     low-rank keys cost ``rank`` MACs per element, and only the kept chunks' values are fetched.
     """
-    B, H, C = scores.shape
-    D, cs, dev = q.shape[-1], chunk_size, q.device
     cand, keys, tok = _shortlist(q, scores, factor, basis, inv_freq, rope_start, shortlist=shortlist,
-                                 chunk_size=cs, scale=scale, reduction=reduction, backend=backend)
-    exact = tok.view(B, H, shortlist, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
+                                 chunk_size=chunk_size, scale=scale, reduction=reduction, backend=backend)
+    return pick_chunks(cand, keys, tok, allow, k=k, chunk_size=chunk_size, num_chunks=scores.shape[-1])
+
+
+def pick_chunks(cand: torch.Tensor, keys: torch.Tensor, tok: torch.Tensor, allow: torch.Tensor, *, k: int,
+                chunk_size: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``allow[b, h]`` (<= ``k``) candidate chunks by their best token's score ``tok``
+    (`token_scores`): ids int32 (B, H, k) ascending, -1 after, and their keys (B, H, k * cs, D)
+    taken from the candidates' ``keys``, zeros in empty slots."""
+    B, H, M = cand.shape
+    D, cs, dev = keys.shape[-1], chunk_size, keys.device
+    exact = tok.view(B, H, M, cs).amax(-1)  # (B, H, M) best token of each candidate chunk
     exact = exact.masked_fill(cand < 0, float("-inf"))
     top, slot = torch.topk(exact, k, dim=-1)  # (B, H, k)
     ok = torch.isfinite(top) & (torch.arange(k, device=dev) < allow[..., None])
     ids = torch.gather(cand, 2, slot)
     # ascending chunk order, empty slots last (as `top_chunks`); keys follow their chunk
-    order = torch.where(ok, ids, C).sort(dim=-1)
-    ids = torch.where(order.values < C, order.values, -1).to(torch.int32)
+    order = torch.where(ok, ids, num_chunks).sort(dim=-1)
+    ids = torch.where(order.values < num_chunks, order.values, -1).to(torch.int32)
     slot = torch.gather(slot, 2, order.indices)  # (B, H, k) candidate slot of each chosen chunk
     tok_idx = (slot[..., None] * cs + torch.arange(cs, device=dev)).flatten(2)  # (B, H, k*cs)
     chosen = torch.gather(keys, 2, tok_idx[..., None].expand(B, H, k * cs, D))
@@ -92,16 +105,23 @@ def select_tokens(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
     ``c``'s tokens are ``c * cs ...``), -1 after; their rebuilt keys (B, H_kv, k * cs, D), zeros
     in empty slots."""
     scores = chunk_scores(q, landmarks, selectable, scale=scale, reduction=reduction)
-    B, H, C = scores.shape
-    D, cs, dev = q.shape[-1], chunk_size, q.device
     cand, keys, tok = _shortlist(q, scores, factor, basis, inv_freq, rope_start, shortlist=max(shortlist, k),
-                                 chunk_size=cs, scale=scale, reduction=reduction, backend=backend)
+                                 chunk_size=chunk_size, scale=scale, reduction=reduction, backend=backend)
+    return pick_tokens(cand, keys, tok, allow, k=k, chunk_size=chunk_size, num_chunks=scores.shape[-1])
+
+
+def pick_tokens(cand: torch.Tensor, keys: torch.Tensor, tok: torch.Tensor, allow: torch.Tensor, *, k: int,
+                chunk_size: int, num_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``allow[b, h] * chunk_size`` (<= ``k * chunk_size``) candidate tokens by ``tok``: token
+    ids int32 (B, H, k * cs) ascending, -1 after, and their keys (B, H, k * cs, D), zeros in empty slots."""
+    B, H, _ = cand.shape
+    D, cs, dev = keys.shape[-1], chunk_size, keys.device
     K = k * cs
     top, slot = torch.topk(tok, K, dim=-1)  # (B, H, K) slots in the shortlist's tokens
     ok = torch.isfinite(top) & (torch.arange(K, device=dev) < allow[..., None] * cs)
     ids = torch.gather(cand.long(), 2, slot // cs) * cs + slot % cs  # token ids in the store
-    order = torch.where(ok, ids, C * cs).sort(dim=-1)
-    ids = torch.where(order.values < C * cs, order.values, -1).to(torch.int32)
+    order = torch.where(ok, ids, num_chunks * cs).sort(dim=-1)
+    ids = torch.where(order.values < num_chunks * cs, order.values, -1).to(torch.int32)
     slot = torch.gather(slot, 2, order.indices)
     chosen = torch.gather(keys, 2, slot[..., None].expand(B, H, K, D))
     return ids, chosen * (ids >= 0)[..., None].to(chosen.dtype)

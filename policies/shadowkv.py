@@ -65,7 +65,10 @@ class ShadowKVPolicy(Policy):
 
     A prompt in several forwards is held densely until it ends, then factorised as one forward's
     would be; a new turn attends every stored token densely (keys rebuilt, values fetched once);
-    an assisted-decoding verification runs as that many decode steps.
+    an assisted-decoding verification runs as that many decode steps. With the cache's capacity
+    planned (``generate`` plans it) the decode step is static: `torch.compile` captures it as one
+    graph, selection and folds decided on the device and the chosen values gathered from the host
+    tier by device ids (`kvpress.policies._shadowkv_static.StaticStore`).
 
     On SmolLM2-135M at budget 256, ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` (the
     ``shadowkv-offload`` preset) keeps 28 of ``full``'s 29 8k niah_single needles and 100.3% of its

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvpress
+from kvpress.policies._shadowkv_step import attend_selected, key_table
 from kvpress.policies._shadowkv_store import TransferCounters, fetch_chunks, to_host
 from kvpress.policies.shadowkv import transfer_summary
 from kvpress.prefill import cache_from_dense, dense_prefill
@@ -208,7 +209,7 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
         outs[backend] = out.sequences
         layer = out.past_key_values.layers[0]
         assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
-        assert not extra or (layer._key_table().is_pinned() and layer.sel_keys.is_cuda)
+        assert not extra or (key_table(layer).is_pinned() and layer.sel_keys.is_cuda)
         assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
     assert torch.equal(outs["torch"], outs["triton"])
 
@@ -232,7 +233,7 @@ def test_batch_select_reorders_the_host_side_budget_tables(model):
 def _chosen_chunks(layer, q0, k_sel, scaling):
     allow = torch.full(layer.selectable.shape[:2], k_sel)
     layer.sel_idx = layer.sel_values = None
-    layer._attend_selected(q0, k_sel, allow, scaling)
+    attend_selected(layer, q0, k_sel, allow, scaling)
     return layer.sel_idx
 
 
@@ -417,7 +418,7 @@ def test_token_selection_takes_the_shortlists_top_tokens_and_attends_them(model)
     q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(3))
     allow = torch.tensor([[3, 2]])  # chunks' worth of tokens per KV head
     layer.sel_idx = layer.sel_values = None
-    out, lse, tok, values = layer._attend_selected(q0, 3, allow, 0.25)
+    out, lse, tok, values = attend_selected(layer, q0, 3, allow, 0.25)
     chunks = torch.where(layer.selectable, torch.arange(C, dtype=torch.int32), -1).contiguous()
     keys = shadowkv_rebuild(layer.factor, layer.basis, chunks, layer._rope_inv_freq("cpu"), layer.rope_start,
                             chunk_size=8)  # (B, H, C*8, D), token c*8+j at slot c*8+j
@@ -448,8 +449,8 @@ def test_fetch_keys_attends_the_exact_keys_of_what_the_low_rank_keys_select(mode
     B, H, C, D = layer.landmarks.shape
     q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(4))
     allow = torch.tensor([[3, 2]])
-    out, lse, sel, values = layer._attend_selected(q0, 3, allow, 0.25)
-    ref_out, _, ref_sel, ref_values = plain._attend_selected(q0, 3, allow, 0.25)
+    out, lse, sel, values = attend_selected(layer, q0, 3, allow, 0.25)
+    ref_out, _, ref_sel, ref_values = attend_selected(plain, q0, 3, allow, 0.25)
     assert torch.equal(sel, ref_sel) and torch.equal(values, ref_values)  # the same selection and values
     assert layer.counters.fetched_bytes == 2 * plain.counters.fetched_bytes > 0
     assert layer.counters.steps == plain.counters.steps == 1
@@ -596,11 +597,11 @@ def test_residual_bits_correct_the_rebuilt_keys_with_a_fetched_residual(model, s
     B, H, C, D = plain.landmarks.shape
     q0 = torch.randn(B, 4, D, generator=torch.Generator().manual_seed(4))
     allow = torch.tensor([[3, 2]])
-    ref_out, _, ref_sel, ref_values = plain._attend_selected(q0, 3, allow, 0.25)
+    ref_out, _, ref_sel, ref_values = attend_selected(plain, q0, 3, allow, 0.25)
     rebuilt_err = None
     for bits in (2, 4, 8):
         layer = cache_from_dense(model, replace(pol, residual_bits=bits, residual_group=8), dense).layers[1]
-        out, lse, sel, values = layer._attend_selected(q0, 3, allow, 0.25)
+        out, lse, sel, values = attend_selected(layer, q0, 3, allow, 0.25)
         assert torch.equal(sel, ref_sel) and torch.equal(values, ref_values)  # the same selection and values
         width = D * bits // 8 + 4 * D // 8  # codes, then fp16 scales and zeros per group of 8 channels
         assert layer.kr_host.shape == (B, H, C, 8, width) and layer.kr_host.dtype == torch.uint8
