@@ -195,7 +195,7 @@ class KiviLayer(QuantWindowLayer):
 
     # ------------------------------------------------------------------ static decode
     def _store_slots(self) -> int:
-        return 0 if self.kc is None else self.kc.shape[2]
+        return 0 if self.kc is None or (self.sink_tokens and self.sk is None) else self.kc.shape[2]
 
     def _reserve_store(self, like_k, like_v, slots):
         g, S = self.group_size, self.sink_tokens
