@@ -86,6 +86,16 @@ class RowSplit:
         self.owner.seen += T
         return torch.cat(outs, dim=0)
 
+    def static_attend(self, q, k_new, v_new, scaling, start: torch.Tensor) -> torch.Tensor:
+        """A static decode step of the batch (``start``: its sequence index, [1] long): every row has
+        a layer by now, and each takes its token at its own index, counted from its first real
+        token, flushing when its own window fills (a device mask: one graph whichever rows flush).
+        The rows' host counts advance with the owner's (`QuantWindowLayer.count_tokens`)."""
+        outs = [layer.static_attend(q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], scaling, start - row_start)
+                for b, (layer, row_start) in enumerate(zip(self.layers, self.row_starts()))]
+        self.owner.count_static_step()
+        return torch.cat(outs, dim=0).to(q.dtype)
+
     def ingest_prefill(self, k, v) -> None:
         """`CacheLayer.ingest_prefill` of the batch: each row's real tokens into its own layer."""
         T = k.shape[2]

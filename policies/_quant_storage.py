@@ -34,8 +34,9 @@ def window_slots(tokens: int, limit: int) -> int:
 
 def resized(buf: torch.Tensor | None, length: int, slots: int, like: torch.Tensor) -> torch.Tensor:
     """A new buffer of ``slots`` tokens (dim 2) holding ``buf``'s first ``length`` tokens (the
-    rest uninitialised), with the other dims, dtype and device of ``like`` (B, H, n, ...)."""
-    new = like.new_empty(*like.shape[:2], slots, *like.shape[3:])
+    rest zero: a static decode step reads every slot, masked, and 0 * NaN would be NaN), with the
+    other dims, dtype and device of ``like`` (B, H, n, ...)."""
+    new = like.new_zeros(*like.shape[:2], slots, *like.shape[3:])
     if buf is not None and length:
         new[:, :, :length] = buf[:, :, :length]
     return new

@@ -11,8 +11,11 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
+from kvpress.plan import static_address
+
 from ._quant import QuantWindowLayer
-from ._quant_storage import append_tokens, fill_with_group_median
+from ._quant_static import masked_write
+from ._quant_storage import append_tokens, fill_with_group_median, resized
 
 OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time (torch path)
 CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of host time
@@ -123,16 +126,27 @@ def _outlier_chunk(x: torch.Tensor) -> int:
     return CUDA_OUTLIER_CHUNK if x.is_cuda else OUTLIER_CHUNK
 
 
+_STARTS: dict = {}
+
+
+def power_start(dim: int, rank: int, device) -> torch.Tensor:
+    """The start matrix of `low_rank` (dim, rank) fp32, drawn once from a fixed seed (a traced
+    static step reads it from here rather than drawing it)."""
+    key = (dim, rank, torch.device(device))
+    if key not in _STARTS:
+        _STARTS[key] = torch.randn(dim, rank, generator=torch.Generator().manual_seed(0)).to(device)
+    return _STARTS[key]
+
+
 def low_rank(e: torch.Tensor, rank: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-``rank`` factors of ``e`` (B, H, n, D) by subspace (power) iteration.
 
     Returns ``L`` (B, H, n, rank) with orthonormal columns and ``R = e^T L`` (B, H, D, rank), so
     ``L @ R^T`` is the projection of ``e`` onto its estimated top singular subspace. The start
-    matrix is drawn from a fixed seed, so results are deterministic.
+    matrix is drawn from a fixed seed (`power_start`), so results are deterministic.
     """
     B, H, n, D = e.shape
-    gen = torch.Generator().manual_seed(0)
-    r = torch.randn(D, rank, generator=gen).to(e.device).expand(B, H, D, rank)
+    r = power_start(D, rank, e.device).expand(B, H, D, rank)
     for _ in range(iterations):
         left, _ = torch.linalg.qr(e @ r)  # (B, H, n, rank)
         r = e.transpose(-1, -2) @ left  # (B, H, D, rank)
@@ -185,7 +199,15 @@ class GearLayer(QuantWindowLayer):
     ``kx`` fp16 correction, (B, H, cap/G, m, D). Value outliers, per token: ``vo`` / ``vx``
     (B, H, cap, D/G * m). Sinks: ``sk`` / ``sv`` fp16 (B, H, sink_tokens, D), what the parts
     above miss on each row's first tokens (zero until those tokens are flushed).
+
+    Static decode steps (`QuantWindowLayer._static_step`) read the right factors per flush block
+    of ``flush_size`` tokens instead, ``krb`` / ``vrb`` fp16 (B, H, cap/flush_size, D, rank)
+    (every chunk starts and ends on a block; a chunk's factors repeat over its blocks), which
+    exist with a planned capacity; ``chunk_starts`` and ``kr`` / ``vr`` catch up with the blocks
+    flushed by static steps when an eager forward next runs (`_sync_chunks`).
     """
+
+    static_decode = True
 
     def __init__(self, cache, layer_idx, policy: GearPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
@@ -197,18 +219,23 @@ class GearLayer(QuantWindowLayer):
         self.sk = self.sv = None  # sink corrections (B, H, sink_tokens, D) fp16
         self.chunk_starts: list[int] = []
         self._chunk_ids = self._chunk_bounds = None
+        self.krb = self.vrb = None  # right factors per flush block (static steps)
+        self._chunked_to = 0  # packed tokens that chunk_starts / kr / vr cover
 
     def _row_layer(self, cache):
         return GearLayer(cache, self.layer_idx, self.p)
 
     # ------------------------------------------------------------------ compression
-    def _compress(self, x, start, per_channel: bool):
+    def _compress(self, x, start, per_channel: bool, sink=None):
         """-> codes, scale, zero, left, right, outlier offsets (uint8), outlier corrections (fp16),
-        sink corrections (fp16 (B, H, S, D), or None when no sink token is in this chunk)."""
+        sink corrections (fp16 (B, H, S, D), or None when no sink token is in this chunk).
+        ``start``: the chunk's first sequence index; None in a static step, which passes
+        ``sink`` (`sinks_in_chunk`'s pair, from device positions: possibly no sink inside)."""
         p = self.p
-        x = self.zero_padding(x, start).float()
+        x = x.float() if start is None else self.zero_padding(x, start).float()
         rest, offset = x, None
-        sink = self.sinks_in_chunk(p.sink_tokens, x, start) if p.sink_tokens else None
+        if start is not None:
+            sink = self.sinks_in_chunk(p.sink_tokens, x, start) if p.sink_tokens else None
         if sink is not None and per_channel:  # a sink key must not stretch its channel groups
             rest = fill_with_group_median(x, *sink, p.group_size)
         if p.outliers_per_group:
@@ -241,6 +268,7 @@ class GearLayer(QuantWindowLayer):
         return codes, scale, zero, left, right, offset, corr, sink
 
     def _flush(self, k, v, start):
+        self._sync_chunks()
         g = self.p.group_size
         kc, ks, kz, kl, kr, ko, kx, k_sink = self._compress(k, start, per_channel=True)
         vc, vs, vz, vl, vr, vo, vx, v_sink = self._compress(v, start, per_channel=False)
@@ -259,12 +287,134 @@ class GearLayer(QuantWindowLayer):
             nc = len(self.chunk_starts)
             self.kl, self.vl = append_tokens(self.kl, start, kl), append_tokens(self.vl, start, vl)
             self.kr, self.vr = append_tokens(self.kr, nc, kr[:, :, None], 16), append_tokens(self.vr, nc, vr[:, :, None], 16)
+            if self.krb is not None:  # the same factors for each flush block of the chunk (static steps)
+                b0, blocks = start // self.flush_unit, k.shape[2] // self.flush_unit
+                self.krb = append_tokens(self.krb, b0, kr[:, :, None].expand(-1, -1, blocks, -1, -1), 16)
+                self.vrb = append_tokens(self.vrb, b0, vr[:, :, None].expand(-1, -1, blocks, -1, -1), 16)
         if ko is not None:
             self.ko = append_tokens(self.ko, start // g, ko, grow=grow_g)
             self.kx = append_tokens(self.kx, start // g, kx, grow=grow_g)
             self.vo, self.vx = append_tokens(self.vo, start, vo), append_tokens(self.vx, start, vx)
         self.chunk_starts.append(start)
         self._chunk_ids = self._chunk_bounds = None
+        self._chunked_to = start + k.shape[2]
+
+    def _sync_chunks(self) -> None:
+        """Give the blocks that static steps flushed (``_chunked_to .. n_quant``, one chunk each)
+        their chunk starts and right factors, as eager flushes would have left them."""
+        F = self.flush_unit
+        if self._chunked_to >= self.n_quant:
+            return
+        for start in range(self._chunked_to, self.n_quant, F):
+            nc = len(self.chunk_starts)
+            if self.p.rank:
+                self.kr = append_tokens(self.kr, nc, self.krb[:, :, start // F][:, :, None], 16)
+                self.vr = append_tokens(self.vr, nc, self.vrb[:, :, start // F][:, :, None], 16)
+            self.chunk_starts.append(start)
+        self._chunked_to = self.n_quant
+        self._chunk_ids = self._chunk_bounds = None
+
+    # ------------------------------------------------------------------ static decode
+    def _store_slots(self) -> int:
+        """The packed tokens every store holds room for, in whole flush blocks; 0 when they do not
+        agree (stores grown by eager flushes, no block factors yet): `_reserve_store` aligns them."""
+        p, g, F = self.p, self.p.group_size, self.flush_unit
+        if self.kc is None or (p.rank and self.krb is None) or (p.sink_tokens and self.sk is None):
+            return 0
+        sizes = {self.kc.shape[2], self.vc.shape[2], self.ks.shape[2] * g, self.vs.shape[2]}
+        if p.rank:
+            sizes |= {self.kl.shape[2], self.krb.shape[2] * F}
+        if p.outliers_per_group:
+            sizes |= {self.ko.shape[2] * g, self.vo.shape[2]}
+        size = sizes.pop()
+        return size if not sizes and size % F == 0 else 0
+
+    def _reserve_store(self, like_k, like_v, slots):
+        p, g, F = self.p, self.p.group_size, self.flush_unit
+        B, H, _, D = like_k.shape
+        if self.kc is not None:  # every store at the same whole number of blocks, none shrunk
+            slots = max(slots, -(-self.kc.shape[2] // F) * F)
+        n, half = self.n_quant, torch.float16
+
+        def like(*tail, dtype=half):  # (B, H, 0, *tail): what `resized` copies the other dims from
+            return like_k.new_empty(B, H, 0, *tail, dtype=dtype)
+
+        codes = like(D * p.bits // 8, dtype=torch.uint8)
+        self.kc, self.vc = resized(self.kc, n, slots, codes), resized(self.vc, n, slots, codes)
+        self.ks, self.kz = resized(self.ks, n // g, slots // g, like(D)), resized(self.kz, n // g, slots // g, like(D))
+        self.vs, self.vz = resized(self.vs, n, slots, like(D // g)), resized(self.vz, n, slots, like(D // g))
+        if p.rank:
+            self.kl, self.vl = resized(self.kl, n, slots, like(p.rank)), resized(self.vl, n, slots, like(p.rank))
+            blocks = like(D, p.rank)
+            if self.krb is None:  # from the chunks flushed so far (no static step has run yet)
+                self.krb, self.vrb = resized(None, 0, slots // F, blocks), resized(None, 0, slots // F, blocks)
+                for c, (a, b) in enumerate(zip(self.chunk_starts, self.chunk_starts[1:] + [n])):
+                    self.krb[:, :, a // F : b // F] = self.kr[:, :, c : c + 1]
+                    self.vrb[:, :, a // F : b // F] = self.vr[:, :, c : c + 1]
+            else:
+                self.krb = resized(self.krb, n // F, slots // F, blocks)
+                self.vrb = resized(self.vrb, n // F, slots // F, blocks)
+        if p.outliers_per_group:
+            m = p.outliers_per_group
+            self.ko = resized(self.ko, n // g, slots // g, like(m, D, dtype=torch.uint8))
+            self.kx = resized(self.kx, n // g, slots // g, like(m, D))
+            self.vo = resized(self.vo, n, slots, like(D // g * m, dtype=torch.uint8))
+            self.vx = resized(self.vx, n, slots, like(D // g * m))
+        if p.sink_tokens and self.sk is None:  # zero until flushed, as the eager flush leaves them
+            self.sk = like_k.new_zeros(B, H, p.sink_tokens, D, dtype=half)
+            self.sv = torch.zeros_like(self.sk)
+        if p.rank:
+            power_start(D, p.rank, like_k.device)  # drawn here, not in a traced step
+        static_address(*(t for t in self._quant_tensors().values()))
+
+    def _static_packed(self, n):
+        p, g, F = self.p, self.p.group_size, self.flush_unit
+        k = dequantize_per_channel(self.kc, self.ks, self.kz, p.bits, g)  # (B, H, C, D)
+        v = dequantize_per_token(self.vc, self.vs, self.vz, p.bits, g)
+        B, H, C, D = k.shape
+        if p.rank:  # each block's left factors (F tokens) against its right factors
+            k = k + (self.kl.float().view(B, H, C // F, F, p.rank) @ self.krb.float().transpose(-1, -2)).view(k.shape)
+            v = v + (self.vl.float().view(B, H, C // F, F, p.rank) @ self.vrb.float().transpose(-1, -2)).view(v.shape)
+        if p.outliers_per_group:  # exact corrections at each outlier's (token, channel); zero past n
+            rows = (torch.arange(B, device=k.device)[:, None, None], torch.arange(H, device=k.device)[None, :, None])
+            tok, chan = outlier_positions(self.ko.long(), g, True)  # (B, H, O) each
+            k = k.index_put((*rows, tok, chan), self.kx.float().flatten(2), accumulate=True)
+            tok, chan = outlier_positions(self.vo.long().unflatten(3, (D // g, p.outliers_per_group)), g, False)
+            v = v.index_put((*rows, tok, chan), self.vx.float().flatten(2), accumulate=True)
+        if self.sk is not None:  # sink corrections (zero until flushed; a static step's layer has no padding)
+            S = min(p.sink_tokens, C)
+            k = torch.cat([k[:, :, :S] + self.sk[:, :, :S].float(), k[:, :, S:]], 2)
+            v = torch.cat([v[:, :, :S] + self.sv[:, :, :S].float(), v[:, :, S:]], 2)
+        return [(k, v, torch.arange(C, device=n.device) < n)]
+
+    def _static_flush(self, n, due):
+        p, g, F = self.p, self.p.group_size, self.flush_unit
+        k, v = self.k_win[:, :, :F], self.v_win[:, :, :F]  # (B, H, F, D): what `_flush` gets
+        B = k.shape[0]
+        sink = None
+        if p.sink_tokens:
+            j = torch.arange(p.sink_tokens, device=n.device)
+            sink = ((j - n).clamp(0, F - 1).expand(B, -1), ((j >= n) & (j < n + F)).expand(B, -1))  # (B, S) each
+        kc, ks, kz, kl, kr, ko, kx, k_sink = self._compress(k, None, True, sink)
+        vc, vs, vz, vl, vr, vo, vx, v_sink = self._compress(v, None, False, sink)
+        commit = due.view(1, 1, 1, 1)
+        if sink is not None:
+            here = k_sink[1][:, None, :, None] & commit
+            self.sk.copy_(torch.where(here, k_sink[0], self.sk))
+            self.sv.copy_(torch.where(here, v_sink[0], self.sv))
+        cap = self.kc.shape[2]
+        tokens = (n + torch.arange(F, device=n.device)).clamp(max=cap - 1)  # repeats only where not committed
+        groups = (n // g + torch.arange(F // g, device=n.device)).clamp(max=cap // g - 1)
+        writes = [(self.kc, kc, tokens), (self.vc, vc, tokens), (self.vs, vs, tokens), (self.vz, vz, tokens),
+                  (self.ks, ks, groups), (self.kz, kz, groups)]
+        if p.rank:
+            block = (n // F).clamp(max=cap // F - 1)
+            writes += [(self.kl, kl, tokens), (self.vl, vl, tokens),
+                       (self.krb, kr[:, :, None], block), (self.vrb, vr[:, :, None], block)]
+        if p.outliers_per_group:
+            writes += [(self.ko, ko, groups), (self.kx, kx, groups), (self.vo, vo, tokens), (self.vx, vx, tokens)]
+        for buf, x, index in writes:
+            masked_write(buf, 2, index, x, commit)
 
     undoable_flush = True  # a flush appends codes, factors and outliers at n_quant and one chunk start
 
@@ -274,6 +424,7 @@ class GearLayer(QuantWindowLayer):
     def _unflush(self, state) -> None:
         chunks, sinks = state
         del self.chunk_starts[chunks:]
+        self._chunked_to = self.n_quant
         self._chunk_ids = self._chunk_bounds = None
         self.sk, self.sv = (None, None) if sinks is None else sinks
 
@@ -309,6 +460,7 @@ class GearLayer(QuantWindowLayer):
             sinks=None if self.sk is None else (self.sk, self.sv), sink_start=self.row_start)
 
     def _attend(self, q, k_new, v_new, scaling):
+        self._sync_chunks()
         keys, values = self._views() if self.n_quant else (None, None)
         if self.native_step_ok(q, k_new, self.p.backend, [(keys, values)]):  # the whole step in one compiled call
             g = self.p.group_size
@@ -405,4 +557,5 @@ class GearLayer(QuantWindowLayer):
     def _quant_tensors(self):
         return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz,
                 "kl": self.kl, "vl": self.vl, "kr": self.kr, "vr": self.vr,
-                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx, "sk": self.sk, "sv": self.sv}
+                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx, "sk": self.sk, "sv": self.sv,
+                "krb": self.krb, "vrb": self.vrb}

@@ -12,8 +12,11 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
+from kvpress.plan import static_address
+
 from ._quant import QuantWindowLayer
-from ._quant_storage import append_tokens, fill_with_group_median
+from ._quant_static import masked_write
+from ._quant_storage import append_tokens, fill_with_group_median, resized
 
 
 @register_policy
@@ -188,6 +191,66 @@ class KiviLayer(QuantWindowLayer):
         self.kz = append_tokens(self.kz, start // g, kz, grow=max(1, 256 // g))
 
     undoable_flush = True  # a flush appends codes at n_quant (and may fill the exact sinks)
+    static_decode = True
+
+    # ------------------------------------------------------------------ static decode
+    def _store_slots(self) -> int:
+        return 0 if self.kc is None or (self.sink_tokens and self.sk is None) else self.kc.shape[2]
+
+    def _reserve_store(self, like_k, like_v, slots):
+        g, S = self.group_size, self.sink_tokens
+        slots = -(-slots // g) * g
+        B, H, _, D = like_k.shape
+        if self._store_slots() < slots:
+            n = self.n_quant
+
+            def like(width, dtype):  # (B, H, 0, width): what `resized` copies the other dims from
+                return like_k.new_empty(B, H, 0, width, dtype=dtype)
+
+            codes, half = like(D * self.bits // 8, torch.uint8), torch.float16
+            self.kc, self.vc = resized(self.kc, n, slots, codes), resized(self.vc, n, slots, codes)
+            self.ks = resized(self.ks, n // g, slots // g, like(D, half))
+            self.kz = resized(self.kz, n // g, slots // g, like(D, half))
+            self.vs = resized(self.vs, n, slots, like(D // self.value_group, half))
+            self.vz = resized(self.vz, n, slots, like(D // self.value_group, half))
+        if S and self.sk is None:  # zero until flushed, as the eager flush leaves a sink not flushed yet
+            self.sk = like_k.new_zeros(B, H, S, D, dtype=torch.float16)
+            self.sv = torch.zeros_like(self.sk)
+        static_address(self.kc, self.ks, self.kz, self.vc, self.vs, self.vz, self.sk, self.sv)
+
+    def _static_packed(self, n):
+        k = dequantize_per_channel(self.kc, self.ks, self.kz, self.bits, self.group_size)  # (B, H, C, D)
+        v = dequantize_per_token(self.vc, self.vs, self.vz, self.bits, self.value_group)
+        if self.sk is not None:  # flushed sinks read exactly (a static step's layer has no padding)
+            S = self.sink_tokens
+            flushed = (torch.arange(S, device=n.device) < n)[:, None]  # (S, 1)
+            k = torch.cat([torch.where(flushed, self.sk.float(), k[:, :, :S]), k[:, :, S:]], 2)
+            v = torch.cat([torch.where(flushed, self.sv.float(), v[:, :, :S]), v[:, :, S:]], 2)
+        return [(k, v, torch.arange(k.shape[2], device=n.device) < n)]
+
+    def _static_flush(self, n, due):
+        g = self.group_size
+        k, v = self.k_win[:, :, :g], self.v_win[:, :, :g]  # (B, H, g, D): what `_flush` gets
+        B, H, _, D = k.shape
+        if self.sk is not None:  # as `_flush`: sinks in this group kept exactly, their keys as the median
+            S = self.sink_tokens
+            j = torch.arange(S, device=n.device)
+            inside = (j >= n) & (j < n + g)  # (S,)
+            idx = (j - n).clamp(0, g - 1)
+            gidx = idx[None, None, :, None].expand(B, H, S, D)
+            here = (inside & due)[:, None]  # (S, 1)
+            self.sk.copy_(torch.where(here, k.gather(2, gidx).half(), self.sk))
+            self.sv.copy_(torch.where(here, v.gather(2, gidx).half(), self.sv))
+            k = fill_with_group_median(k.float(), idx.expand(B, S), inside.expand(B, S), g).to(k.dtype)
+        kc, ks, kz = quantize_per_channel(k, self.bits, g)
+        vc, vs, vz = quantize_per_token(v, self.bits, self.value_group)
+        cap, commit = self.kc.shape[2], due.view(1, 1, 1, 1)
+        tokens = (n + torch.arange(g, device=n.device)).clamp(max=cap - 1)  # repeats only where not committed
+        group = (n // g).clamp(max=cap // g - 1)
+        for buf, x in ((self.kc, kc), (self.vc, vc), (self.vs, vs), (self.vz, vz)):
+            masked_write(buf, 2, tokens, x, commit)
+        for buf, x in ((self.ks, ks), (self.kz, kz)):
+            masked_write(buf, 2, group, x, commit)
 
     def _flush_state(self):
         return None if self.sk is None else (self.sk.clone(), self.sv.clone())

@@ -25,8 +25,6 @@ PROMPT = 40
 
 # Policies whose decode step is not yet static, each with what stands in the way. The goal is none.
 NOT_YET_STATIC = {
-    "gear": "flush of the full-precision window decided and sized on the host; ctypes kernels",
-    "kivi": "flush of the full-precision window decided and sized on the host; ctypes kernels",
     "zipcache": "probe bookkeeping and the window flush sized on the host; ctypes kernels",
 }
 

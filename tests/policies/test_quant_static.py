@@ -1,0 +1,80 @@
+"""kivi / gear static decode steps beyond what tests/test_static_decode.py covers: a prompt shorter
+than the window, so the first flush (with the exact sinks) happens inside the compiled steps; other
+settings (value rotation, 2 bits, flush_size 16); an eager forward after compiled steps; the
+counts a static step leaves; and the bytes the preallocated stores hold."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import kvpress
+
+from conftest import random_ids
+
+CONFIGS = {
+    "kivi": ("kivi", {}),
+    "kivi-rotated-2bit": ("kivi", {"rotate_values": True, "bits": 2}),
+    "kivi-nosink": ("kivi", {"sink_tokens": 0}),
+    "gear": ("gear", {}),
+    "gear-flush16-rank1": ("gear", {"flush_size": 16, "rank": 1}),
+    "gear-no-outliers": ("gear", {"outliers_per_group": 0, "rank": 0}),
+}
+STEPS = 60
+
+
+def _policy(model, config):
+    name, overrides = CONFIGS[config]
+    return kvpress.policy_class(name).example(kvpress.get_adapter(model)).replace(**overrides)
+
+
+def _run(model, policy, prompt, compiled: bool):
+    """Greedy tokens of STEPS one-token steps (compiled or eager), then the logits of an eager
+    4-token forward (a new turn) and the cache."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        cache.plan_capacity(prompt.shape[1] + STEPS + 4)
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        step = torch.compile(model.forward, fullgraph=True, backend=counter) if compiled else model.forward
+        tok, tokens = out.logits[:, -1:].argmax(-1), []
+        for i in range(STEPS):
+            tokens.append(int(tok))
+            pos = torch.tensor([[prompt.shape[1] + i]])
+            tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+        turn = random_ids(4, seed=9)
+        logits = model(turn, past_key_values=cache, use_cache=True).logits
+    return tokens, logits, cache, counter.frame_count
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("prompt_len", [5, 30])
+def test_static_steps_equal_eager_ones(llama, config, prompt_len):
+    policy = _policy(llama, config)
+    prompt = random_ids(prompt_len, seed=4)
+    eager, eager_logits, eager_cache, _ = _run(llama, policy, prompt, compiled=False)
+    static, static_logits, static_cache, graphs = _run(llama, policy, prompt, compiled=True)
+    assert static == eager
+    assert 1 <= graphs <= 2
+    torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    for a, b in zip(static_cache.layers, eager_cache.layers):
+        assert (a.seen, a.n_quant, a.win_len) == (b.seen, b.n_quant, b.win_len)
+        assert a.n_quant > 0  # flushes happened, the first ones inside the compiled steps for the short prompt
+        if hasattr(a, "chunk_starts"):  # gear: the chunks flushed by static steps caught up by the new turn
+            assert a.chunk_starts == b.chunk_starts
+
+
+@pytest.mark.parametrize("config", ["kivi", "gear"])
+def test_planned_stores_are_counted(llama, config):
+    """A planned capacity preallocates the packed store for every token the window can flush; those
+    bytes are state tensors, so ``cache_stats`` counts them."""
+    policy = _policy(llama, config)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        cache = kvpress.make_cache(llama, policy)
+        cache.plan_capacity(300)  # 384 slots
+        llama(random_ids(30, seed=5), past_key_values=cache, use_cache=True)
+        layer = cache.layers[0]
+        R, F = layer.residual_length, layer.flush_unit
+        assert layer.kc.shape[2] == (384 - R) // F * F and layer.k_win.shape[2] == R + F
+        resident = kvpress.cache_stats(cache).resident_bytes
+    assert resident >= sum(t.numel() * t.element_size() for layer in cache.layers
+                           for t in layer.state_tensors().values() if t is not None)
