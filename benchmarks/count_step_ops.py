@@ -85,9 +85,7 @@ class CountOps(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # a kvpress::triton_* op is its launches (counted inside it) and allocations (no launch)
-        triton_op = func.namespace == "kvpress" and func.overloadpacket.__name__.startswith("triton_")
-        if not self.in_launch and not triton_op:
+        if not self.in_launch:
             name = func.overloadpacket.__name__
             if name in ("index", "index_put", "index_put_") and any(
                     isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())

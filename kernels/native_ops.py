@@ -109,7 +109,8 @@ def sparse_decode_index(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Spar
     tail = None
     if k_sum is not None:
         k_sum = _dense(k_sum)
-        tail = (k_sum, v_sum if v_sum.stride() == k_sum.stride() else v_sum.contiguous(), count if count.stride(-1) == 1 else count.contiguous())
+        v_sum = v_sum if v_sum.stride() == k_sum.stride() else v_sum.contiguous()
+        tail = (k_sum, v_sum, count if count.stride(-1) == 1 else count.contiguous())
     return sparse_decode(q.contiguous(), _dense(k_cache), _dense(v_cache), index, scale=scale, tail=tail,
                          chunk_size=chunk_size)
 
