@@ -76,7 +76,8 @@ class ShadowKVLayer(CacheLayer):
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
         plan = self.cache.plan
-        if plan is not None and plan.static and self._static is not None:
+        # (a step recording its past for a crop takes the eager path: only that one can undo its fold)
+        if plan is not None and plan.static and self._static is not None and not self.record_past:
             return self._static.step(self, q, k_new, v_new, scaling)
         self._leave_static()
         if self.cache.prompt_open and (self.seen == 0 or self._stage is not None):  # factorised at its end
