@@ -87,6 +87,12 @@ class KiviPolicy(Policy):
     "Quantized decode on CPU, SmolLM2 at 8k"). ``backend`` picks the CPU reader: ``"auto"``
     (native when built), ``"torch"`` (the reference path), ``"native"``.
 
+    A compiled decode step (``torch.compile``, transformers' compiled ``generate``: the cache is
+    ``is_compileable``) takes a static path instead: stores preallocated to the planned capacity,
+    the whole store dequantized in torch every step (masked past the packed tokens) with the
+    window under one softmax, and the flush committed by a device mask, so flushing steps and the
+    others are one graph; a left-padded batch flushes row by row the same way (not timed yet).
+
     GPU decode reads the packed codes in the fused Triton kernel (``kvpress.kernels.quant_decode``).
     On an H200 at 32k it runs at 0.99x (4-bit) / 0.90x (2-bit) the speed of bf16 SDPA over the
     dense cache at batch 1, 1.12x / 1.04x at batch 8: the unpacking, not the bytes, binds it
@@ -201,7 +207,7 @@ class KiviLayer(QuantWindowLayer):
         g, S = self.group_size, self.sink_tokens
         slots = -(-slots // g) * g
         B, H, _, D = like_k.shape
-        if self._store_slots() < slots:
+        if self._store_slots() != slots:
             n = self.n_quant
 
             def like(width, dtype):  # (B, H, 0, width): what `resized` copies the other dims from
