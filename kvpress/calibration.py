@@ -123,6 +123,31 @@ def load_artifact(path, *, policy: str, version: int, adapter=None, check=("num_
     return tensors, meta
 
 
+# the metadata fields that say an artifact fits a model (the model id may name the same model two ways)
+MODEL_SHAPE = ("family", "num_layers", "num_heads", "num_kv_heads", "head_dim", "rope_layout")
+
+
+def shipped_artifact_for(policy: str, adapter) -> pathlib.Path | None:
+    """The artifact of ``policy`` shipped in ``kvpress.policies/artifacts/`` for ``adapter``'s model,
+    or None. Files are named ``<policy>-<model>.safetensors``; the one whose recorded model id is the
+    model's (:func:`portable_model_id`) wins, else the one recorded for the same shape
+    (:data:`MODEL_SHAPE`: family, layers, heads, KV heads, head_dim)."""
+    from safetensors import safe_open
+
+    expected = model_metadata(adapter)
+    same_shape = None
+    for path in sorted(shipped_artifact("").glob(f"{policy}-*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata() or {}
+        if meta.get("format") != FORMAT or meta.get("policy") != policy:
+            continue
+        if all(meta.get(k) == expected[k] for k in MODEL_SHAPE):
+            if meta.get("model_id") == expected["model_id"]:
+                return path
+            same_shape = same_shape or path
+    return same_shape
+
+
 def shipped_artifact(name: str) -> pathlib.Path:
     """Path of an artifact shipped inside ``kvpress.policies/artifacts/``."""
     import kvpress.policies

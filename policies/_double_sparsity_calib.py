@@ -24,6 +24,13 @@ answers) the variance ranking follows full closer: token agreement 0.965 vs 0.94
 Artifact (``kvpress.calibration`` format, policy ``double_sparsity``, version 1):
 ``importance`` fp32 [L, H_kv, D] and ``channel_rank`` int16 [L, H_kv, D] (channels of each
 head, most important first; ties keep the lower channel first).
+
+Shipped artifacts (``policies/artifacts/``, found by model: `kvpress.calibration.shipped_artifact_for`)::
+
+    kvpress calibrate double_sparsity --model smollm2 --out policies/artifacts/double_sparsity-smollm2.safetensors
+    kvpress calibrate double_sparsity --model gemma3-270m --out policies/artifacts/double_sparsity-gemma3-270m.safetensors
+
+with the defaults (4096 tokens in forwards of 1024); the Gemma 3 270M one took 24 s on the 2-core CPU.
 """
 
 from __future__ import annotations
@@ -132,10 +139,14 @@ def canonical_model_id(model_id: str) -> str:
     """Model name an artifact is matched on: the last path / hub component, lowercased.
 
     Version folders of kvpress' own model cache (``tf-<version>-<hash>``) are skipped, so the
-    embedded SmolLM2 converted under another transformers version, or the same model loaded
-    from the hub (``HuggingFaceTB/SmolLM2-135M-Instruct``), still matches.
+    embedded models converted under another transformers version (their folders name the hub
+    id, :func:`kvpress.calibration.portable_model_id`), or the same model loaded from the hub
+    (``HuggingFaceTB/SmolLM2-135M-Instruct``), still match.
     """
-    parts = [p for p in str(model_id).replace("\\", "/").lower().split("/") if p and not p.startswith("tf-")]
+    from kvpress.calibration import portable_model_id
+
+    model_id = portable_model_id(str(model_id))
+    parts = [p for p in model_id.replace("\\", "/").lower().split("/") if p and not p.startswith("tf-")]
     return parts[-1] if parts else ""
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpress.attention import dense_causal_attention
-from kvpress.calibration import register_calibrator, shipped_artifact
+from kvpress.calibration import register_calibrator, shipped_artifact, shipped_artifact_for
 from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, reduce_over_group, sparse_decode, topk_ids
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
@@ -141,15 +141,15 @@ class DoubleSparsityPolicy(Policy):
         _channel_rank(self.artifact_path(adapter), adapter)
 
     def artifact_path(self, adapter) -> pathlib.Path:
-        """The artifact to read: ``artifact``, else the shipped SmolLM2 one when the model matches."""
+        """The artifact to read: ``artifact``, else the one shipped for the model (SmolLM2, Gemma 3 270M)."""
         if self.artifact is not None:
             return pathlib.Path(self.artifact)
-        shipped = shipped_artifact(calib.SHIPPED)
+        shipped = shipped_artifact_for(self.name, adapter) or shipped_artifact(calib.SHIPPED)
         try:
             _channel_rank(shipped, adapter)
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(
-                f"double_sparsity ships a channel artifact only for SmolLM2 ({shipped.name}); model "
+                f"double_sparsity ships channel artifacts for SmolLM2 and Gemma 3 270M only; model "
                 f"{adapter.model_id!r} needs its own: run `{calib.CALIBRATE_COMMAND}` and pass artifact=FILE"
             ) from exc
         return shipped

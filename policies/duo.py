@@ -20,7 +20,7 @@ Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a k
 (``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
 heads, tab separated, as published in github.com/mit-han-lab/duo-attention under
 ``attn_patterns/<model>/<run>/``) or the directory holding it — or, by default, the artifact
-shipped for the embedded SmolLM2 (``policies/artifacts/duo-smollm2.safetensors``).
+shipped for the model (``policies/artifacts/duo-smollm2.safetensors``, ``duo-gemma3-270m.safetensors``).
 
 The shipped artifact was made with (method, settings and the variants tried in ``_duo_calibrate``)::
 
@@ -70,7 +70,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention, static_decode_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
-from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
+from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact, shipped_artifact_for
 from kvpress.layers import SinkWindowLayer
 from kvpress.policies._duo_calibrate import ARTIFACT_VERSION, configure_parser, run_from_args
 from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
@@ -201,7 +201,8 @@ class DuoPolicy(Policy):
             # random weights); the split is the one the shipped gates' shape would give
             return torch.zeros(adapter.num_layers, adapter.num_kv_heads)
         else:
-            path = pathlib.Path(self.artifact) if self.artifact is not None else shipped_artifact(SHIPPED)
+            path = (pathlib.Path(self.artifact) if self.artifact is not None
+                    else shipped_artifact_for(self.name, adapter) or shipped_artifact(SHIPPED))
             if path.is_dir():
                 path = path / UPSTREAM_FILE
             source = str(path)
