@@ -322,3 +322,22 @@ def test_gemma_converts_once_into_a_fresh_cache(monkeypatch, tmp_path):
     assert tok(text)["input_ids"] == gguf_tok(text)["input_ids"]
     for name, param in model.state_dict().items():
         assert torch.equal(param, gguf_model.state_dict()[name]), name
+
+
+@_real
+def test_gemma_calibrated_policies_read_their_shipped_artifacts(gemma):
+    """duo, double_sparsity and tidal find the Gemma 3 270M artifacts by model, not SmolLM2's."""
+    from kvpress.calibration import shipped_artifact_for
+    from kvpress.policies.tidal import measured_layers
+
+    model, _ = gemma
+    adapter = kvpress.get_adapter(model)
+    assert shipped_artifact_for("duo", adapter).name == "duo-gemma3-270m.safetensors"
+    assert shipped_artifact_for("double_sparsity", adapter).name == "double_sparsity-gemma3-270m.safetensors"
+    assert kvpress.get_policy("double_sparsity").artifact_path(adapter).name == "double_sparsity-gemma3-270m.safetensors"
+    assert measured_layers(adapter.model_id, 18, 1, 256) == (5, 11)
+    mask = kvpress.get_policy("duo").retrieval_mask(adapter)
+    assert mask[[i for i in range(18) if i not in (5, 11, 17)]].all()  # sliding layers are never split
+    assert 1 <= int(mask[[5, 11, 17]].sum()) <= 2  # the default sparsity leaves both kinds of head
+    for name in ("duo", "double_sparsity", "tidal"):
+        kvpress.get_policy(name).check_model(adapter)
