@@ -14,9 +14,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .kernels import SparseIndex
-from .kernels.checks import MAX_GROUP
-from .kernels.decode import triton_available
-from .kernels.triton_decode import TRITON_HEAD_DIMS
+from .kernels.backend import triton_unsupported
 
 # Upper bound on the fp32 score block one query chunk may materialise (bytes).
 _SCORE_BYTES = 256 * 2**20
@@ -28,8 +26,7 @@ def _query_chunk(batch: int, heads: int, keys: int, total: int) -> int:
 
 
 def _triton_decode_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return (q.is_cuda and q.shape[-1] in TRITON_HEAD_DIMS and q.dtype == k.dtype
-            and q.shape[1] // k.shape[1] <= MAX_GROUP and triton_available())
+    return q.dtype == k.dtype and triton_unsupported(q, q.shape[-1], q.shape[1] // k.shape[1], forced=False) is None
 
 
 def _triton_decode(q, k, v, scaling, row_start):

@@ -39,6 +39,7 @@ class ShadowKVLayer(CacheLayer):
 
     croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
     static_decode = True  # `StaticStore`, built after a prompt or a turn when the capacity is planned
+    verify_as_steps = True  # assisted decoding's verification attends as decode steps (the core splits it)
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
               "tail_v_sum", "key_weight")
@@ -95,11 +96,11 @@ class ShadowKVLayer(CacheLayer):
                 self._prompt_qsq = q_sq
             self._ingest(k_new, v_new, q_sq)
             return out
-        if self.cache.prompt_open or (q.shape[2] > 1 and not self.verifies_as_steps(q.shape[2])):
+        if self.cache.prompt_open or q.shape[2] > 1:
             # a new turn (any piece of one, a one-token last piece included): a prompt continuation
             return self._attend_turn(q, k_new, v_new, scaling)
-        # a decode step, or assisted decoding's verification: one causal step per token
-        return self.attend_as_steps(lambda *a: decode(self, *a), q, k_new, v_new, scaling)
+        # a decode step (assisted decoding's verification arrives as such steps: verify_as_steps)
+        return decode(self, q, k_new, v_new, scaling)
 
     def ingest_prefill(self, k, v):
         if self.policy.svd == "query":

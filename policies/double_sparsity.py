@@ -9,6 +9,7 @@ import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.calibration import register_calibrator, shipped_artifact, shipped_artifact_for
+from kvpress.kernels.backend import label_select_backend
 from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, reduce_over_group, sparse_decode, topk_ids
 from kvpress.layers import DenseLayer
 from kvpress.policies import _double_sparsity_calib as calib
@@ -421,11 +422,10 @@ class DoubleSparsityLayer(DenseLayer):
                                 keep=keep, sinks=p.sink_tokens, window=p.window_size)
 
     def _native_ok(self, q0: torch.Tensor) -> bool:
-        """Whether `select`'s unpadded hot path can run natively: backend ``auto``, fp32 CPU
-        labels and keys in this layer's layout, and the native kernels built."""
-        return (self.policy.backend == "auto" and self.policy.label_bits == 16 and q0.device.type == "cpu"
-                and q0.shape[1] // self.channels.shape[0] <= 8 and q0.dtype == torch.float32 and self.labels.dtype == torch.float32
-                and self.buffer.k.dtype == torch.float32 and self.buffer.k.is_contiguous() and native.available())
+        """Whether `select`'s unpadded hot path runs natively (`kvpress.kernels.backend.label_select_backend`
+        decides from the policy's backend; 16-bit labels only)."""
+        return (self.policy.label_bits == 16 and label_select_backend(
+            q0, self.channels.shape[0], self.labels, self.buffer.k, self.policy.backend) == "native")
 
     def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
         """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.
