@@ -201,3 +201,55 @@ def check_quant_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, bi
                              f"(B, H_kv, T / group_size, R), channels int64 (B, H_kv, R)) with 0 < R <= {D}, "
                              f"R * bits % 8 == 0 and bits <= 4 (kvpress.kernels.quant.quantize_refined_keys)")
     return B, H_q, H_kv, T, D, value_group_size
+
+
+# ShadowKV's key rebuild (`kvpress.kernels.shadowkv_rebuild`)
+SHADOWKV_CHUNK_SIZES = (8, 16, 32, 64)
+TRITON_REBUILD_HEAD_DIMS = (32, 64, 128, 256)
+_REBUILD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_rebuild_inputs(factor: torch.Tensor, basis: torch.Tensor, chunk_idx: torch.Tensor,
+                         inv_freq: torch.Tensor, rope_start: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
+    """Validate `shadowkv_rebuild` arguments; return ``(B, T_pad, R, H_kv, D, K)``.
+
+    Raises
+    ------
+    ValueError
+        Naming the argument and what is allowed (shapes, dtypes, devices, chunk size).
+    """
+    if isinstance(chunk_size, bool) or chunk_size not in SHADOWKV_CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {SHADOWKV_CHUNK_SIZES}, got {chunk_size!r}")
+    named = (("factor", factor, 3, "(B, T_pad, R)"), ("basis", basis, 4, "(B, R, H_kv, D)"),
+             ("chunk_idx", chunk_idx, 3, "(B, H_kv, K)"), ("inv_freq", inv_freq, 1, "(D / 2,)"),
+             ("rope_start", rope_start, 1, "(B,)"))
+    for name, t, ndim, layout in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+        if t.device != factor.device:
+            raise ValueError(f"{name} is on {t.device} but factor is on {factor.device}; use one device")
+    if factor.dtype not in _REBUILD_DTYPES or basis.dtype != factor.dtype:
+        raise ValueError(f"factor and basis must share one float dtype (fp16/bf16/fp32), got "
+                         f"{factor.dtype} and {basis.dtype}")
+    if chunk_idx.dtype != torch.int32:
+        raise ValueError(f"chunk_idx must be int32, got {chunk_idx.dtype}")
+    if inv_freq.dtype != torch.float32:
+        raise ValueError(f"inv_freq must be float32, got {inv_freq.dtype}")
+    if rope_start.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rope_start must be int32 or int64, got {rope_start.dtype}")
+    B, T_pad, R = factor.shape
+    _, R_b, H_kv, D = basis.shape
+    if basis.shape[0] != B or R_b != R:
+        raise ValueError(f"basis must have shape (B, R, H_kv, D) = ({B}, {R}, H_kv, D), got {tuple(basis.shape)}")
+    if D % 2 or inv_freq.shape[0] != D // 2:
+        raise ValueError(f"inv_freq must have head_dim / 2 = {D // 2} entries (head_dim even), got "
+                         f"{inv_freq.shape[0]} for head_dim {D}")
+    if chunk_idx.shape[:2] != (B, H_kv):
+        raise ValueError(f"chunk_idx must have shape (B, H_kv, K) = ({B}, {H_kv}, K), got {tuple(chunk_idx.shape)}")
+    if rope_start.shape[0] != B:
+        raise ValueError(f"rope_start must have shape (B,) = ({B},), got {tuple(rope_start.shape)}")
+    if T_pad % chunk_size:
+        raise ValueError(f"factor's token axis ({T_pad}) must be a multiple of chunk_size={chunk_size}")
+    return B, T_pad, R, H_kv, D, chunk_idx.shape[2]

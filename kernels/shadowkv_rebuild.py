@@ -14,59 +14,10 @@ keys of the selected chunks and applies RoPE at their original positions::
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-SHADOWKV_CHUNK_SIZES = (8, 16, 32, 64)
-TRITON_REBUILD_HEAD_DIMS = (32, 64, 128, 256)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def check_rebuild_inputs(factor: torch.Tensor, basis: torch.Tensor, chunk_idx: torch.Tensor,
-                         inv_freq: torch.Tensor, rope_start: torch.Tensor, chunk_size: int) -> tuple[int, ...]:
-    """Validate `shadowkv_rebuild` arguments; return ``(B, T_pad, R, H_kv, D, K)``.
-
-    Raises
-    ------
-    ValueError
-        Naming the argument and what is allowed (shapes, dtypes, devices, chunk size).
-    """
-    if isinstance(chunk_size, bool) or chunk_size not in SHADOWKV_CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be one of {SHADOWKV_CHUNK_SIZES}, got {chunk_size!r}")
-    named = (("factor", factor, 3, "(B, T_pad, R)"), ("basis", basis, 4, "(B, R, H_kv, D)"),
-             ("chunk_idx", chunk_idx, 3, "(B, H_kv, K)"), ("inv_freq", inv_freq, 1, "(D / 2,)"),
-             ("rope_start", rope_start, 1, "(B,)"))
-    for name, t, ndim, layout in named:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
-        if t.device != factor.device:
-            raise ValueError(f"{name} is on {t.device} but factor is on {factor.device}; use one device")
-    if factor.dtype not in _DTYPES or basis.dtype != factor.dtype:
-        raise ValueError(f"factor and basis must share one float dtype (fp16/bf16/fp32), got "
-                         f"{factor.dtype} and {basis.dtype}")
-    if chunk_idx.dtype != torch.int32:
-        raise ValueError(f"chunk_idx must be int32, got {chunk_idx.dtype}")
-    if inv_freq.dtype != torch.float32:
-        raise ValueError(f"inv_freq must be float32, got {inv_freq.dtype}")
-    if rope_start.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"rope_start must be int32 or int64, got {rope_start.dtype}")
-    B, T_pad, R = factor.shape
-    _, R_b, H_kv, D = basis.shape
-    if basis.shape[0] != B or R_b != R:
-        raise ValueError(f"basis must have shape (B, R, H_kv, D) = ({B}, {R}, H_kv, D), got {tuple(basis.shape)}")
-    if D % 2 or inv_freq.shape[0] != D // 2:
-        raise ValueError(f"inv_freq must have head_dim / 2 = {D // 2} entries (head_dim even), got "
-                         f"{inv_freq.shape[0]} for head_dim {D}")
-    if chunk_idx.shape[:2] != (B, H_kv):
-        raise ValueError(f"chunk_idx must have shape (B, H_kv, K) = ({B}, {H_kv}, K), got {tuple(chunk_idx.shape)}")
-    if rope_start.shape[0] != B:
-        raise ValueError(f"rope_start must have shape (B,) = ({B},), got {tuple(rope_start.shape)}")
-    if T_pad % chunk_size:
-        raise ValueError(f"factor's token axis ({T_pad}) must be a multiple of chunk_size={chunk_size}")
-    return B, T_pad, R, H_kv, D, chunk_idx.shape[2]
+from .backend import triton_unsupported
+from .checks import SHADOWKV_CHUNK_SIZES, TRITON_REBUILD_HEAD_DIMS, check_rebuild_inputs  # noqa: F401 (re-exported)
 
 
 def torch_shadowkv_rebuild(factor: torch.Tensor, basis: torch.Tensor, chunk_idx: torch.Tensor,
@@ -122,8 +73,8 @@ def shadowkv_rebuild(factor: torch.Tensor, basis: torch.Tensor, chunk_idx: torch
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be one of ('auto', 'triton', 'torch'), got {backend!r}")
     if backend == "auto":
-        ok = (isinstance(factor, torch.Tensor) and factor.is_cuda and basis.dim() == 4
-              and basis.shape[-1] in TRITON_REBUILD_HEAD_DIMS and importlib.util.find_spec("triton") is not None)
+        ok = (isinstance(factor, torch.Tensor) and basis.dim() == 4
+              and triton_unsupported(factor, basis.shape[-1], 1, TRITON_REBUILD_HEAD_DIMS, forced=False) is None)
         backend = "triton" if ok else "torch"
     if backend == "triton":
         from .triton_shadowkv import triton_shadowkv_rebuild

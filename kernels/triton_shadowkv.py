@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .shadowkv_rebuild import TRITON_REBUILD_HEAD_DIMS, check_rebuild_inputs
+from .checks import TRITON_REBUILD_HEAD_DIMS, check_rebuild_inputs
 from .triton_decode import interpreting, require_cuda_or_interpreter
 
 BLOCK_R = 16  # rank columns per dot step
@@ -30,7 +30,7 @@ def triton_shadowkv_rebuild(factor: torch.Tensor, basis: torch.Tensor, chunk_idx
     require_cuda_or_interpreter(factor, "the triton shadowkv_rebuild backend")
     import triton  # noqa: F401  (lazy: only this backend needs it)
 
-    from . import triton_shadowkv_kernel as kern
+    from .triton_shadowkv_kernel import _shadowkv_rebuild_kernel
 
     out = torch.empty(B, H_kv, K * chunk_size, D, dtype=factor.dtype, device=factor.device)
     if out.numel() == 0:
@@ -42,7 +42,7 @@ def triton_shadowkv_rebuild(factor: torch.Tensor, basis: torch.Tensor, chunk_idx
     w = w if w.stride(-1) == 1 and w.stride(2) == D else w.contiguous()  # a head's D values contiguous
     idx = chunk_idx if chunk_idx.stride(-1) == 1 else chunk_idx.contiguous()
     out_buf = out if out.dtype == f.dtype else torch.empty(out.shape, dtype=f.dtype, device=f.device)
-    kern._shadowkv_rebuild_kernel[(B * H_kv, K)](
+    _shadowkv_rebuild_kernel[(B * H_kv, K)](
         f, w, idx, inv_freq.contiguous(), rope_start.to(torch.int64).contiguous(), out_buf,
         f.stride(0), f.stride(1),
         w.stride(0), w.stride(1), w.stride(2),

@@ -69,7 +69,7 @@ def test_bench_reports_a_policy_it_cannot_run_and_checks_its_arguments(tiny, tmp
     run_bench("random-tiny", policies=("full", "double_sparsity"), budget=64, lengths=(200,), new_tokens=4,
               out=tmp_path, interleave=True, loaded=tiny)
     out = capsys.readouterr().out
-    assert "double_sparsity@64" in out and "skipped: double_sparsity ships a channel artifact only for SmolLM2" in out
+    assert "double_sparsity@64" in out and "skipped: double_sparsity ships channel artifacts for SmolLM2 and Gemma 3 270M only" in out
     assert [r["policy_label"] for r in _rows(tmp_path)] == ["full"]
     with pytest.raises(ValueError, match="new_tokens must be >= 4"):
         run_bench("random-tiny", policies=("full",), lengths=(64,), new_tokens=3, interleave=True, loaded=tiny)
