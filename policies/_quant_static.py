@@ -93,11 +93,12 @@ class StaticDecodeSteps:
         return torch.sym_min(tokens, limit), packed
 
     def _reserve_planned(self, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
-        """After an eager forward, size the storage for the static steps that may follow: every
-        step of a planned generation, else the `capacity_bucket` of the next token (allocated
-        here, not by the first traced step, which would be one more shape to compile)."""
-        if self.static_decode:
-            self._reserve_static(like_k, like_v, self.cache.capacity or self.seen + 1)
+        """With a planned capacity, size the storage for every decode step of the generation now
+        (after an eager forward), so that its static steps keep one shape. A cache never planned
+        keeps the eager sizes (no block factors for gear) until a traced step reserves a bucket:
+        one more graph for that step."""
+        if self.static_decode and self.cache.capacity:
+            self._reserve_static(like_k, like_v, self.cache.capacity)
 
     def _reserve_static(self, like_k: torch.Tensor, like_v: torch.Tensor, tokens: int) -> None:
         """Storage of static steps for ``tokens`` tokens at least (the planned capacity, else a

@@ -83,7 +83,9 @@ def test_planned_stores_are_counted(llama, config):
 @pytest.mark.parametrize("config", ["kivi", "gear"])
 def test_unplanned_cache_grows_by_buckets(llama, config):
     """Compiled steps on a cache never planned: the stores grow from bucket to bucket (128, then 256
-    tokens here), two graphs for each, and the tokens equal eager decoding's."""
+    tokens here) and the tokens equal eager decoding's. Three graphs per bucket: the traced step
+    that reserves it (an unplanned cache keeps its eager sizes until then), then the new shapes
+    specialised, then symbolic."""
     policy = _policy(llama, config)
     prompt = random_ids(10, seed=6)
 
@@ -105,4 +107,4 @@ def test_unplanned_cache_grows_by_buckets(llama, config):
     static, graphs, layer = run(True)
     assert static == eager
     assert layer.kc.shape[2] == (256 - layer.residual_length) // layer.flush_unit * layer.flush_unit
-    assert graphs <= 4
+    assert graphs <= 6
