@@ -94,7 +94,9 @@ class StaticDecodeSteps:
 
     def _reserve_planned(self, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         """With a planned capacity, size the storage for every decode step of the generation now
-        (after an eager forward), so that its static steps keep one shape."""
+        (after an eager forward), so that its static steps keep one shape. A cache never planned
+        keeps the eager sizes (no block factors for gear) until a traced step reserves a bucket:
+        one more graph for that step."""
         if self.static_decode and self.cache.capacity:
             self._reserve_static(like_k, like_v, self.cache.capacity)
 
