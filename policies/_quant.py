@@ -29,6 +29,7 @@ from kvpress.kernels import native
 from kvpress.kernels.checks import MAX_GROUP
 from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
+from kvpress.plan import ForwardKind
 
 from ._quant_rows import RowSplit
 from ._quant_static import StaticDecodeSteps
@@ -182,7 +183,8 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
     def _attend(self, q, k_new, v_new, scaling):
         """`attend` in the stored value basis (subclasses add their fused and compiled steps here)."""
         T = q.shape[2]
-        if self.undoable_flush and self.seen and self.verifies_as_steps(T):
+        plan = self.cache.plan
+        if self.undoable_flush and plan is not None and plan.kind is ForwardKind.VERIFY:
             first = self.residual_length + self.flush_unit - self.win_len - 1  # decode steps flush after this one
             if 0 <= first < T - 1:
                 return self._attend_across_flushes(q, k_new, v_new, scaling, first)
