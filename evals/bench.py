@@ -111,6 +111,7 @@ def interleaved_decode(model, ids: torch.Tensor, policies: dict, steps: int) -> 
     ids = ids.to(device)
     runs = {}
     shared = None
+    capacity = ids.shape[1] + steps + 1  # every cache planned for the whole run, as generate plans its own
     for label, policy in policies.items():
         run = {"wall": [], "cpu": [], "attn": [], "tokens": []}
         if policy.prefills_densely():
@@ -121,12 +122,14 @@ def interleaved_decode(model, ids: torch.Tensor, policies: dict, steps: int) -> 
                 _sync(device)
                 shared = (first_logits, dense, time.perf_counter() - t0)
             logits, dense, run["prefill_s"] = shared
-            run["cache"], run["shared_prefill"] = cache_from_dense(model, policy, dense), True
+            run["cache"], run["shared_prefill"] = cache_from_dense(model, policy, dense, capacity=capacity), True
         else:
+            cache = make_cache(model, policy)
+            cache.plan_capacity(capacity)
             _sync(device)
             t0 = time.perf_counter()
             with apply(model, policy):
-                out = model(ids, use_cache=True, logits_to_keep=1)
+                out = model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
             _sync(device)
             run["prefill_s"], run["shared_prefill"] = time.perf_counter() - t0, False
             logits, run["cache"] = out.logits[:, -1], output_cache(out)

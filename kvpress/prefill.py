@@ -19,14 +19,18 @@ def dense_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     return out.logits[:, -1], output_cache(out)
 
 
-def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.Tensor | None = None):
-    """A fresh cache of ``policy`` holding the prompt of ``dense_cache`` (not modified).
+def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.Tensor | None = None,
+                     capacity: int | None = None):
+    """A fresh cache of ``policy`` holding the prompt of ``dense_cache`` (not modified); with
+    ``capacity`` (prompt + new tokens) planned for that many tokens, as ``generate`` plans its cache.
 
     Raises ValueError for policies whose prefill is not plain full attention.
     """
     if not policy.prefills_densely():
         raise ValueError(f"policy {policy.name!r} runs its own prefill (its prefill is not plain dense attention)")
     cache = make_cache(model, policy)
+    if capacity is not None:
+        cache.plan_capacity(capacity)
     if attention_mask is not None:
         cache.begin_forward(attention_mask, attention_mask.shape[0], attention_mask.shape[1])
     for layer, dense in zip(cache.layers, dense_cache.layers):
