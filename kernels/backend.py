@@ -26,6 +26,7 @@ import importlib.util
 import torch
 
 from ._native_lib import available as _library_loaded, unavailable_reason
+from .native_quant import quant_unsupported
 from .checks import (MAX_GROUP, NATIVE_MAX_GROUP, NATIVE_MAX_SETS, TRITON_HEAD_DIMS, TRITON_MAX_SETS,
                      TRITON_QUANT_HEAD_DIMS, interpreting)
 
@@ -193,16 +194,7 @@ def quant_decode_backend(q: torch.Tensor, k_codes: torch.Tensor, refine, backend
 def quant_read_unsupported(x: torch.Tensor, codes, scale, zero) -> str | None:
     """Why the native packed-store reads cannot take query rows / probabilities ``x`` (B, H, M, *)
     over this store, or None when they can (library availability not included)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 4 or x.stride(3) != 1:
-        return "it needs fp32 CPU queries / probabilities (B, H, M, *) with a contiguous last dim"
-    if x.shape[2] < 1:
-        return "it needs at least one query row"
-    if codes.dtype != torch.uint8 or codes.device.type != "cpu" or not _dense_rows(codes):
-        return "it needs uint8 CPU codes (B, H, T, D * bits / 8) with dense (T, bytes) dims"
-    if (scale.dtype != torch.float16 or zero.dtype != torch.float16 or not _dense_rows(scale)
-            or zero.stride() != scale.stride()):
-        return "it needs fp16 scales and zero points with dense last two dims and equal strides"
-    return None
+    return quant_unsupported(x, codes, scale, zero)
 
 
 def quant_read_backend(x: torch.Tensor, codes, scale, zero, backend: str, max_rows: int) -> str:

@@ -71,7 +71,7 @@ from .native_ops import (flatten_gear, flatten_segments, native_add_residual, na
 from ._native_lib import (ABI_VERSION, BUILDS, FLAGS, SOURCES, _fp32_cpu, _lib, _ptr, _rows_contiguous,  # noqa: F401
                           available, openmp_runtimes, threads)
 from .index import SparseIndex
-from .native_quant import (MAX_SEGMENTS, QUANT_MAX_ROWS, QUANT_NATIVE_READ_ROWS, GearParts,  # noqa: F401
+from .native_quant import (MAX_SEGMENTS, as_segments, QUANT_MAX_ROWS, QUANT_NATIVE_READ_ROWS, GearParts,  # noqa: F401
                            PackedSegment, quant_unsupported)
 from .native_sparse import REDUCTION_CODES, decode_unsupported, shadowkv_unsupported  # noqa: F401
 
@@ -179,13 +179,8 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     """A decode step over packed stores and a full-precision window, under one softmax: fp32 ``out``
     (B, H, M, D) and ``lse`` (B, H, M) (`kvpress.kernels.native_quant.quant_attend` documents the
     arguments: one packed store, or up to `MAX_SEGMENTS` `PackedSegment` s, not both)."""
-    if segments is None:
-        segments = [PackedSegment((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), bits, group_size,
-                                  value_group_size, starts)]
-    elif k_codes is not None or starts is not None:
-        raise ValueError("quant_attend takes one packed store or `segments`, not both")
-    if len(segments) > MAX_SEGMENTS:
-        raise ValueError(f"quant_attend takes at most {MAX_SEGMENTS} segments, got {len(segments)}")
+    segments = as_segments(segments, (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), bits, group_size,
+                           value_group_size, starts)
     tensors, ints = flatten_segments(segments)
     return _call(native_quant_attend, q, k_win, v_win, win_starts, tensors, ints)
 

@@ -213,6 +213,18 @@ class PackedSegment:
     refine: tuple | None = None
 
 
+def as_segments(segments, keys, values, bits, group_size, value_group_size, starts) -> list:
+    """`quant_attend`'s packed stores as a list of `PackedSegment`: ``segments`` as given, or the one
+    store ``keys`` / ``values`` (``(codes, scale, zero)`` each) describe; ValueError for both or too many."""
+    if segments is None:
+        return [PackedSegment(keys, values, bits, group_size, value_group_size, starts)]
+    if keys[0] is not None or starts is not None:
+        raise ValueError("quant_attend takes one packed store or `segments`, not both")
+    if len(segments) > MAX_SEGMENTS:
+        raise ValueError(f"quant_attend takes at most {MAX_SEGMENTS} segments, got {len(segments)}")
+    return segments
+
+
 def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None, *,
                  bits: int = 0, group_size: int = 0, value_group_size: int = 0, k_win: torch.Tensor,
                  v_win: torch.Tensor, starts: torch.Tensor | None = None, win_starts: torch.Tensor | None = None,
@@ -233,13 +245,8 @@ def quant_attend(q: torch.Tensor, k_codes=None, k_scale=None, k_zero=None, v_cod
     lib = _lib()
     q = q.contiguous()
     B, H, M, D = q.shape
-    if segments is None:
-        segments = [PackedSegment((k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), bits, group_size,
-                                  value_group_size, starts)]
-    elif k_codes is not None or starts is not None:
-        raise ValueError("quant_attend takes one packed store or `segments`, not both")
-    if len(segments) > MAX_SEGMENTS:
-        raise ValueError(f"quant_attend takes at most {MAX_SEGMENTS} segments, got {len(segments)}")
+    segments = as_segments(segments, (k_codes, k_scale, k_zero), (v_codes, v_scale, v_zero), bits, group_size,
+                           value_group_size, starts)
     if not (_fp32_cpu(k_win, v_win) and _rows_contiguous(k_win) and v_win.stride() == k_win.stride()):
         raise ValueError("quant_attend needs fp32 CPU windows (B, H, W, D) with dense (W, D) dims and equal strides")
     keep = []  # tensors the structs point into, alive until the call returns
