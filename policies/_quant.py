@@ -12,7 +12,7 @@ tokens. A later forward of ``DEQUANT_MIN_QUERIES`` tokens or more (a prompt piec
 amortises one transient fp32 copy of the packed tokens over its queries and runs SDPA.
 
 A subclass with ``static_decode = True`` (kivi, gear) also has a static decode step for
-``torch.compile`` (`QuantWindowLayer._static_step`, pieces in ``_quant_static``): with a planned
+``torch.compile`` (``_quant_static``, through the layer's store hooks): with a planned
 capacity the window (``residual_length + flush_unit`` slots at most) and the packed store (every
 token the window can flush) are preallocated after each eager forward, the step writes and reads
 at device positions, and the flush is committed by a device mask, so flushing and non-flushing
@@ -32,7 +32,7 @@ from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.plan import ForwardKind
 
 from ._quant_rows import RowSplit
-from ._quant_static import StaticDecodeSteps
+from ._quant_static import reserve_planned, static_attend, static_sizes
 from ._quant_storage import resized, window_slots
 from ._rotation import value_basis
 
@@ -45,7 +45,7 @@ SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's 
 DEQUANT_MIN_QUERIES = 16
 
 
-class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
+class QuantWindowLayer(CacheLayer):
     """fp window + packed store. Subclasses implement ``_flush``, ``_quant_scores``,
     ``_quant_output`` and ``_quant_tensors`` (and may override ``_after_attend`` / ``_prefill``).
 
@@ -70,8 +70,8 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
     # (`_attend_across_flushes`), so it keeps plain decoding's tokens; otherwise its tokens are
     # all read unquantized and its flush waits for `crop`.
     undoable_flush = False
-    # Whether the one-token decode step has a static path (`_static_step`): a subclass that
-    # implements `_reserve_store`, `_static_packed` and `_static_flush` says so
+    # Whether the one-token decode step has a static path (`_quant_static.static_attend`): a
+    # subclass that implements `_store_slots`, `_reserve_store`, `_static_packed` and `_static_flush` says so
     static_decode = False
 
     def __init__(self, cache, layer_idx: int, residual_length: int, flush_unit: int, rotate_values: bool = False):
@@ -132,6 +132,30 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
     def _unflush(self, state) -> None:
         """Take back the latest flush's side state (`_flush_state`); ``n_quant`` is reset by the caller."""
 
+    # static decode hooks (`_quant_static`), with ``static_decode = True``
+    def _store_slots(self) -> int:
+        """Tokens the packed store holds room for (0 before it exists)."""
+        raise NotImplementedError
+
+    def _reserve_store(self, like_k: torch.Tensor, like_v: torch.Tensor, slots: int) -> None:
+        """Reallocate the packed store (zeroed where unused) to ``slots`` tokens, a multiple of
+        ``flush_unit`` and at least ``n_quant``."""
+        raise NotImplementedError
+
+    def _static_packed(self, n: torch.Tensor) -> list:
+        """The packed part of a static step: ``[(k, v, visible)]`` with ``k`` / ``v`` fp32
+        (B, H, N, D) dequantized over the whole store and ``visible`` bool, broadcastable to
+        (B, H, G, N), True for the ``n`` ([1] long) tokens packed so far (`decode_over_parts`)."""
+        raise NotImplementedError
+
+    def _static_flush(self, n: torch.Tensor, due: torch.Tensor) -> None:
+        """Pack the window's first ``flush_unit`` tokens at sequence indices ``n ..`` ([1] long)
+        where ``due`` ([1] bool); the store is left as it was where not."""
+        raise NotImplementedError
+
+    def _static_after_attend(self, q: torch.Tensor, lse: torch.Tensor, pos: torch.Tensor, scaling: float) -> None:
+        """`_after_attend` of a static step (``pos``: the query's sequence index, [1] long)."""
+
     def _lse_rows(self, q_start: int, T: int) -> torch.Tensor | None:
         """bool (T,): the rows of a ``T``-token forward starting at ``q_start`` whose log-sum-exp
         `_after_attend` reads (None: none); the other rows' log-sum-exp is NaN there."""
@@ -148,7 +172,7 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
         self._append(k, v)
         self.seen += k.shape[2]
         self._maybe_flush()
-        self._reserve_planned(k, v)
+        reserve_planned(self, k, v)
 
     # ------------------------------------------------------------------ CacheLayer API
     def lazy_initialization(self, key_states, value_states):
@@ -173,12 +197,28 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
         if plan is not None and plan.static and self.static_decode and not self.record_past:
             if self.by_row is not None:
                 return self.by_row.static_attend(q, k_new, v_new, scaling, plan.start)
-            return self.static_attend(q, k_new, v_new, scaling, plan.start)
+            return static_attend(self, q, k_new, v_new, scaling, plan.start)
         if self._split_rows(q.shape[0]):
             return self.by_row.attend(q, k_new, v_new, scaling)
         if self.v_basis is None:
             return self._attend(q, k_new, v_new, scaling)
         return self.from_stored_values(self._attend(q, k_new, self.to_stored_values(v_new), scaling))
+
+    def count_tokens(self, n: int) -> None:
+        """Count ``n`` tokens of static steps: the packed and window counts follow from ``seen``
+        (`_quant_static.packed_count`: a step that filled the window flushed ``flush_unit`` tokens).
+        Written without reading them or branching, so a traced step that counts its token (counts
+        not deferred) guards on ``seen`` only."""
+        if self.by_row is not None:
+            for layer in self.by_row.layers:
+                if layer is not None and layer.counts_deferred:
+                    layer.counts_deferred = False
+                    layer.count_tokens(n)
+            self.seen += n
+            return
+        self.seen += n
+        self.n_quant = static_sizes(self, self.seen)[1]
+        self.win_len = self.seen - self.n_quant
 
     def _attend(self, q, k_new, v_new, scaling):
         """`attend` in the stored value basis (subclasses add their fused and compiled steps here)."""
@@ -233,7 +273,7 @@ class QuantWindowLayer(StaticDecodeSteps, CacheLayer):
             out, lse = self._blocked_attend(q, q_start, kw, vw, scaling, packed)
         self._after_attend(q, lse, q_start, scaling)
         self._maybe_flush()
-        self._reserve_planned(k_new, v_new)
+        reserve_planned(self, k_new, v_new)
         return out.to(q.dtype)
 
     def _dequantized(self, kw, vw):

@@ -19,6 +19,8 @@ import copy
 
 import torch
 
+from ._quant_static import static_attend
+
 
 class RowCache:
     """What a row's layer sees of its batch's cache: no padding (it gets the row's real tokens
@@ -91,7 +93,7 @@ class RowSplit:
         a layer by now, and each takes its token at its own index, counted from its first real
         token, flushing when its own window fills (a device mask: one graph whichever rows flush).
         The rows' host counts advance with the owner's (`QuantWindowLayer.count_tokens`)."""
-        outs = [layer.static_attend(q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], scaling, start - row_start)
+        outs = [static_attend(layer, q[b : b + 1], k_new[b : b + 1], v_new[b : b + 1], scaling, start - row_start)
                 for b, (layer, row_start) in enumerate(zip(self.layers, self.row_starts()))]
         self.owner.count_static_step()
         return torch.cat(outs, dim=0).to(q.dtype)

@@ -5,7 +5,7 @@ Packed stores (codes, scales, corrections) grow in fixed steps of ``GROW`` token
 the most it holds between flushes (`window_slots`), so a short prompt under a large
 ``residual_length`` or ``flush_size`` holds about what ``full`` holds. With a planned capacity
 (``cache.plan_capacity``) the layers with a static decode step size both for the whole generation
-instead (`QuantWindowLayer._reserve_static`). Unused slots are real memory (zeroed), and
+instead (`_quant_static.reserve_static`). Unused slots are real memory (zeroed), and
 ``cache_stats`` counts them.
 """
 from __future__ import annotations

@@ -11,7 +11,8 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from ._gear_static import GearStaticSteps, outlier_positions, power_start  # noqa: F401 (outlier_positions: API)
+from . import _gear_static
+from ._gear_static import outlier_positions, power_start  # noqa: F401 (outlier_positions: API)
 from ._quant import QuantWindowLayer
 from ._quant_storage import append_tokens, fill_with_group_median
 
@@ -167,7 +168,7 @@ def split_outliers(x: torch.Tensor, group_size: int, per_channel: bool, count: i
     return rest.reshape(x.shape), offset
 
 
-class GearLayer(GearStaticSteps, QuantWindowLayer):
+class GearLayer(QuantWindowLayer):
     """KIVI store (``kc, ks, kz, vc, vs, vz``) + low-rank error factors + per-group outliers.
 
     ``kl`` / ``vl`` fp16 (B, H, cap, rank): left factors, token-aligned; ``kr`` / ``vr`` fp16
@@ -177,14 +178,16 @@ class GearLayer(GearStaticSteps, QuantWindowLayer):
     (B, H, cap, D/G * m). Sinks: ``sk`` / ``sv`` fp16 (B, H, sink_tokens, D), what the parts
     above miss on each row's first tokens (zero until those tokens are flushed).
 
-    Static decode steps (`QuantWindowLayer._static_step`) read the right factors per flush block
-    of ``flush_size`` tokens instead, ``krb`` / ``vrb`` fp16 (B, H, cap/flush_size, D, rank)
-    (every chunk starts and ends on a block; a chunk's factors repeat over its blocks), which
+    Static decode steps (`kvpress.policies._quant_static`; this layer's store hooks are in
+    `_gear_static`) read the right factors per flush block of ``flush_size`` tokens instead,
+    ``krb`` / ``vrb`` fp16 (B, H, cap/flush_size, D, rank) (every chunk starts and ends on a
+    block; a chunk's factors repeat over its blocks), which
     exist with a planned capacity; ``chunk_starts`` and ``kr`` / ``vr`` catch up with the blocks
     flushed by static steps when an eager forward next runs (`_sync_chunks`).
     """
 
     static_decode = True
+    undoable_flush = True  # a flush appends codes, factors and outliers at n_quant and one chunk start
 
     def __init__(self, cache, layer_idx, policy: GearPolicy):
         super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
@@ -290,6 +293,29 @@ class GearLayer(GearStaticSteps, QuantWindowLayer):
             self.chunk_starts.append(start)
         self._chunked_to = self.n_quant
         self._chunk_ids = self._chunk_bounds = None
+
+    def _flush_state(self):
+        return len(self.chunk_starts), None if self.sk is None else (self.sk.clone(), self.sv.clone())
+
+    def _unflush(self, state) -> None:
+        chunks, sinks = state
+        del self.chunk_starts[chunks:]
+        self._chunked_to = self.n_quant
+        self._chunk_ids = self._chunk_bounds = None
+        self.sk, self.sv = (None, None) if sinks is None else sinks
+
+    # ------------------------------------------------------------------ static decode (`_gear_static`)
+    def _store_slots(self) -> int:
+        return _gear_static.store_slots(self)
+
+    def _reserve_store(self, like_k, like_v, slots) -> None:
+        _gear_static.reserve_store(self, like_k, like_v, slots)
+
+    def _static_packed(self, n) -> list:
+        return _gear_static.static_packed(self, n)
+
+    def _static_flush(self, n, due) -> None:
+        _gear_static.static_flush(self, n, due)
 
     # ------------------------------------------------------------------ attention
     def _chunk_of_token(self, device) -> torch.Tensor:
