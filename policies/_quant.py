@@ -27,6 +27,7 @@ from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 from kvpress.kernels.checks import MAX_GROUP
+from kvpress.kernels.backend import quant_step_backend
 from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.plan import ForwardKind
@@ -390,22 +391,11 @@ class QuantWindowLayer(CacheLayer):
 
     # ------------------------------------------------------------------ native CPU decode
     def native_step_ok(self, q, k_new, backend: str, stores) -> bool:
-        """Whether this step can run as one `kvpress.kernels.native.quant_attend` call: a CPU
-        one-token step over packed tokens, ``backend`` (a `READ_BACKENDS` name) allowing it, the
-        kernels built, and every store of ``stores`` (``((kc, ks, kz), (vc, vs, vz))`` views)
-        readable by them (``backend="native"`` raises naming why not)."""
-        if (backend == "torch" or q.is_cuda or q.shape[2] != 1 or not self.n_quant
-                or q.shape[1] > native.QUANT_MAX_ROWS * k_new.shape[1]):
-            return False
-        if backend == "auto" and not native.available():
-            return False
-        probe = q.float().view(q.shape[0], k_new.shape[1], -1, q.shape[-1])
-        why = next((w for keys, values in stores
-                    for w in (native.quant_unsupported(probe, *keys), native.quant_unsupported(probe, *values))
-                    if w is not None), None)
-        if why is not None and backend == "native":
-            raise ValueError(f"backend='native' cannot read this packed store: {why}; use backend='auto' or 'torch'")
-        return why is None
+        """Whether this step can run as one `kvpress.kernels.native.quant_attend` call over ``stores``
+        (``((kc, ks, kz), (vc, vs, vz))`` views): `kvpress.kernels.backend.quant_step_backend` decides
+        from ``backend`` (a `READ_BACKENDS` name; ``"native"`` raises naming why it cannot)."""
+        return quant_step_backend(q, k_new.shape[1], stores, n_quant=self.n_quant, backend=backend,
+                                  decode_backend="torch") == "native"
 
     def native_decode(self, q, k_new, v_new, scaling, segments, exact=None):
         """A CPU decode step as one native call: the packed ``segments`` (`native.PackedSegment`)

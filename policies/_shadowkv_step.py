@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
+from kvpress.kernels.backend import shadowkv_step_backend
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
 
 from ._shadowkv_select import select_chunks, select_tokens, tail_estimate, tail_estimate_tokens
@@ -121,13 +122,12 @@ def torch_step(layer, q0, k_sel, allow, scaling):
         out, lse = merge_states(out, lse, o, l)
     return out, lse, ids, values
 
+
 def native_step_ok(layer, q0: torch.Tensor) -> bool:
-    """Whether this step runs as two compiled calls (``backend="auto"``, fp32 CPU, the library built)."""
-    return (layer.policy.backend == "auto" and q0.device.type == "cpu"
-            and q0.dtype == torch.float32
-            and layer.gen_k.dtype == torch.float32 and q0.shape[1] // layer.gen_k.shape[1] <= 8 and native.available()
-            and (layer.landmarks is None
-                 or native.shadowkv_unsupported(q0, layer.landmarks, layer.factor, layer.basis) is None))
+    """Whether this step runs as two compiled calls (`kvpress.kernels.backend.shadowkv_step_backend`
+    decides from the policy's backend: ``"auto"``, fp32 CPU, the library built)."""
+    return shadowkv_step_backend(q0, layer.gen_k, layer.policy.backend, layer.landmarks, layer.factor,
+                                 layer.basis) == "native"
 
 def native_step(layer, q0, k_sel, allow, scaling):
     """`native.shadowkv_select` (selection and the chosen chunks' keys), the values fetched, then

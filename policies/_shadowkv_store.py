@@ -240,10 +240,10 @@ def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size:
     take the compiled `kvpress.kernels.native.add_residual` (one pass instead of ~10 torch ops)
     unless ``backend="torch"``; the torch code below is its reference."""
     from kvpress.kernels import native
+    from kvpress.kernels.backend import residual_backend
     from kvpress.kernels.quant import unpack_codes
 
-    if (backend != "torch" and keys.dtype == torch.float32 and keys.device.type == "cpu"
-            and table.device.type == "cpu" and native.available()):
+    if residual_backend(keys, table, backend) == "native":
         return native.add_residual(keys, table, bits, group_size)
     B, H, n, D = keys.shape
     nb, ng = D * bits // 8, D // group_size
