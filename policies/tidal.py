@@ -39,6 +39,19 @@ def measured_layers(model_id: str, num_layers: int, num_kv_heads: int, head_dim:
     return selection, reselection
 
 
+def selection_scores(probs: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                     scaling: float, reduction: str) -> torch.Tensor:
+    """Selection scores (B, H_kv, T) of a selection layer whose attention ``probs`` (B, H_kv, G, T)
+    just ran: ``softmax_max`` renormalises the probabilities over the ``candidates`` (bool (B, T)) and
+    takes the max over the GQA group; other reductions score through `exact_scores`. Non-candidates
+    are ``-inf``."""
+    if reduction == "softmax_max":
+        cand = candidates[:, None, None, :]
+        mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        return (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)
+    return exact_scores(q, keys, scale=scaling, reduction=reduction, mask=candidates)
+
+
 @register_policy
 @dataclass(frozen=True)
 class TidalPolicy(Policy):
@@ -238,12 +251,7 @@ class TidalLayer(SelectiveLayer):
         out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
         sink, recent = rel < p.sink_tokens, slot[None, :] >= end - p.recent_tokens
         candidates = (real & ~sink & ~recent).expand(B, C)  # (B, C)
-        if p.score_reduction == "softmax_max":
-            cand = candidates[:, None, None, :]
-            mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-            scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, C)
-        else:
-            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
+        scores = selection_scores(probs, candidates, q, keys, scaling, p.score_reduction)
         chosen = topk_mask(self._share(scores), p.budget - p.sink_tokens - p.recent_tokens, candidates)
         return out, (real & (sink | recent))[:, None, :] | chosen
 
@@ -285,12 +293,7 @@ class TidalLayer(SelectiveLayer):
             return out, range_topk_index(scores, keep, lo, self.seen, block_size=1, sinks=p.sink_tokens,
                                          dense_tail=p.recent_tokens)
         candidates = self._candidates(B, q.device)  # (B, T)
-        if p.score_reduction == "softmax_max":
-            cand = candidates[:, None, None, :]
-            mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-            scores = (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)  # (B, H_kv, T)
-        else:
-            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
+        scores = selection_scores(probs, candidates, q, keys, scaling, p.score_reduction)
         ids, count = select_pages(self._share(scores), keep, candidates)
         lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
         starts = None if self.row_start is None else self.row_start.to(torch.int32)
