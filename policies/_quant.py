@@ -32,12 +32,12 @@ from kvpress.kernels.rows import attend_rows
 from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.plan import ForwardKind
 
+from ._quant_forward import attend_over_store, blocked_attend, dequantized
 from ._quant_rows import RowSplit
 from ._quant_static import reserve_planned, static_attend, static_sizes
 from ._quant_storage import resized, window_slots
 from ._rotation import value_basis
 
-SCORE_BYTES = 32 * 2**20  # fp32 scores of one block of a multi-token forward's queries (a few such live at once)
 # A forward of at least this many tokens (a prompt piece, a new turn) dequantizes the packed store
 # once into a transient fp32 copy and attends through SDPA; shorter ones (decode steps, short
 # verifications) read the codes directly. From 16 tokens the copy is the faster path for all three
@@ -259,7 +259,7 @@ class QuantWindowLayer(CacheLayer):
         self.seen += T
         kw = self.k_win[:, :, : self.win_len].float()  # (B, H, W, D): window incl. the new tokens
         vw = self.v_win[:, :, : self.win_len].float()
-        copy = self._dequantized(kw, vw) if T >= DEQUANT_MIN_QUERIES else None  # [packed | window] fp32
+        copy = dequantized(self, kw, vw) if T >= DEQUANT_MIN_QUERIES else None  # [packed | window] fp32
         packed = None if copy is None else (copy[0][:, :, : self.n_quant], copy[1][:, :, : self.n_quant])
         rows = self._lse_rows(q_start, T) if copy is not None else None
         if copy is not None and (rows is None or not bool(rows.all())):
@@ -269,93 +269,13 @@ class QuantWindowLayer(CacheLayer):
             if rows is not None:
                 idx = rows.nonzero().squeeze(1).to(q.device)
                 lse = torch.full_like(out[..., 0], float("nan"))
-                lse[:, :, idx] = self._attend_rows(q[:, :, idx], q_start + idx, kw, vw, scaling, packed)[1]
+                lse[:, :, idx] = attend_over_store(self, q[:, :, idx], q_start + idx, kw, vw, scaling, packed)[1]
         else:
-            out, lse = self._blocked_attend(q, q_start, kw, vw, scaling, packed)
+            out, lse = blocked_attend(self, q, q_start, kw, vw, scaling, packed)
         self._after_attend(q, lse, q_start, scaling)
         self._maybe_flush()
         reserve_planned(self, k_new, v_new)
         return out.to(q.dtype)
-
-    def _dequantized(self, kw, vw):
-        """The packed tokens dequantized into a transient fp32 copy, followed by the window
-        ``kw`` / ``vw`` (B, H, W, D): ``(k, v)`` (B, H, N + W, D) for a forward of
-        `DEQUANT_MIN_QUERIES` tokens or more; None when nothing is packed or the layer cannot
-        (`_dequantize_into`).
-
-        Reading the codes block by block materialises fp32 scores and unpacks the whole store
-        once per query block; the copy is unpacked once per forward, and SDPA's fused kernel over
-        it never holds a score matrix. It (2 x N x D fp32 per KV head) lives until the layer
-        returns, like the forward's other activations.
-        """
-        n = self.n_quant
-        if not n:
-            return None
-        B, H, W, D = kw.shape
-        k, v = kw.new_empty(B, H, n + W, D), vw.new_empty(B, H, n + W, D)
-        if not self._dequantize_into(k[:, :, :n], v[:, :, :n]):
-            return None
-        k[:, :, n:], v[:, :, n:] = kw, vw
-        return k, v
-
-    def _blocked_attend(self, q, q_start: int, kw, vw, scaling, packed=None):
-        """`_attend_rows` over queries in blocks, so a forward never holds more than SCORE_BYTES of
-        fp32 scores at once: fp32 output (B, H_q, T, D) and log-sum-exp (B, H_q, T)."""
-        B, H_q, T, _ = q.shape
-        factor = 1 if packed is not None else self.score_block_factor
-        step = max(1, SCORE_BYTES // (4 * B * H_q * (self.n_quant + self.win_len) * factor))
-        parts = [self._attend_rows(q[:, :, i:i + step], q_start + i, kw, vw, scaling, packed) for i in range(0, T, step)]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([o for o, _ in parts], dim=2), torch.cat([l for _, l in parts], dim=2)
-
-    def _attend_rows(self, q, q_start, kw, vw, scaling, packed=None):
-        """Queries ``q`` (B, H_q, T, D) at sequence indices ``q_start ..`` (an int, or a long
-        tensor (T,) of each row's index) over [packed | window]: fp32 output (B, H_q, T, D) and
-        log-sum-exp (B, H_q, T). The packed tokens are read from the codes, or from ``packed``:
-        their dequantized ``(k, v)`` (B, H, N, D) as `_dequantize_into` lays them out."""
-        B, H_q, T, D = q.shape
-        H = kw.shape[1]
-        qg = q.float().view(B, H, H_q // H, T, D).reshape(B, H, H_q // H * T, D)  # row m = g * T + i
-        s_win = (qg @ kw.transpose(-1, -2)) * scaling  # (B, H, M, W)
-        k_pos = torch.arange(self.n_quant, self.seen, device=q.device)
-        if not torch.is_tensor(q_start):
-            q_start = torch.arange(q_start, q_start + T, device=q.device)
-        q_pos = q_start.repeat(H_q // H)  # (M,)
-        hidden = k_pos[None, :] > q_pos[:, None]  # (M, W) causal
-        rs = self.row_start
-        if rs is not None:
-            hidden = hidden[None] | (k_pos[None, None, :] < rs[:, None, None])  # (B, M, W)
-            # a padding query (a prompt padded beyond its first piece) attends only to itself, as
-            # in `dense_causal_attention`: every packed column is padding to it, and an empty row
-            # would be NaN
-            own = (k_pos[None, :] == q_pos[:, None])[None] & (q_pos[None, :, None] < rs[:, None, None])
-            hidden = (hidden & ~own)[:, None]
-        s_win = s_win.masked_fill(hidden, float("-inf"))
-        # one softmax over [packed | window], each part exponentiated in place (no concatenated copy)
-        if not self.n_quant:
-            s_q = None
-        elif packed is None:
-            s_q = self._quant_scores(qg, scaling)  # (B, H, M, N)
-        else:  # the copy's padding columns come first: column c < row_start is hidden
-            s_q = (qg @ packed[0].transpose(-1, -2)) * scaling
-            if rs is not None:
-                pad = torch.arange(self.n_quant, device=q.device)[None, :] < rs[:, None]  # (B, N)
-                s_q = s_q.masked_fill(pad[:, None, None], float("-inf"))
-        top = s_win.amax(-1, keepdim=True)
-        if s_q is not None:
-            top = torch.maximum(top, s_q.amax(-1, keepdim=True))
-        p_win = s_win.sub_(top).exp_()
-        total = p_win.sum(-1, keepdim=True)
-        if s_q is not None:
-            p_q = s_q.sub_(top).exp_()
-            total = total + p_q.sum(-1, keepdim=True)
-        lse = (top + total.log()).squeeze(-1)  # (B, H, M)
-        out = p_win.div_(total) @ vw
-        if s_q is not None:
-            p_q = p_q.div_(total)
-            out = out + (self._quant_output(p_q) if packed is None else p_q @ packed[1])
-        return out.view(B, H, H_q // H, T, D).reshape(B, H_q, T, D), lse.view(B, H_q, T)
 
     # ------------------------------------------------------------------ fused GPU decode
     def fused_step_ok(self, q, k_new, decode_backend: str) -> bool:

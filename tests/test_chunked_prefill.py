@@ -251,7 +251,7 @@ def test_quantizers_long_forwards_dequantize_the_store_once(model, name, padding
     new turn) attends over a transient dequantized copy of the store through SDPA; reading the
     codes (shorter forwards' path), also in query blocks of at most ``SCORE_BYTES`` of scores,
     gives the same tokens, logits and bytes, left padding beyond the first piece included."""
-    from kvpress.policies import _quant
+    from kvpress.policies import _quant, _quant_forward
 
     ids, mask = padded_batch(padding)
     policy = example(name, model)
@@ -264,7 +264,7 @@ def test_quantizers_long_forwards_dequantize_the_store_once(model, name, padding
     fast_calls = len(calls)
     monkeypatch.setattr(_quant, "DEQUANT_MIN_QUERIES", 10**9)
     codes = generate(model, ids, policy, 16, attention_mask=mask)
-    monkeypatch.setattr(_quant, "SCORE_BYTES", 1)  # one query row per block
+    monkeypatch.setattr(_quant_forward, "SCORE_BYTES", 1)  # one query row per block
     blocks = generate(model, ids, policy, 16, attention_mask=mask)
     assert len(calls) == fast_calls  # the codes paths never dequantize
     for other in (codes, blocks):

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+
 import kvpress
 from kvpress.compat import cache_kwargs
+from kvpress.policies._quant_forward import dequantized
 
 from conftest import contract_model, random_ids, tiny_model
 
@@ -313,8 +315,8 @@ def test_crop_takes_back_a_flush_inside_a_verification(llama, name, keep):
     assert got.n_quant == PROMPT - 16 + (8 if keep == 10 else 0)  # (the examples' windows: 16 + 8)
     # the packed store as attention reads it (codes, sinks, GEAR's corrections) and the window; a
     # 12-row projection rounds a little differently from a 1-row one (1e-7), nothing more
-    for a, b in zip(*(layer._dequantized(layer.k_win[:, :, :layer.win_len].float(),
-                                         layer.v_win[:, :, :layer.win_len].float()) for layer in (got, ref))):
+    for a, b in zip(*(dequantized(layer, layer.k_win[:, :, :layer.win_len].float(),
+                                  layer.v_win[:, :, :layer.win_len].float()) for layer in (got, ref))):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     if name == "zipcache":  # the probes the next flush's saliency reads: the kept steps' queries
         assert got.probe_pos == ref.probe_pos and got.probe_rand == ref.probe_rand
