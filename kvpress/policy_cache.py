@@ -17,6 +17,8 @@ from .cache_layer import crop_count
 from .plan import ForwardKind, ForwardPlan, classify, static_address
 from .window_layers import SlidingWindowLayer
 
+QUERY_TAIL = 64  # prompt queries `dense_prefill` keeps per layer (SnapKV's observation window is 32 by default)
+
 PLAN_STEP = 128  # a planned capacity is a multiple of this (the slack is under PLAN_STEP tokens)
 
 
@@ -55,6 +57,8 @@ class PolicyCache(Cache):
         self.capacity: int | None = None  # tokens to preallocate for (`plan_capacity`), None: grow in buckets
         self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
         self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
+        # `dense_prefill`'s: {layer index: (last QUERY_TAIL queries, scaling)} of the prompt forward
+        self.query_tails: dict[int, tuple[torch.Tensor, float]] | None = None
         self._end: torch.Tensor | None = None
 
         # layers the model itself slides keep its window exactly; the policy runs the others
@@ -81,6 +85,8 @@ class PolicyCache(Cache):
         assisted decoding keeps plain decoding's tokens.
         """
         plan = self.plan
+        if self.query_tails is not None and plan is not None and plan.kind is ForwardKind.PROMPT:
+            self.query_tails[layer.layer_idx] = (q[:, :, -QUERY_TAIL:], scaling)
         if plan is not None and plan.kind is ForwardKind.PIECE and layer.stages_prompt:
             return self._attend_piece(layer, q, k_new, v_new, scaling)
         if plan is None or plan.kind is not ForwardKind.VERIFY or not layer.verify_as_steps:

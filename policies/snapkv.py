@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import PROMPT_CROP_TOKENS, CacheLayer
+from kvpress.policy_cache import QUERY_TAIL
 from kvpress.kernels import SparseIndex, sparse_decode
 from kvpress.policies._snapkv_plan import GROW as _GROW, apply_plan, attend_planned, plan_slots, static_step
 from kvpress.policies._sparse import check_budget
@@ -22,7 +23,8 @@ class SnapKVPolicy(Policy):
     """SnapKV: each KV head keeps the prompt tokens its last queries attend to; the rest is freed.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
-    Prefill is exact causal attention. Then the last ``window_size`` prompt queries (the
+    Prefill is exact causal attention (so a shared dense prefill, which keeps each layer's last 64
+    queries, serves ``window_size`` up to 64). Then the last ``window_size`` prompt queries (the
     observation window) score every earlier token by their summed attention, max-pooled over
     ``kernel_size`` neighbouring positions (keeps whole phrases, not isolated tokens) and
     averaged over each KV head's query group. ``kernel_size`` defaults to 21, three times the
@@ -82,7 +84,7 @@ class SnapKVPolicy(Policy):
     name = "snapkv"
     description = "prompt tokens picked by the observation window's attention, rest evicted (SnapKV)"
     paper = "arXiv 2404.14469"
-    full_prefill = False  # the selection needs the prompt's queries, which a dense cache lacks
+    full_prefill = True  # a dense prefill keeps the last QUERY_TAIL queries its selection needs
     keeps_full_cache = False
     croppable = True
 
@@ -93,6 +95,9 @@ class SnapKVPolicy(Policy):
         if self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size} must be odd (pooling is centred on each token)")
         check_budget(self.budget, self.window_size, f"the recent window_size={self.window_size}")
+
+    def prefills_densely(self) -> bool:
+        return self.window_size <= QUERY_TAIL  # a shared dense prefill keeps that many queries per layer
 
     def make_layer(self, cache, layer_idx):
         return SnapKVLayer(cache, layer_idx, self)

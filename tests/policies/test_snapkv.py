@@ -387,3 +387,36 @@ def test_static_step_stores_and_attends_as_the_eager_step(model, row_start, leng
         assert torch.equal(static.score[:, :, :n], eager.score[:, :, :n])
         assert bool((static.pos[:, :, n:] == -1).all())
     assert len(calls) == 40 and eager.filled == 20 and int(eager.kept.min()) == 20  # every phase was reached
+
+
+def test_a_shared_dense_prefill_selects_what_its_own_prefill_selects_with_left_padding(model):
+    """`cache_from_dense` hands SnapKV the dense prompt and its last queries (kept by `dense_prefill`):
+    the same tokens kept per row and head, the same next-step logits, on a left-padded batch."""
+    from kvpress.prefill import cache_from_dense, dense_prefill
+
+    policy = kvpress.get_policy("snapkv", budget=40, window_size=8, kernel_size=3)
+    ids = random_ids(70, seed=4).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0  # row 1: 45 real tokens after 25 of padding
+    logits, dense = dense_prefill(model, ids, mask)
+    shared = cache_from_dense(model, policy, dense, attention_mask=mask)
+    nxt = logits.argmax(-1, keepdim=True)
+    step_mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        own = model(ids, attention_mask=mask, use_cache=True)
+        own_next = model(nxt, attention_mask=step_mask, past_key_values=own.past_key_values, use_cache=True).logits
+        shared_next = model(nxt, attention_mask=step_mask, past_key_values=shared, use_cache=True).logits
+    for mine, theirs in zip(shared.layers, own.past_key_values.layers):
+        assert torch.equal(mine.pos, theirs.pos) and torch.equal(mine.kept, theirs.kept)
+    torch.testing.assert_close(shared_next, own_next, atol=1e-5, rtol=0)
+
+
+def test_a_window_wider_than_the_dense_prefill_keeps_runs_its_own_prefill(model):
+    from kvpress.policy_cache import QUERY_TAIL
+    from kvpress.prefill import cache_from_dense, dense_prefill
+
+    wide = kvpress.get_policy("snapkv", budget=2 * QUERY_TAIL + 8, window_size=QUERY_TAIL + 1)
+    assert kvpress.get_policy("snapkv").prefills_densely() and not wide.prefills_densely()
+    _, dense = dense_prefill(model, random_ids(30, seed=1))
+    with pytest.raises(ValueError, match="runs its own prefill"):
+        cache_from_dense(model, wide, dense)
