@@ -25,6 +25,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 SECTIONS = {
     "quality": "Quality on SmolLM2-135M (CPU)",
+    "gemma": "Quality on Gemma 3 270M (CPU)",
     "memory": "Memory",
     "cpu": "Decode speed on CPU",
     "gpu": "GPU",
@@ -37,8 +38,9 @@ HEADER = """# Benchmarks
 Current measurements only, one table per file in `benchmarks/results/`; this page is generated
 from them (`python -m kvpress.evals.benchmarks_md`), so edit the result files, not this page.
 Each table gives the command that made it, the machine and the date. Quality tables score
-SmolLM2-135M-Instruct (fp32, greedy) on the offline task suite (`kvpress eval`): "`full`'s
-needles kept" counts the samples whose needle `full` answers that the policy answers too, and
+SmolLM2-135M-Instruct (8k context) or the base Gemma 3 270M (32k context, completion prompts;
+fp32, greedy) on the offline task suite (`kvpress eval`): "`full`'s needles kept" (or "answers
+kept") counts the samples whose needle `full` answers that the policy answers too, and
 "x `full`" / "of `full`" is the policy's score over `full`'s on the same samples (intervals:
 `kvpress report`'s 95% paired bootstrap). Budgets are tokens attended per KV head per decode
 step, sinks and windows included. The CPU is a shared 2-core machine: compare rows within one

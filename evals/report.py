@@ -33,6 +33,7 @@ from operator import itemgetter
 from pathlib import Path
 
 from . import results as res
+from .tasks import get_task, parse_task_spec
 
 REFERENCE = "full"
 REPORT_FILE = "report.md"
@@ -60,12 +61,32 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+@functools.lru_cache(maxsize=64)
+def _label_of_spec(spec: str) -> str:
+    name, options = parse_task_spec(spec)
+    defaults = parse_task_spec(get_task(name).spec)[1]
+    changed = [f"{k}={v}" for k, v in options.items() if defaults.get(k) != v]
+    return name + (":" + ",".join(changed) if changed else "")
+
+
+def task_label(record: dict) -> str:
+    """The record's task name, with the options it sets away from their defaults
+    (``niah_single:value_type=uuids``), so two configurations of one task stay apart."""
+    spec = record.get("task_spec")
+    if not spec:
+        return record["task"]
+    try:
+        return _label_of_spec(spec)
+    except (KeyError, ValueError):  # a task this version does not know: its full spec
+        return spec
+
+
 def score_table(records: list[dict], length: int) -> dict:
     """``{(spec, budget): {task: {sample: (score, resident bytes)}}}`` for one length (scores only)."""
     cells: dict[tuple, dict[str, dict]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         if r["length"] == length and r.get("metric", "score") == "score":
-            cells[(_spec(r), r.get("budget"))][r["task"]][r["sample"]] = (float(r["score"]), r["resident_bytes"])
+            cells[(_spec(r), r.get("budget"))][task_label(r)][r["sample"]] = (float(r["score"]), r["resident_bytes"])
     return cells
 
 
@@ -74,7 +95,7 @@ def perplexity_table(records: list[dict], length: int) -> dict:
     cells: dict[tuple, dict[str, tuple]] = defaultdict(dict)
     for r in records:
         if r["length"] == length and r.get("metric") == "perplexity":
-            cells[(_spec(r), r.get("budget"))][r["task"]] = (float(r["score"]), r["resident_bytes"])
+            cells[(_spec(r), r.get("budget"))][task_label(r)] = (float(r["score"]), r["resident_bytes"])
     return cells
 
 

@@ -258,3 +258,47 @@ def test_results_record_the_commit_of_kvpress_own_checkout_only(tmp_path):
     (own / "kvpress" / "__init__.py").write_text("changed = 1\n")
     assert checkout_commit(own / "kvpress" / "__init__.py")[1] is True
     assert checkout_commit(tmp_path / "nowhere" / "kvpress" / "__init__.py") == (None, None)
+
+
+def test_two_configurations_of_one_task_stay_apart():
+    """Cells of `niah_single` and `niah_single:value_type=uuids` share the task name and sample
+    indices; the report keys them by the options they set away from the defaults."""
+    from kvpress.evals.report import task_label
+    from kvpress.evals.tasks import get_task
+
+    plain, uuids = get_task("niah_single"), get_task("niah_single", value_type="uuids")
+    cells = [{**_cell("full", "niah_single", 0, 1.0), "task_spec": plain.spec},
+             {**_cell("full", "niah_single", 0, 0.0), "task_spec": uuids.spec, "key": "other"}]
+    assert [task_label(c) for c in cells] == ["niah_single", "niah_single:value_type=uuids"]
+    table = score_table(cells, 1024)[("full", None)]
+    assert table["niah_single"][0][0] == 1.0 and table["niah_single:value_type=uuids"][0][0] == 0.0
+    assert task_label({"task": "old"}) == "old"  # records without a spec keep their task name
+
+
+def test_result_table_file_from_eval_logs(tmp_path):
+    """`python -m kvpress.evals.result_table` writes a BENCHMARKS result file: scores with counts,
+    ratios to full on the same samples, full's answers kept, and resident bytes."""
+    import json
+
+    from kvpress.evals import benchmarks_md
+    from kvpress.evals.result_table import main as table_main
+
+    (tmp_path / "runs").mkdir()
+    for record in _records():
+        res.append_record(tmp_path / "runs", {**record, "time": "2026-11-28T10:00:00Z"})
+    out = tmp_path / "table.json"
+    assert table_main([str(tmp_path / "runs"), "--length", "1024", "--tasks", "easy,mixed", "--title", "T",
+                       "--section", "quality", "--command", "kvpress eval ...", "--machine", "m", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["date"] == "2026-11-28" and data["columns"][1:4] == ["easy score (n)", "of `full` [95%]",
+                                                                     "`full`'s answers kept"]
+    rows = {row[0]: row for row in data["rows"]}
+    assert rows["`full`"][1] == "1.000 (4)" and rows["`full`"][-2:] == ["8.0", "1.00x"]
+    quest = rows["`quest` @ 256"]
+    assert quest[1] == "0.750 (4)" and quest[2].startswith("75% [") and quest[3] == "3 of 4"
+    assert quest[4] == "0.500 (2)" and quest[5].startswith("50% [") and quest[6] == "1 of 2"
+    assert quest[-2:] == ["1.0", "0.12x"]
+    benchmarks_md.load(out)  # a valid result file
+    with pytest.raises(SystemExit):
+        table_main([str(tmp_path / "runs"), "--length", "99", "--title", "T", "--section", "quality",
+                    "--command", "c", "--machine", "m", "--out", str(out)])
