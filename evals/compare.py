@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .plots import mean_interval
-from .report import REFERENCE, task_label
+from .report import REFERENCE, percent, task_label
 from .results import MIB
 
 NAN3 = (float("nan"),) * 3
@@ -89,7 +89,7 @@ def summary_markdown(summary: dict[str, PolicySummary]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|---|---:|---|" + "---:|" * (len(tasks) + 3) + "---|"]
     for label, s in summary.items():
         (m, lo, hi), (v, vlo, vhi) = s.score, s.speed
-        ratios = [f"{100 * s.of_full[t]:.0f}%" if t in s.of_full and s.of_full[t] == s.of_full[t] else ""
+        ratios = [percent(s.of_full[t]) if t in s.of_full and s.of_full[t] == s.of_full[t] else ""
                   for t in tasks]
         lines.append(f"| `{label}` | {s.n} | {m:.2f} [{lo:.2f}-{hi:.2f}] | " + " | ".join(ratios)
                      + f" | {s.mib:.1f} | {s.mib / full_mib:.2f}x | {s.offloaded_mib:.1f} "

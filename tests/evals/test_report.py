@@ -302,3 +302,26 @@ def test_result_table_file_from_eval_logs(tmp_path):
     with pytest.raises(SystemExit):
         table_main([str(tmp_path / "runs"), "--length", "99", "--title", "T", "--section", "quality",
                     "--command", "c", "--machine", "m", "--out", str(out)])
+
+
+def test_policy_summary_pairs_each_cell_with_full_on_its_sample():
+    from kvpress.evals.compare import policy_summary, score_figure, summary_markdown
+
+    def cell(label, task, sample, score, ms, nbytes, host=0):
+        return {**_cell(label, task, sample, score, nbytes=nbytes), "policy_label": label,
+                "decode_ms_per_token": ms, "offloaded_bytes": host}
+
+    records = [cell("full", "a", i, 1.0, 10.0, 8 * 2**20) for i in range(4)]
+    records += [cell("quest@64", "a", i, [1.0, 0.0, 1.0][i], 5.0, 2 * 2**20) for i in range(3)]
+    records += [cell("shadowkv@64", "a", 0, 1.0, 20.0, 2**20, host=3 * 2**20)]
+    summary = policy_summary(records)
+    assert list(summary) == ["full", "quest@64", "shadowkv@64"]
+    quest = summary["quest@64"]
+    assert quest.n == 3 and abs(quest.score[0] - 2 / 3) < 1e-9 and abs(quest.of_full["a"] - 2 / 3) < 1e-9
+    assert quest.mib == 2.0 and quest.speed[0] == 2.0  # full's 10 ms over its 5 ms
+    assert summary["shadowkv@64"].offloaded_mib == 3.0 and summary["shadowkv@64"].speed[0] == 0.5
+    table = summary_markdown(summary)
+    assert "| `quest@64` | 3 | 0.67 [" in table and "| 66.6% | 2.0 | 0.25x | 0.0 | 2.00x [" in table
+    pytest.importorskip("matplotlib")
+    fig = score_figure(summary, "title")
+    assert len(fig.axes) == 2 and fig.axes[0].get_xlabel() == "resident KV cache (MiB)"
