@@ -18,7 +18,7 @@ def _cache(kind=None, new_tokens=1, start=0):
     plan = None if kind is None else ForwardPlan(kind, new_tokens, torch.tensor([start]),
                                                  torch.tensor([start + new_tokens]))
     return SimpleNamespace(plan=plan, prompt_open=kind is ForwardKind.PIECE, row_start_on=lambda device: None,
-                           capacity=None, _attend_piece=PolicyCache._attend_piece)
+                           capacity=None, query_tails=None, _attend_piece=PolicyCache._attend_piece)
 
 
 class ToyLayer(CacheLayer):

