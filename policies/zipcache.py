@@ -13,6 +13,8 @@ from kvpress.kernels.quant import ALLOWED_BITS, ALLOWED_GROUP_SIZES, READ_BACKEN
 from kvpress.registry import MAX_CHANNELS, MAX_SEED, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._quant import QuantWindowLayer
+from ._zipcache_static import (StaticState, mirror_probes, probes_from_static, reserve_store, salient_target,
+                               static_after_attend, static_flush, static_packed, store_slots)
 from ._zipcache_store import _joined, _runs, _Store
 
 
@@ -193,6 +195,8 @@ class ZipCacheLayer(QuantWindowLayer):
         self._scaling = 1.0
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
+        self.zs = StaticState()  # the static step's probe slots and store bookkeeping (`_zipcache_static`)
+        self._static_steps = False  # static steps ran since the eager path last looked: `probes_from_static`
 
     def _row_layer(self, cache):
         return ZipCacheLayer(cache, self.layer_idx, self.p)
@@ -232,6 +236,7 @@ class ZipCacheLayer(QuantWindowLayer):
         self.probe_pos_dev = _joined(parts, pieces, 2, 0)
         self.probe_pos = [p for p, k in zip(pos, keep) if k]
         self.probe_rand = [r for r, k in zip(rand, keep) if k]
+        mirror_probes(self)
 
     def _prompt_probe_rows(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one (host)."""
@@ -282,7 +287,12 @@ class ZipCacheLayer(QuantWindowLayer):
 
     def _after_crop(self, n: int) -> None:
         """The forward lost its last ``n`` tokens (window and ``seen`` already cut): its probes
-        again, from the kept queries, before the flush reads them."""
+        again, from the kept queries, before the flush reads them (every probe slot rewritten:
+        a prompt's kept probes have new log-sum-exps)."""
+        self._crop_probes(n)
+        mirror_probes(self, full=True)
+
+    def _crop_probes(self, n: int) -> None:
         record, self._forward_q = self._forward_q, None
         if n == 0 or record is None:
             return
@@ -370,7 +380,6 @@ class ZipCacheLayer(QuantWindowLayer):
 
     def _flush(self, k, v, start):
         B, H, n, D = k.shape
-        g = self.p.group_size
         k, v = self.zero_padding(k, start), self.zero_padding(v, start)
         if self.vn is None:
             vabs = v.float().abs().amax(2)  # (B, H, D)
@@ -379,7 +388,7 @@ class ZipCacheLayer(QuantWindowLayer):
             self.lo.ridx = self.refine_channels(k)
         v_norm = v.float() / self.vn.float()[:, :, None]
         # the high store tracks salient_ratio of everything flushed so far, in whole key groups
-        target = int(self.p.salient_ratio * (start + n) / g + 0.5) * g
+        target = salient_target(self.p, start + n)
         n_hi = min(n, max(0, target - self.hi.n))
         sal = self.saliency(k, start) if 0 < n_hi < n else torch.zeros(B, H, n, device=k.device)
         order = sal.argsort(dim=-1, descending=True, stable=True)
@@ -395,7 +404,36 @@ class ZipCacheLayer(QuantWindowLayer):
                 torch.gather(pad[:, None, :].expand(-1, H, -1), 2, idx).sum(-1).to(torch.int32)
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
+    # ------------------------------------------------------------------ static decode (`_zipcache_static`)
+    static_decode = True
+
+    def _store_slots(self):
+        return store_slots(self)
+
+    def _reserve_store(self, like_k, like_v, slots):
+        reserve_store(self, like_k, like_v, slots)
+
+    def _static_packed(self, n):
+        return static_packed(self, n)
+
+    def _static_flush(self, n, due):
+        static_flush(self, n, due)
+
+    def _static_after_attend(self, q, lse, pos, scaling):
+        static_after_attend(self, q, lse, pos)
+
+    def count_tokens(self, n: int) -> None:
+        super().count_tokens(n)
+        self._static_steps = True
+
+    def _from_static(self) -> None:
+        """Before an eager forward: the host state of the static steps since the last one."""
+        if self._static_steps:
+            self._static_steps = False
+            probes_from_static(self)
+
     def _attend(self, q, k_new, v_new, scaling):
+        self._from_static()
         if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
@@ -479,6 +517,8 @@ class ZipCacheLayer(QuantWindowLayer):
     def batch_select(self, indices):
         if self.by_row is not None:
             return super().batch_select(indices)
+        self._from_static()
+        self.zs.select(indices)
         sel = lambda t: None if t is None else t.index_select(0, indices.to(t.device))  # noqa: E731
         self.k_win, self.v_win, self.vn = sel(self.k_win), sel(self.v_win), sel(self.vn)
         self.probe_q, self.probe_lse = sel(self.probe_q), sel(self.probe_lse)
@@ -493,5 +533,5 @@ class ZipCacheLayer(QuantWindowLayer):
             out[f"{prefix}_pad"] = s.pad
         if self.lo.refine:
             out["lo_ridx"] = self.lo.ridx
-        return out
+        return {**out, **self.zs.tensors()}
 
