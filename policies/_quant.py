@@ -11,7 +11,7 @@ attention over the unquantized prompt (as KIVI does), then the prompt is stored 
 tokens. A later forward of ``DEQUANT_MIN_QUERIES`` tokens or more (a prompt piece, a new turn)
 amortises one transient fp32 copy of the packed tokens over its queries and runs SDPA.
 
-A subclass with ``static_decode = True`` (kivi, gear) also has a static decode step for
+A subclass with ``static_decode = True`` (kivi, gear, zipcache) also has a static decode step for
 ``torch.compile`` (``_quant_static``, through the layer's store hooks): with a planned
 capacity the window (``residual_length + flush_unit`` slots at most) and the packed store (every
 token the window can flush) are preallocated after each eager forward, the step writes and reads

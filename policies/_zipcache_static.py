@@ -278,7 +278,7 @@ def static_flush(layer, n: torch.Tensor, due: torch.Tensor) -> None:
     (the high-precision count from ``counts``), each part quantized at its store's precision and
     written at its store's fill, where ``due``; a first flush also sets the normaliser (and the
     refined channels)."""
-    p, zs, F, g = layer.p, layer.zs, layer.flush_unit, layer.p.group_size
+    zs, F, g = layer.zs, layer.flush_unit, layer.p.group_size
     k, v = layer.k_win[:, :, :F], layer.v_win[:, :, :F]  # (B, H, F, D): what `_flush` gets
     D = k.shape[3]
     first = n == 0  # [1]: no flush before this one (the eager path's `vn is None`)
