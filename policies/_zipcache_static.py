@@ -4,13 +4,15 @@ between the eager paths and the device.
 
 The eager paths keep the probe queries in a set of varying size chosen on the host
 (``probe_pos`` / ``probe_rand``). A static step keeps them in fixed slots (`StaticState`): the
-random probes first (``n_rand`` slots, those of the latest multi-token forwards), then a ring of
-``probe_recent`` slots where the query at sequence index ``p`` sits at ``p % probe_recent``. Every
-slot carries its sequence index on the device (``pos``, -1 when empty), so which probes the eager
-path would keep follows from the step's position alone: a random probe while it sees an unflushed
-token (``pos >= n``), a recent one while it is among the latest ``probe_recent`` queries too. The
-eager paths write the slots that change after each of their probe updates (`mirror_probes`: one
-slot per decode step); after static steps `probes_from_static` gives the eager path its set back.
+random probes first (``n_rand`` slots, the eager set's; none while no static step can flush), then
+a ring of ``probe_recent`` slots where the query at sequence index ``p`` sits at ``p %
+probe_recent``. Every slot carries its sequence index on the device (``pos``, -1 when empty), so
+which probes the eager path would keep follows from the step's position alone: a random probe
+while it sees an unflushed token (``pos >= n``), a recent one while it is among the latest
+``probe_recent`` queries too. With a planned capacity the eager paths write the slots that change
+after each of their probe updates (`mirror_probes`: one slot per decode step); after static steps
+`probes_from_static` gives the eager path its set back (the ring's queries, and its own random
+probes that static steps only drop).
 
 How many of a flush's tokens go to the high-precision store depends only on how many were flushed
 before it (``salient_target``), so a table of those counts, made on the host when the stores are
@@ -84,6 +86,12 @@ def _allocate_probes(layer, like_q: torch.Tensor, n_rand: int) -> None:
     static_address(zs.q, zs.lse, zs.pos)
 
 
+def _random_slots(layer, count: int) -> int:
+    """Random probe slots for ``count`` random probes: none while the stores are not reserved (no
+    static step can flush, and after static steps the eager path still holds its random probes)."""
+    return max(layer.p.probe_random, count) if layer.zs.slots else 0
+
+
 def mirror_probes(layer, full: bool = False) -> None:
     """After the eager path changed the probes: write the slots whose probe changed (``full``:
     every slot, after a crop re-made the probes). Only with a planned capacity, or slots already
@@ -93,13 +101,14 @@ def mirror_probes(layer, full: bool = False) -> None:
         return
     pos, rand = layer.probe_pos, layer.probe_rand
     rand_rows = [i for i, r in enumerate(rand) if r]
-    if zs.q is None or len(rand_rows) > zs.n_rand or zs.q.shape[0] != layer.probe_q.shape[0]:
-        _allocate_probes(layer, layer.probe_q, max(layer.p.probe_random, len(rand_rows)))
+    n_rand = _random_slots(layer, len(rand_rows))
+    if zs.q is None or n_rand > zs.n_rand or zs.q.shape[0] != layer.probe_q.shape[0]:
+        _allocate_probes(layer, layer.probe_q, n_rand)
         full = True
     R, n_quant, host = layer.p.probe_recent, layer.n_quant, zs.host
     writes = []  # (slot, probe row or None to empty it, sequence index)
     wanted = [pos[i] for i in rand_rows]
-    if full or [p for p in host[: zs.n_rand] if p >= n_quant] != wanted:
+    if zs.n_rand and (full or [p for p in host[: zs.n_rand] if p >= n_quant] != wanted):
         writes += [(j, rand_rows[j], pos[rand_rows[j]]) if j < len(rand_rows) else (j, None, -1)
                    for j in range(zs.n_rand)]
     ring = {pos[i] % R: i for i, r in enumerate(rand) if not r}  # the recent probes: one sequence index each
@@ -112,6 +121,26 @@ def mirror_probes(layer, full: bool = False) -> None:
             writes.append((slot, None, -1))
     _write_slots(layer, writes)
     zs.synced = layer.seen
+
+
+def _add_random_slots(layer) -> None:
+    """Random probe slots in front of the ring, filled from the eager path's random probes, for a
+    traced step that reserves the stores (the ring keeps what static steps wrote)."""
+    zs = layer.zs
+    rows = [i for i, r in enumerate(layer.probe_rand or []) if r]
+    n_rand = _random_slots(layer, len(rows))
+    B, H_q, _, D = zs.q.shape
+    q = zs.q.new_zeros(B, H_q, n_rand, D)
+    lse = zs.lse.new_zeros(B, H_q, n_rand)
+    pos = torch.full((n_rand,), -1, dtype=torch.long, device=zs.q.device)
+    if rows:
+        idx = torch.tensor(rows, device=zs.q.device)
+        q[:, :, : len(rows)] = layer.probe_q.index_select(2, idx)
+        lse[:, :, : len(rows)] = layer.probe_lse.index_select(2, idx)
+        pos[: len(rows)] = layer.probe_pos_dev.index_select(0, idx)
+    zs.q, zs.lse, zs.pos = torch.cat([q, zs.q], 2), torch.cat([lse, zs.lse], 2), torch.cat([pos, zs.pos])
+    zs.host = [layer.probe_pos[i] for i in rows] + [-1] * (n_rand - len(rows)) + zs.host[zs.n_rand :]
+    zs.n_rand = n_rand
 
 
 def _write_slots(layer, writes) -> None:
@@ -155,12 +184,18 @@ def probes_from_static(layer) -> None:
     zs.synced = seen
     live = max(n_quant, seen - R)
     recent = sorted((zs.host[zs.n_rand + s], zs.n_rand + s) for s in range(R) if zs.host[zs.n_rand + s] >= live)
-    slots = [j for j in range(zs.n_rand) if zs.host[j] >= n_quant] + [slot for _, slot in recent]
-    idx = torch.tensor(slots, dtype=torch.long, device=zs.q.device)
-    layer.probe_q, layer.probe_lse = zs.q.index_select(2, idx), zs.lse.index_select(2, idx)
-    layer.probe_pos_dev = zs.pos.index_select(0, idx)
-    layer.probe_pos = [zs.host[j] for j in slots]
-    layer.probe_rand = [j < zs.n_rand for j in slots]
+    ring = torch.tensor([slot for _, slot in recent], dtype=torch.long, device=zs.q.device)
+    q, lse, pos_dev = zs.q.index_select(2, ring), zs.lse.index_select(2, ring), zs.pos.index_select(0, ring)
+    # the random probes: still the eager path's (static steps add none), less those flushed past
+    rows = [i for i, (p, r) in enumerate(zip(layer.probe_pos or [], layer.probe_rand or [])) if r and p >= n_quant]
+    if rows:
+        idx = torch.tensor(rows, dtype=torch.long, device=zs.q.device)
+        q = torch.cat([layer.probe_q.index_select(2, idx), q], 2)
+        lse = torch.cat([layer.probe_lse.index_select(2, idx), lse], 2)
+        pos_dev = torch.cat([layer.probe_pos_dev.index_select(0, idx), pos_dev])
+    layer.probe_q, layer.probe_lse, layer.probe_pos_dev = q, lse, pos_dev
+    layer.probe_pos = [layer.probe_pos[i] for i in rows] + [p for p, _ in recent]
+    layer.probe_rand = [True] * len(rows) + [False] * len(recent)
 
 
 # ---------------------------------------------------------------------- store hooks of _quant_static
@@ -204,8 +239,10 @@ def reserve_store(layer, like_k: torch.Tensor, like_v: torch.Tensor, slots: int)
     if layer.lo.refine and zs.ridx is None:
         zs.ridx = torch.zeros(B, H, layer.lo.refine, dtype=torch.long, device=like_k.device)
     static_address(zs.vn, zs.ridx)
-    if zs.q is None and not torch.compiler.is_compiling():  # (made by a traced step otherwise)
-        mirror_probes(layer)
+    if not torch.compiler.is_compiling():
+        mirror_probes(layer)  # the random probe slots a flush reads (the ring too, if none yet)
+    elif zs.q is not None and not zs.n_rand:  # a traced step outgrowing an unplanned cache: one graph
+        _add_random_slots(layer)
 
 
 def _store_keys(store, ridx, C: int) -> torch.Tensor:
@@ -332,8 +369,9 @@ def static_after_attend(layer, q: torch.Tensor, lse: torch.Tensor, pos: torch.Te
     """``ZipCacheLayer._static_after_attend``: the step's query (B, H_q, 1, D) and its log-sum-exp
     (B, H_q, 1) into its ring slot."""
     zs = layer.zs
-    if zs.q is None:  # no query seen before (a shared prefill): slots made here, a new graph follows
-        _allocate_probes(layer, q, layer.p.probe_random)
+    if zs.q is None:  # a cache never planned: slots made and filled by this traced step, a new graph follows
+        _allocate_probes(layer, q, _random_slots(layer, 0))
+        mirror_probes(layer, full=True)
     slot = zs.n_rand + pos % layer.p.probe_recent  # [1]
     zs.q.index_copy_(2, slot, q.to(zs.q.dtype))
     zs.lse.index_copy_(2, slot, lse.float())

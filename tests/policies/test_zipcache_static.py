@@ -121,3 +121,31 @@ def test_planned_stores_and_slots_are_counted(llama):
         resident = kvpress.cache_stats(cache).resident_bytes
     assert resident >= sum(t.numel() * t.element_size() for layer in cache.layers
                            for t in layer.state_tensors().values() if t is not None)
+
+
+def test_unplanned_cache_grows_by_buckets(llama):
+    """Compiled steps on a cache never planned: the first traced step makes the probe slots from
+    the eager probes and reserves the stores, which grow from bucket to bucket (128, then 256
+    tokens), and the tokens equal eager decoding's (graphs as for kivi: three per bucket)."""
+    policy = _policy(llama, {})
+    prompt = random_ids(10, seed=6)
+
+    def run(compiled):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        with torch.no_grad(), kvpress.apply(llama, policy):
+            cache = kvpress.make_cache(llama, policy)
+            tok = llama(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            step = torch.compile(llama.forward, fullgraph=True, backend=counter) if compiled else llama.forward
+            tokens = []
+            for i in range(150):
+                tokens.append(int(tok))
+                pos = torch.tensor([[10 + i]])
+                tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+        return tokens, counter.frame_count, cache.layers[0]
+
+    eager, _, _ = run(False)
+    static, graphs, layer = run(True)
+    assert static == eager
+    assert layer.zs.slots == (256 - layer.residual_length) // layer.flush_unit * layer.flush_unit
+    assert graphs <= 6
