@@ -227,8 +227,10 @@ def reserve_store(layer, like_k: torch.Tensor, like_v: torch.Tensor, slots: int)
             per_token = _PER_TOKEN[name]
             dtype = torch.uint8 if name in ("kc", "vc", "rc") else torch.float16
             like = like_k.new_empty(B, H, 0, widths[name], dtype=dtype)
-            store.t[name] = resized(store.t[name], store.n if per_token else store.n // g,
-                                    cap if per_token else cap // g, like)
+            rows, old = cap if per_token else cap // g, store.t[name]
+            # every row kept (the host's `store.n` lags behind static steps' flushes); a store never
+            # holds more than its cap
+            store.t[name] = resized(old, 0 if old is None else min(old.shape[2], rows), rows, like)
         if store.pad is None:  # no padding: a static step's layer never has any
             store.pad = torch.zeros(B, H, dtype=torch.int32, device=like_k.device)
         static_address(*store.t.values(), store.pad)
