@@ -274,8 +274,8 @@ class ZipCacheLayer(QuantWindowLayer):
         self._probes_before = self.probe_state()
         self._forward_q = None
 
-    def removable(self) -> int:
-        n = super().removable()
+    def truncatable(self) -> int:
+        n = super().truncatable()
         if n and self._forward_q is not None and self._forward_q[0] == "prompt":
             n = min(n, PROMPT_CROP_TOKENS, self.seen - 1)
         return n
