@@ -2,7 +2,8 @@
 
 Every kernel entry point of `kvpress.kernels` takes ``backend=`` and asks a function here which
 implementation runs; the policies do too (`quant_step_backend`, `label_select_backend`,
-`shadowkv_step_backend`, `residual_backend`), so none of them tests availability or limits itself.
+`shadowkv_step_backend`, `residual_backend`, `fused_quant_backend`), so none of them tests
+availability or limits itself.
 
 * ``"torch"``: plain torch operators on any device (the reference of the other two).
 * ``"native"``: the compiled CPU kernels (`kvpress.kernels.native`, fp32 CPU tensors, the library
@@ -213,6 +214,34 @@ def quant_read_backend(x: torch.Tensor, codes, scale, zero, backend: str, max_ro
     return choose("packed-store read", backend, ("torch", "native"), {"native": native})
 
 
+DECODE_BACKENDS = ("auto", "triton", "torch")  # a quantized layer's ``decode_backend`` (`fused_quant_backend`)
+
+
+def fused_quant_backend(q: torch.Tensor, num_kv_heads: int, *, n_quant: int, decode_backend: str = "auto") -> str:
+    """Whether a quantized policy's decode step runs on the fused dequantize-attention kernel
+    (`kvpress.kernels.quant_decode`): ``"triton"``, or ``"torch"`` (its other paths: native or torch,
+    `quant_step_backend`).
+
+    q : (B, H_q, M, D), the step's queries; the fused kernel takes a one-token step (M = 1) over
+    ``n_quant`` > 0 packed tokens, head_dim in `TRITON_QUANT_HEAD_DIMS` and a GQA group of 1..16.
+    ``decode_backend``: ``"auto"`` (the kernel on CUDA when it can run these shapes), ``"triton"``
+    (forced: CPU tensors under ``TRITON_INTERPRET=1``, the tests' way; raises when the kernel cannot
+    run the step) or ``"torch"`` (never the kernel).
+    """
+    if decode_backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {decode_backend!r}")
+    if decode_backend == "torch" or q.shape[2] != 1 or not n_quant:
+        return "torch"
+    why = triton_unsupported(q, q.shape[-1], _group(q, num_kv_heads), TRITON_QUANT_HEAD_DIMS,
+                             forced=decode_backend == "triton")
+    if why is None:
+        return "triton"
+    if decode_backend == "triton":
+        raise ValueError(f"quantized decode step: decode_backend='triton' cannot run these inputs: {why}; "
+                         f"use decode_backend='auto' or 'torch'")
+    return "torch"
+
+
 def quant_step_backend(q: torch.Tensor, num_kv_heads: int, stores, *, n_quant: int, backend: str,
                decode_backend: str = "auto") -> str:
     """How a quantized policy's one-token decode step over packed tokens runs: ``"triton"`` (the
@@ -227,14 +256,8 @@ def quant_step_backend(q: torch.Tensor, num_kv_heads: int, stores, *, n_quant: i
     if q.shape[2] != 1 or not n_quant:
         return "torch"
     G = _group(q, num_kv_heads)
-    if decode_backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"decode_backend must be one of ('auto', 'triton', 'torch'), got {decode_backend!r}")
-    if decode_backend != "torch" and (q.is_cuda or decode_backend == "triton" or AUTO_TRITON_ON_CPU):
-        why = triton_unsupported(q, q.shape[-1], G, TRITON_QUANT_HEAD_DIMS, forced=decode_backend == "triton")
-        if why is None:
-            return "triton"
-        if decode_backend == "triton":
-            raise ValueError(f"the fused quant_decode (decode_backend='triton') cannot run this step: {why}")
+    if fused_quant_backend(q, num_kv_heads, n_quant=n_quant, decode_backend=decode_backend) == "triton":
+        return "triton"
     if backend not in ("auto", "torch", "native"):
         raise ValueError(f"backend must be one of ('auto', 'torch', 'native'), got {backend!r}")
     if backend == "torch" or q.is_cuda or not 1 <= G <= NATIVE_MAX_GROUP:

@@ -23,8 +23,9 @@ Layer contract (subclass :class:`CacheLayer`):
     every token; the named buffers are truncated, then ``after_truncate()``) or ``"record"``
     (bounded state: the named attributes are copied before each forward once
     ``activate_past_recording`` was called; a crop restores them and hands the kept tokens to
-    ``store_again(k, v)``). Layers that take tokens back their own way set ``croppable = True``
-    and implement ``removable()`` / ``remove_latest(n)``.
+    ``store_again(k, v)``). A truncating layer that keeps only its latest tokens whole says how
+    many in ``truncatable()``; ``end_record()`` runs after every crop. Layers that take tokens
+    back their own way set ``croppable = True`` and implement ``removable()`` / ``remove_latest(n)``.
 ``verify_as_steps`` (optional)
     A verification (several tokens while the cache records its past) attends as one-token
     decode steps: :meth:`PolicyCache.attend` runs it so, each step under a DECODE plan.

@@ -23,7 +23,10 @@ class CacheLayer(CacheLayerMixin):
     # lose the latest tokens and :meth:`after_truncate` rebuilds derived state); "record" (bounded
     # state: while ``record_past`` is on, the attributes named in ``rollback_state`` are copied before
     # each forward (:func:`snapshot_value`); a crop puts them back and hands the kept tokens to
-    # :meth:`store_again`). ``seen`` is always part of the state.
+    # :meth:`store_again`). ``seen`` is always part of the state. A truncating layer that keeps only
+    # its latest tokens as they came (the quantizers' full-precision window) says how many it can
+    # take back in :meth:`truncatable`; every layer hears in :meth:`end_record` that a crop ended
+    # the latest forward's record (work deferred while recording, e.g. a flush, runs there).
     rollback: str | None = None
     rollback_state: tuple[str, ...] = ()
     # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
@@ -102,8 +105,8 @@ class CacheLayer(CacheLayerMixin):
     # ------------------------------------------------------------ rollback (assisted decoding)
     @property
     def croppable(self) -> bool:
-        """Whether the layer can take tokens back (a ``rollback`` strategy; layers with their own
-        ``removable`` / ``remove_latest`` set it as a class attribute)."""
+        """Whether the layer can take tokens back (a ``rollback`` strategy; a layer with its own
+        ``removable`` / ``remove_latest`` sets it as a class attribute)."""
         return self.rollback is not None
 
     @property
@@ -134,19 +137,21 @@ class CacheLayer(CacheLayerMixin):
         self.remove_latest(n)
 
     def removable(self) -> int:
-        """How many of the latest tokens :meth:`remove_latest` can take back now: every token
-        (``rollback = "truncate"``), the recorded forward's (``"record"``), or none."""
+        """How many of the latest tokens :meth:`remove_latest` can take back now: those the layer
+        still holds as they came (``rollback = "truncate"``, :meth:`truncatable`), the recorded
+        forward's (``"record"``), or none."""
         if self.rollback not in ROLLBACKS:
             raise ValueError(f"{type(self).__name__}.rollback is {self.rollback!r}; allowed: "
                              f"{', '.join(map(repr, ROLLBACKS))}")
         if self.rollback == "truncate":
-            return self.seen
+            return self.truncatable()
         if self.rollback == "record" and self._record is not None:
             return self._record[1].shape[2]
         return 0
 
     def remove_latest(self, n: int) -> None:
-        """Take back the latest ``n`` tokens (``0 <= n <= removable()``); ``n = 0`` ends a record."""
+        """Take back the latest ``n`` tokens (``0 <= n <= removable()``), then :meth:`end_record`;
+        ``n = 0`` only ends the latest forward's record."""
         if self.rollback == "truncate":
             if n:
                 for name in self.rollback_state:
@@ -155,19 +160,30 @@ class CacheLayer(CacheLayerMixin):
                         part.truncate(part.length - n)
                 self.seen -= n
                 self.after_truncate()
+            self.end_record()
             return
         if self.rollback == "record":
             record, self._record = self._record, None
-            if n == 0 or record is None:
-                return
-            _seen, k, v, saved = record
-            self.restore(saved)
-            keep = k.shape[2] - n
-            if keep:
-                self.store_again(k[:, :, :keep], v[:, :, :keep])
+            if n and record is not None:
+                _seen, k, v, saved = record
+                self.restore(saved)
+                keep = k.shape[2] - n
+                if keep:
+                    self.store_again(k[:, :, :keep], v[:, :, :keep])
+            self.end_record()
             return
         if n:
             raise NotImplementedError
+
+    def truncatable(self) -> int:
+        """(``rollback = "truncate"``) How many of the latest tokens the layer can truncate now: every
+        token (``seen``), unless it compresses older tokens and returns those it still holds as they
+        came (the quantizers: the latest recorded forward's, whose flush waits for the crop)."""
+        return self.seen
+
+    def end_record(self) -> None:
+        """A crop (of 0 tokens or more) ended the latest forward's record, after the strategy took
+        its tokens back (``seen`` already cut): a layer that defers work while recording runs it now."""
 
     def record_forward(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Called with a forward's new tokens ``k``/``v`` before they are stored, while ``record_past``
@@ -223,7 +239,8 @@ class CacheLayer(CacheLayerMixin):
         """The prompt given in several forwards is complete (see :meth:`PolicyCache.prompt`)."""
 
     def _removable_hint(self) -> str:
-        return self._record_hint() if self.rollback == "record" else ""
+        limited = self.rollback == "record" or (self.rollback == "truncate" and self.truncatable() < self.seen)
+        return self._record_hint() if limited else ""
 
     def _record_hint(self) -> str:
         """For layers that take back only a recorded forward: what to do when nothing is recorded."""

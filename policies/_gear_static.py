@@ -1,16 +1,16 @@
 """``gear``'s static decode store, as functions of a `kvpress.policies.gear.GearLayer` (its store
 hooks for `kvpress.policies._quant_static`: GEAR's codes, block factors ``krb`` / ``vrb``,
-outliers and sinks), and the helpers they share with the eager paths: the power iteration's start
-matrix and the positions of the stored outliers."""
+outliers and sinks; `sync_chunks`, which brings the eager chunk list up to the blocks static steps
+flushed), and the helpers they share with the eager paths: the power iteration's start matrix and
+the positions of the stored outliers."""
 from __future__ import annotations
 
 import torch
 
-from kvpress.kernels.quant import dequantize_per_channel, dequantize_per_token
 from kvpress.plan import static_address
 
 from ._quant_static import masked_write
-from ._quant_storage import resized
+from ._quant_storage import append_tokens, resized
 
 _STARTS: dict = {}
 
@@ -64,10 +64,7 @@ def reserve_store(layer, like_k, like_v, slots) -> None:
     def like(*tail, dtype=half):  # (B, H, 0, *tail): what `resized` copies the other dims from
         return like_k.new_empty(B, H, 0, *tail, dtype=dtype)
 
-    codes = like(D * p.bits // 8, dtype=torch.uint8)
-    layer.kc, layer.vc = resized(layer.kc, n, slots, codes), resized(layer.vc, n, slots, codes)
-    layer.ks, layer.kz = resized(layer.ks, n // g, slots // g, like(D)), resized(layer.kz, n // g, slots // g, like(D))
-    layer.vs, layer.vz = resized(layer.vs, n, slots, like(D // g)), resized(layer.vz, n, slots, like(D // g))
+    layer._reserve_codes(like_k, slots)  # the codes and the sinks
     if p.rank:
         layer.kl, layer.vl = resized(layer.kl, n, slots, like(p.rank)), resized(layer.vl, n, slots, like(p.rank))
         blocks = like(D, p.rank)
@@ -85,9 +82,6 @@ def reserve_store(layer, like_k, like_v, slots) -> None:
         layer.kx = resized(layer.kx, n // g, slots // g, like(m, D))
         layer.vo = resized(layer.vo, n, slots, like(D // g * m, dtype=torch.uint8))
         layer.vx = resized(layer.vx, n, slots, like(D // g * m))
-    if p.sink_tokens and layer.sk is None:  # zero until flushed, as the eager flush leaves them
-        layer.sk = like_k.new_zeros(B, H, p.sink_tokens, D, dtype=half)
-        layer.sv = torch.zeros_like(layer.sk)
     if p.rank:
         power_start(D, p.rank, like_k.device)  # drawn here, not in a traced step
     static_address(*(t for t in layer._quant_tensors().values()))
@@ -96,8 +90,7 @@ def reserve_store(layer, like_k, like_v, slots) -> None:
 def static_packed(layer, n) -> list:
     """``GearLayer._static_packed``: codes, factors, outliers and sinks dequantized over the store."""
     p, g, F = layer.p, layer.p.group_size, layer.flush_unit
-    k = dequantize_per_channel(layer.kc, layer.ks, layer.kz, p.bits, g)  # (B, H, C, D)
-    v = dequantize_per_token(layer.vc, layer.vs, layer.vz, p.bits, g)
+    k, v = layer._dequantized_store()  # (B, H, C, D)
     B, H, C, D = k.shape
     if p.rank:  # each block's left factors (F tokens) against its right factors
         k = k + (layer.kl.float().view(B, H, C // F, F, p.rank) @ layer.krb.float().transpose(-1, -2)).view(k.shape)
@@ -119,23 +112,17 @@ def static_flush(layer, n, due) -> None:
     """``GearLayer._static_flush``: the window's first block compressed and written where ``due``."""
     p, g, F = layer.p, layer.p.group_size, layer.flush_unit
     k, v = layer.k_win[:, :, :F], layer.v_win[:, :, :F]  # (B, H, F, D): what `_flush` gets
-    B = k.shape[0]
-    sink = None
-    if p.sink_tokens:
-        j = torch.arange(p.sink_tokens, device=n.device)
-        sink = ((j - n).clamp(0, F - 1).expand(B, -1), ((j >= n) & (j < n + F)).expand(B, -1))  # (B, S) each
+    sink = layer._static_sinks(n, k.shape[0]) if p.sink_tokens else None  # (B, S) each
     kc, ks, kz, kl, kr, ko, kx, k_sink = layer._compress(k, None, True, sink)
     vc, vs, vz, vl, vr, vo, vx, v_sink = layer._compress(v, None, False, sink)
     commit = due.view(1, 1, 1, 1)
     if sink is not None:
-        here = k_sink[1][:, None, :, None] & commit
-        layer.sk.copy_(torch.where(here, k_sink[0], layer.sk))
-        layer.sv.copy_(torch.where(here, v_sink[0], layer.sv))
+        layer._keep_sinks(k_sink[0], v_sink[0], k_sink[1], commit)
+    layer._write_codes(n, (kc, ks, kz), (vc, vs, vz), commit)
     cap = layer.kc.shape[2]
     tokens = (n + torch.arange(F, device=n.device)).clamp(max=cap - 1)  # repeats only where not committed
     groups = (n // g + torch.arange(F // g, device=n.device)).clamp(max=cap // g - 1)
-    writes = [(layer.kc, kc, tokens), (layer.vc, vc, tokens), (layer.vs, vs, tokens), (layer.vz, vz, tokens),
-              (layer.ks, ks, groups), (layer.kz, kz, groups)]
+    writes = []
     if p.rank:
         block = (n // F).clamp(max=cap // F - 1)
         writes += [(layer.kl, kl, tokens), (layer.vl, vl, tokens),
@@ -144,3 +131,20 @@ def static_flush(layer, n, due) -> None:
         writes += [(layer.ko, ko, groups), (layer.kx, kx, groups), (layer.vo, vo, tokens), (layer.vx, vx, tokens)]
     for buf, x, index in writes:
         masked_write(buf, 2, index, x, commit)
+
+
+def sync_chunks(layer) -> None:
+    """Give the blocks that static steps flushed (``_chunked_to .. n_quant``, one chunk each) their
+    chunk starts and right factors, as eager flushes would have left them (before an eager forward
+    reads or extends the chunks)."""
+    F = layer.flush_unit
+    if layer._chunked_to >= layer.n_quant:
+        return
+    for start in range(layer._chunked_to, layer.n_quant, F):
+        nc = len(layer.chunk_starts)
+        if layer.p.rank:
+            layer.kr = append_tokens(layer.kr, nc, layer.krb[:, :, start // F][:, :, None], 16)
+            layer.vr = append_tokens(layer.vr, nc, layer.vrb[:, :, start // F][:, :, None], 16)
+        layer.chunk_starts.append(start)
+    layer._chunked_to = layer.n_quant
+    layer._chunk_ids = layer._chunk_bounds = None

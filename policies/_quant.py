@@ -11,7 +11,7 @@ attention over the unquantized prompt (as KIVI does), then the prompt is stored 
 tokens. A later forward of ``DEQUANT_MIN_QUERIES`` tokens or more (a prompt piece, a new turn)
 amortises one transient fp32 copy of the packed tokens over its queries and runs SDPA.
 
-A subclass with ``static_decode = True`` (kivi, gear) also has a static decode step for
+A subclass with ``static_decode = True`` (kivi, gear, zipcache) also has a static decode step for
 ``torch.compile`` (``_quant_static``, through the layer's store hooks): with a planned
 capacity the window (``residual_length + flush_unit`` slots at most) and the packed store (every
 token the window can flush) are preallocated after each eager forward, the step writes and reads
@@ -26,10 +26,8 @@ import torch
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
-from kvpress.kernels.checks import MAX_GROUP
-from kvpress.kernels.backend import quant_step_backend
+from kvpress.kernels.backend import fused_quant_backend, quant_step_backend
 from kvpress.kernels.rows import attend_rows
-from kvpress.kernels.triton_quant import TRITON_QUANT_HEAD_DIMS
 from kvpress.plan import ForwardKind
 
 from ._quant_forward import attend_over_store, blocked_attend, dequantized
@@ -59,10 +57,10 @@ class QuantWindowLayer(CacheLayer):
     """
 
     packed_in_sequence_order = True  # column i of _quant_scores is token i (benchmarks read K/V back)
-    # Croppable: with past recording on, a forward's flush waits for ``crop``, so the tokens it
-    # takes back are still in the window; the flush then packs exactly what a forward without
-    # them would have packed. (A subclass whose state depends on the step's queries says no.)
-    croppable = True
+    # Rollback by truncating the full-precision window: with past recording on, a forward's flush
+    # waits for the crop (`end_record`), so the tokens it takes back are still in the window
+    # (`truncatable`); the flush then packs exactly what a forward without them would have packed.
+    rollback = "truncate"
     # score-sized temporaries a subclass's `_quant_scores` / `_quant_output` hold per block (GEAR's
     # rank-wide corrections): the query blocks of a multi-token forward shrink by this factor
     score_block_factor = 1
@@ -85,6 +83,7 @@ class QuantWindowLayer(CacheLayer):
         self.win_len = 0
         self.n_quant = 0
         self._recorded = 0  # tokens of the latest forward while its flush waits for `crop`
+        self._record_from = 0  # ``seen`` before that forward
         self._undo: list[tuple] = []  # flushes inside the recorded forward: (after step, n_quant, k, v, state)
         # a left-padded batch: one layer per row (`RowSplit`), so that each row's groups, chunks and
         # flushes are counted from its own first real token, as in its batch-1 run
@@ -279,11 +278,10 @@ class QuantWindowLayer(CacheLayer):
 
     # ------------------------------------------------------------------ fused GPU decode
     def fused_step_ok(self, q, k_new, decode_backend: str) -> bool:
-        """Whether this step runs on the fused dequantize-attention kernel (`quant_decode`): a
-        one-token step over packed tokens on CUDA (or ``decode_backend="triton"``, the tests' way
-        on CPU) with a head_dim and GQA group the kernel takes."""
-        return ((q.is_cuda or decode_backend == "triton") and q.shape[2] == 1 and bool(self.n_quant)
-                and q.shape[-1] in TRITON_QUANT_HEAD_DIMS and q.shape[1] <= MAX_GROUP * k_new.shape[1])
+        """Whether this step runs on the fused dequantize-attention kernel (`quant_decode`):
+        `kvpress.kernels.backend.fused_quant_backend` decides from the shapes and ``decode_backend``
+        (``"triton"``, forced, raises naming why it cannot)."""
+        return fused_quant_backend(q, k_new.shape[1], n_quant=self.n_quant, decode_backend=decode_backend) == "triton"
 
     def window_decode(self, qg: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step's queries ``qg`` fp32 (B, H, G, D) over the full-precision window (the
@@ -357,31 +355,31 @@ class QuantWindowLayer(CacheLayer):
         self.v_win[:, :, self.win_len : self.win_len + n] = v
         self.win_len += n
 
-    # ------------------------------------------------------------------ crop
+    # ------------------------------------------------------------------ crop (``rollback = "truncate"``)
     def record_forward(self, k, v):
-        self._recorded = k.shape[2]
+        self._recorded, self._record_from = k.shape[2], self.seen
         self._undo = []  # an earlier forward's flushes are final
 
-    def removable(self) -> int:
+    def truncatable(self) -> int:
+        """The latest recorded forward's tokens: still in the window, their flush deferred (0 when
+        no forward is recorded)."""
         return self._recorded if self.by_row is None else self.by_row.removable()
 
-    def _removable_hint(self) -> str:
-        return self._record_hint()
-
-    def remove_latest(self, n):
+    def end_record(self) -> None:
+        """A crop took back the latest ``n`` tokens of the recorded forward (``seen`` already cut;
+        ``n`` may be 0): the flushes inside the forward that only those tokens' steps reached are
+        undone, the window loses them, and the flush the forward deferred runs."""
+        n = self._record_from + self._recorded - self.seen if self._recorded else 0
+        kept, self._recorded = self._recorded - n, 0
         if self.by_row is not None:
             return self.by_row.remove_latest(n)
-        kept = self._recorded - n
-        self._recorded = 0
         while self._undo and self._undo[-1][0] >= kept:  # a flush after a step that is taken back
             _, n_quant, k, v, state = self._undo.pop()
             self.n_quant = n_quant
             self._unflush(state)
             self._prepend_window(k, v)
         self._undo = []
-        if n:
-            self.win_len -= n
-            self.seen -= n
+        self.win_len -= n
         self._after_crop(n)
         self._maybe_flush()
 

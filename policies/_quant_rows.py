@@ -112,10 +112,10 @@ class RowSplit:
         return min(counts) if counts else 0
 
     def remove_latest(self, n: int) -> None:
+        """Each row's layer takes back the latest ``n`` tokens (the owner's ``seen`` is cut by the core)."""
         for layer in self.layers:
             if layer is not None:
                 layer.remove_latest(n)
-        self.owner.seen -= n
 
     def end_prompt(self) -> None:
         for layer in self.layers:

@@ -1,10 +1,13 @@
 """``zipcache``'s packed stores: one precision's keys (per channel, optionally with refined
-channels) and normalised values (per token), in flush order; and the slicing its probe
-bookkeeping uses."""
+channels) and normalised values (per token), in flush order; the layer's eager reads of both
+stores (the fused GPU decode step, the fp32 copy of a multi-token forward); and the slicing its
+probe bookkeeping uses."""
 from __future__ import annotations
 
 import torch
 
+from kvpress.kernels.merge import merge_states
+from kvpress.kernels.packed_decode import quant_decode
 from kvpress.kernels.quant import (channel_quant_scores, dequantize_per_channel, dequantize_per_token,
                                    dequantize_refinement, quantize_per_channel, quantize_per_token,
                                    quantize_refined_keys, refined_scores, token_quant_values)
@@ -83,6 +86,62 @@ class _Store:
     def output(self, p):
         """p (B, H, M, n) -> normalised-value output fp32 (B, H, M, D)."""
         return token_quant_values(p, *self.views()[1], self.bits, self.value_group_size, backend=self.backend)
+
+
+def fused_decode(layer, q, k_new, v_new, scaling):
+    """``ZipCacheLayer``'s GPU decode step: each store through the fused dequantize-attention
+    kernel (`quant_decode`), the window through `window_rows`, merged by log-sum-exp. A store's
+    left padding is its first ``pad`` rows, the same count in every head (padding has -inf
+    saliency in all of them, so every flush sends the same number of padding tokens to each
+    store): ``pad[:, 0]`` is the kernel's per-row start."""
+    B, H_q, _, D = q.shape
+    H = k_new.shape[1]
+    q_start = layer.seen
+    layer._append(k_new, v_new)
+    layer.seen += 1
+    out, lse = layer.window_rows(q[:, :, 0], scaling)
+    if layer._vn_q is None or layer._vn_q[0] is not layer.vn:  # a new normaliser (first flush, batch_select)
+        layer._vn_q = (layer.vn, layer.vn.float().repeat_interleave(H_q // H, dim=1))
+    vn = layer._vn_q[1]  # (B, H_q, D): query head h reads KV head h // G
+    for st in (layer.hi, layer.lo):
+        if st.n:
+            (kc, ks, kz), (vc, vs, vz) = st.views()
+            o, l = quant_decode(q[:, :, 0], kc, ks, kz, vc, vs, vz, bits=st.bits, group_size=st.group_size,
+                                seq_starts=st.pad[:, 0], scale=scaling, backend=layer.decode_backend,
+                                value_group_size=st.value_group_size, refine=st.refine_views())
+            out, lse = merge_states(out, lse, o.float() * vn, l)
+    layer._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+    layer._maybe_flush()
+    return out.to(q.dtype)[:, :, None]
+
+
+def dequantize_into(layer, k_out, v_out) -> bool:
+    """``ZipCacheLayer._dequantize_into``: both stores' keys and values (normaliser undone) into
+    ``k_out`` / ``v_out`` fp32 (B, H, N, D). Column of each store row: every padding row first
+    (the high store's, then the low store's), then the high store's real rows, then the low
+    store's."""
+    stores = [st for st in (layer.hi, layer.lo) if st.n]
+    vn = layer.vn.float()[:, :, None]  # undo the value channel normalisation
+    if layer.row_start is None:  # no padding: the stores one after the other
+        i = 0
+        for st in stores:
+            k, v = st.dequantized()
+            k_out[:, :, i : i + st.n] = k
+            torch.mul(v, vn, out=v_out[:, :, i : i + st.n])
+            i += st.n
+        return True
+    pads = [st.pad.long()[..., None] for st in stores]  # (B, H, 1) each
+    pad_total, real_before = sum(pads), 0
+    pad_before = torch.zeros_like(pad_total)
+    for st, pad in zip(stores, pads):
+        k, v = st.dequantized()
+        i = torch.arange(st.n, device=k.device)  # (n,) row of the store
+        col = torch.where(i < pad, pad_before + i, pad_total + real_before + i - pad)  # (B, H, n)
+        col = col[..., None].expand(-1, -1, -1, k.shape[-1])
+        k_out.scatter_(2, col, k)
+        v_out.scatter_(2, col, v * vn)
+        pad_before, real_before = pad_before + pad, real_before + (st.n - pad)
+    return True
 
 
 def _runs(keep: list[bool], start: int, stop: int) -> list[tuple[int, int]]:

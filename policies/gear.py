@@ -13,8 +13,8 @@ from kvpress.registry import Policy, check_choice, check_int, check_tokens, regi
 
 from . import _gear_static
 from ._gear_static import outlier_positions, power_start  # noqa: F401 (outlier_positions: API)
-from ._quant import QuantWindowLayer
-from ._quant_storage import append_tokens, fill_with_group_median
+from ._quant_codes import KiviCodesLayer
+from ._quant_storage import GROW, append_tokens, fill_with_group_median
 
 OUTLIER_CHUNK = 1024  # packed tokens whose outliers are applied at a time (torch path)
 CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of host time
@@ -168,8 +168,9 @@ def split_outliers(x: torch.Tensor, group_size: int, per_channel: bool, count: i
     return rest.reshape(x.shape), offset
 
 
-class GearLayer(QuantWindowLayer):
-    """KIVI store (``kc, ks, kz, vc, vs, vz``) + low-rank error factors + per-group outliers.
+class GearLayer(KiviCodesLayer):
+    """KIVI's codes (`KiviCodesLayer`: ``kc, ks, kz, vc, vs, vz``, values in groups of ``group_size``
+    channels) + low-rank error factors + per-group outliers + sink corrections.
 
     ``kl`` / ``vl`` fp16 (B, H, cap, rank): left factors, token-aligned; ``kr`` / ``vr`` fp16
     (B, H, chunks, D, rank): right factors of each flushed chunk (chunk bounds in
@@ -183,20 +184,17 @@ class GearLayer(QuantWindowLayer):
     ``krb`` / ``vrb`` fp16 (B, H, cap/flush_size, D, rank) (every chunk starts and ends on a
     block; a chunk's factors repeat over its blocks), which
     exist with a planned capacity; ``chunk_starts`` and ``kr`` / ``vr`` catch up with the blocks
-    flushed by static steps when an eager forward next runs (`_sync_chunks`).
+    flushed by static steps when an eager forward next runs (`_gear_static.sync_chunks`).
     """
 
-    static_decode = True
-    undoable_flush = True  # a flush appends codes, factors and outliers at n_quant and one chunk start
-
     def __init__(self, cache, layer_idx, policy: GearPolicy):
-        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.flush_size)
+        super().__init__(cache, layer_idx, bits=policy.bits, group_size=policy.group_size,
+                         value_group=policy.group_size, sink_tokens=policy.sink_tokens,
+                         residual_length=policy.residual_length, flush_unit=policy.flush_size)
         self.score_block_factor = 1 + 2 * policy.rank  # (B, H, M, N, rank) corrections of a query block
         self.p = policy
-        self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
         self.kl = self.vl = self.kr = self.vr = None
         self.ko = self.kx = self.vo = self.vx = None
-        self.sk = self.sv = None  # sink corrections (B, H, sink_tokens, D) fp16
         self.chunk_starts: list[int] = []
         self._chunk_ids = self._chunk_bounds = None
         self.krb = self.vrb = None  # right factors per flush block (static steps)
@@ -243,26 +241,18 @@ class GearLayer(QuantWindowLayer):
                 offset, corr = offset.flatten(3), corr.flatten(3)
         if sink is not None:  # exact sink rows: store what the codes, factors and outliers miss
             idx, inside = sink
-            gidx = idx[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])  # (B, H, S, D)
-            sink = ((x - approx).gather(2, gidx) * inside[:, None, :, None]).half(), inside
+            sink = (self._sink_rows(x - approx, idx) * inside[:, None, :, None]).half(), inside  # (B, H, S, D)
         return codes, scale, zero, left, right, offset, corr, sink
 
     def _flush(self, k, v, start):
-        self._sync_chunks()
+        _gear_static.sync_chunks(self)
         g = self.p.group_size
         kc, ks, kz, kl, kr, ko, kx, k_sink = self._compress(k, start, per_channel=True)
         vc, vs, vz, vl, vr, vo, vx, v_sink = self._compress(v, start, per_channel=False)
-        if k_sink is not None:  # a row's sinks may straddle two chunks: keep the part in this one
-            if self.sk is None:
-                self.sk, self.sv = torch.zeros_like(k_sink[0]), torch.zeros_like(v_sink[0])
-            here = k_sink[1][:, None, :, None]
-            self.sk = torch.where(here, k_sink[0], self.sk)
-            self.sv = torch.where(here, v_sink[0], self.sv)
-        grow_g = max(1, 256 // g)
-        self.kc, self.vc = append_tokens(self.kc, start, kc), append_tokens(self.vc, start, vc)
-        self.vs, self.vz = append_tokens(self.vs, start, vs), append_tokens(self.vz, start, vz)
-        self.ks = append_tokens(self.ks, start // g, ks, grow=grow_g)
-        self.kz = append_tokens(self.kz, start // g, kz, grow=grow_g)
+        if k_sink is not None:
+            self._keep_sinks(k_sink[0], v_sink[0], k_sink[1])
+        self._append_codes(start, (kc, ks, kz), (vc, vs, vz))
+        grow_g = max(1, GROW // g)
         if kl is not None:
             nc = len(self.chunk_starts)
             self.kl, self.vl = append_tokens(self.kl, start, kl), append_tokens(self.vl, start, vl)
@@ -279,30 +269,15 @@ class GearLayer(QuantWindowLayer):
         self._chunk_ids = self._chunk_bounds = None
         self._chunked_to = start + k.shape[2]
 
-    def _sync_chunks(self) -> None:
-        """Give the blocks that static steps flushed (``_chunked_to .. n_quant``, one chunk each)
-        their chunk starts and right factors, as eager flushes would have left them."""
-        F = self.flush_unit
-        if self._chunked_to >= self.n_quant:
-            return
-        for start in range(self._chunked_to, self.n_quant, F):
-            nc = len(self.chunk_starts)
-            if self.p.rank:
-                self.kr = append_tokens(self.kr, nc, self.krb[:, :, start // F][:, :, None], 16)
-                self.vr = append_tokens(self.vr, nc, self.vrb[:, :, start // F][:, :, None], 16)
-            self.chunk_starts.append(start)
-        self._chunked_to = self.n_quant
-        self._chunk_ids = self._chunk_bounds = None
-
     def _flush_state(self):
-        return len(self.chunk_starts), None if self.sk is None else (self.sk.clone(), self.sv.clone())
+        return len(self.chunk_starts), super()._flush_state()
 
     def _unflush(self, state) -> None:
         chunks, sinks = state
         del self.chunk_starts[chunks:]
         self._chunked_to = self.n_quant
         self._chunk_ids = self._chunk_bounds = None
-        self.sk, self.sv = (None, None) if sinks is None else sinks
+        super()._unflush(sinks)
 
     # ------------------------------------------------------------------ static decode (`_gear_static`)
     def _store_slots(self) -> int:
@@ -331,12 +306,6 @@ class GearLayer(QuantWindowLayer):
             self._chunk_bounds = torch.tensor(self.chunk_starts + [self.n_quant], dtype=torch.int64, device=device)
         return self._chunk_bounds
 
-    def _views(self):
-        """``((kc, ks, kz), (vc, vs, vz))``: the packed tokens as views of their buffers."""
-        n, g = self.n_quant, self.p.group_size
-        return ((self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g]),
-                (self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n]))
-
     def _native_parts(self, device) -> native.GearParts:
         """The low-rank factors, outliers and sink corrections as the compiled kernels take them."""
         p, n, g, nc = self.p, self.n_quant, self.p.group_size, len(self.chunk_starts)
@@ -349,7 +318,7 @@ class GearLayer(QuantWindowLayer):
             sinks=None if self.sk is None else (self.sk, self.sv), sink_start=self.row_start)
 
     def _attend(self, q, k_new, v_new, scaling):
-        self._sync_chunks()
+        _gear_static.sync_chunks(self)
         keys, values = self._views() if self.n_quant else (None, None)
         if self.native_step_ok(q, k_new, self.p.backend, [(keys, values)]):  # the whole step in one compiled call
             g = self.p.group_size
@@ -360,9 +329,9 @@ class GearLayer(QuantWindowLayer):
 
     def _dequantize_into(self, k_out, v_out):
         p, n, g = self.p, self.n_quant, self.p.group_size
-        (kc, ks, kz), (vc, vs, vz) = self._views()
-        k_out.copy_(dequantize_per_channel(kc, ks, kz, p.bits, g))
-        v_out.copy_(dequantize_per_token(vc, vs, vz, p.bits, g))
+        k, v = self._dequantized(*self._views())
+        k_out.copy_(k)
+        v_out.copy_(v)
         if p.rank:  # each flushed chunk's error factors: left (B, H, t, r) @ right (B, H, D, r)^T
             for c, (a, b) in enumerate(zip(self.chunk_starts, self.chunk_starts[1:] + [n])):
                 k_out[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
@@ -376,7 +345,7 @@ class GearLayer(QuantWindowLayer):
             tok, chan = outlier_positions(off, g, False)
             v_out.index_put_((*rows, tok, chan), self.vx[:, :, :n].float().flatten(2), accumulate=True)
         if self.sk is not None:  # what the parts above miss on the sinks (zero until flushed)
-            col = self.sink_positions(p.sink_tokens, B, k_out.device).clamp(max=n - 1)
+            col = self._sink_columns(B, k_out.device)[0]
             idx = col[:, None, :, None].expand(-1, H, -1, D)  # (B, H, S, D)
             k_out.scatter_add_(2, idx, self.sk.float())
             v_out.scatter_add_(2, idx, self.sv.float())
@@ -405,7 +374,7 @@ class GearLayer(QuantWindowLayer):
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
-            col = self.sink_positions(p.sink_tokens, q.shape[0], q.device).clamp(max=n - 1)[:, None, None]
+            col = self._sink_columns(q.shape[0], q.device)[0][:, None, None]
             col = col.expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
             s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
@@ -438,13 +407,11 @@ class GearLayer(QuantWindowLayer):
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sv is not None:
-            col = self.sink_positions(p.sink_tokens, prob.shape[0], prob.device).clamp(max=n - 1)[:, None, None]
+            col = self._sink_columns(prob.shape[0], prob.device)[0][:, None, None]
             col = col.expand(-1, prob.shape[1], prob.shape[2], -1)  # (B, H, M, S)
             out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out
 
     def _quant_tensors(self):
-        return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz,
-                "kl": self.kl, "vl": self.vl, "kr": self.kr, "vr": self.vr,
-                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx, "sk": self.sk, "sv": self.sv,
-                "krb": self.krb, "vrb": self.vrb}
+        return {**super()._quant_tensors(), "kl": self.kl, "vl": self.vl, "kr": self.kr, "vr": self.vr,
+                "ko": self.ko, "kx": self.kx, "vo": self.vo, "vx": self.vx, "krb": self.krb, "vrb": self.vrb}

@@ -8,15 +8,12 @@ import torch
 from kvpress.kernels import native
 from kvpress.kernels.merge import merge_states
 from kvpress.kernels.packed_decode import quant_decode
-from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, dequantize_per_channel,
-                                   dequantize_per_token, quantize_per_channel, quantize_per_token, token_quant_values)
+from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_quant_config, quantize_per_channel,
+                                   quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
-from kvpress.plan import static_address
-
-from ._quant import QuantWindowLayer
-from ._quant_static import masked_write
-from ._quant_storage import append_tokens, fill_with_group_median, resized
+from ._quant_codes import KiviCodesLayer
+from ._quant_storage import fill_with_group_median
 
 
 @register_policy
@@ -152,81 +149,47 @@ def _check_value_group(bits: int, group: int, head_dim: int | None = None, field
         raise ValueError(f"{field}: {exc}") from None
 
 
-class KiviLayer(QuantWindowLayer):
-    """Packed store in sequence order: ``kc`` uint8 (B, H, cap, D*bits/8), ``ks`` / ``kz`` fp16
-    (B, H, cap/G, D); ``vc`` uint8 (B, H, cap, D*bits/8), ``vs`` / ``vz`` fp16 (B, H, cap, D/Gv);
-    G the key token group, Gv the value channel group. With ``sink_tokens``: ``sk`` / ``sv`` fp16
-    (B, H, S, D), each row's first S real tokens exactly (zero until flushed); their packed
-    columns are never read (their keys enter the codes as their group's median)."""
+class KiviLayer(KiviCodesLayer):
+    """KIVI's codes (`KiviCodesLayer`: ``kc, ks, kz, vc, vs, vz``), flushed every ``group_size``
+    tokens. With ``sink_tokens``: ``sk`` / ``sv`` hold each row's first S real tokens exactly (zero
+    until flushed); their keys enter the codes as their group's median and their packed columns are
+    never read (every reader takes the exact rows in their place)."""
 
     def __init__(self, cache, layer_idx, policy: KiviPolicy):
-        super().__init__(cache, layer_idx, policy.residual_length, flush_unit=policy.group_size,
+        super().__init__(cache, layer_idx, bits=policy.bits, group_size=policy.group_size,
+                         value_group=policy.value_group, sink_tokens=policy.sink_tokens,
+                         residual_length=policy.residual_length, flush_unit=policy.group_size,
                          rotate_values=policy.rotate_values)
         self.policy = policy
-        self.bits, self.group_size, self.value_group = policy.bits, policy.group_size, policy.value_group
-        self.sink_tokens = policy.sink_tokens
         self.read_backend = policy.backend
-        self.kc = self.ks = self.kz = self.vc = self.vs = self.vz = None
-        self.sk = self.sv = None
-        self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
+        self.decode_backend = "auto"  # fused_quant_backend's choice for the fused GPU path ("triton": tests on CPU)
 
     def _row_layer(self, cache):
         return KiviLayer(cache, self.layer_idx, self.policy)
 
+    def _quantized(self, k, v, sink, commit=None):
+        """Codes of a chunk ``k`` / ``v`` (B, H, n, D): ``(keys, values)`` triples. ``sink``:
+        `sinks_in_chunk`'s pair (or None), whose rows are kept exactly (`_keep_sinks`, under a static
+        flush's ``commit``) and enter the key codes as their group's median."""
+        if sink is not None:
+            self._keep_sinks(self._sink_rows(k, sink[0]).half(), self._sink_rows(v, sink[0]).half(), sink[1], commit)
+            k = fill_with_group_median(k.float(), *sink, self.group_size).to(k.dtype)
+        return quantize_per_channel(k, self.bits, self.group_size), quantize_per_token(v, self.bits, self.value_group)
+
     def _flush(self, k, v, start):
-        g = self.group_size
-        k = self.zero_padding(k, start)
+        k, v = self.zero_padding(k, start), self.zero_padding(v, start)
         sink = self.sinks_in_chunk(self.sink_tokens, k, start) if self.sink_tokens else None
-        if sink is not None:  # a row's sinks may straddle two flushes: keep the ones in this chunk
-            idx, inside = sink
-            gidx = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            if self.sk is None:
-                self.sk = k.new_zeros(*gidx.shape, dtype=torch.float16)
-                self.sv = torch.zeros_like(self.sk)
-            here = inside[:, None, :, None]
-            self.sk = torch.where(here, k.gather(2, gidx).half(), self.sk)
-            self.sv = torch.where(here, v.gather(2, gidx).half(), self.sv)
-            k = fill_with_group_median(k.float(), idx, inside, g).to(k.dtype)
-        kc, ks, kz = quantize_per_channel(k, self.bits, g)
-        vc, vs, vz = quantize_per_token(self.zero_padding(v, start), self.bits, self.value_group)
-        self.kc = append_tokens(self.kc, start, kc)
-        self.vc = append_tokens(self.vc, start, vc)
-        self.vs = append_tokens(self.vs, start, vs)
-        self.vz = append_tokens(self.vz, start, vz)
-        self.ks = append_tokens(self.ks, start // g, ks, grow=max(1, 256 // g))
-        self.kz = append_tokens(self.kz, start // g, kz, grow=max(1, 256 // g))
+        self._append_codes(start, *self._quantized(k, v, sink))
 
-    undoable_flush = True  # a flush appends codes at n_quant (and may fill the exact sinks)
-    static_decode = True
-
-    # ------------------------------------------------------------------ static decode
-    def _store_slots(self) -> int:
-        return 0 if self.kc is None or (self.sink_tokens and self.sk is None) else self.kc.shape[2]
-
-    def _reserve_store(self, like_k, like_v, slots):
-        g, S = self.group_size, self.sink_tokens
-        slots = -(-slots // g) * g
-        B, H, _, D = like_k.shape
-        if self._store_slots() != slots:
-            n = self.n_quant
-
-            def like(width, dtype):  # (B, H, 0, width): what `resized` copies the other dims from
-                return like_k.new_empty(B, H, 0, width, dtype=dtype)
-
-            codes, half = like(D * self.bits // 8, torch.uint8), torch.float16
-            self.kc, self.vc = resized(self.kc, n, slots, codes), resized(self.vc, n, slots, codes)
-            self.ks = resized(self.ks, n // g, slots // g, like(D, half))
-            self.kz = resized(self.kz, n // g, slots // g, like(D, half))
-            self.vs = resized(self.vs, n, slots, like(D // self.value_group, half))
-            self.vz = resized(self.vz, n, slots, like(D // self.value_group, half))
-        if S and self.sk is None:  # zero until flushed, as the eager flush leaves a sink not flushed yet
-            self.sk = like_k.new_zeros(B, H, S, D, dtype=torch.float16)
-            self.sv = torch.zeros_like(self.sk)
-        static_address(self.kc, self.ks, self.kz, self.vc, self.vs, self.vz, self.sk, self.sv)
+    def _static_flush(self, n, due):
+        g = self.group_size
+        k, v = self.k_win[:, :, :g], self.v_win[:, :, :g]  # (B, H, g, D): what `_flush` gets
+        sink = self._static_sinks(n, k.shape[0]) if self.sk is not None else None
+        commit = due.view(1, 1, 1, 1)
+        self._write_codes(n, *self._quantized(k, v, sink, commit), commit)
 
     def _static_packed(self, n):
-        k = dequantize_per_channel(self.kc, self.ks, self.kz, self.bits, self.group_size)  # (B, H, C, D)
-        v = dequantize_per_token(self.vc, self.vs, self.vz, self.bits, self.value_group)
+        k, v = self._dequantized_store()  # (B, H, C, D)
         if self.sk is not None:  # flushed sinks read exactly (a static step's layer has no padding)
             S = self.sink_tokens
             flushed = (torch.arange(S, device=n.device) < n)[:, None]  # (S, 1)
@@ -234,50 +197,10 @@ class KiviLayer(QuantWindowLayer):
             v = torch.cat([torch.where(flushed, self.sv.float(), v[:, :, :S]), v[:, :, S:]], 2)
         return [(k, v, torch.arange(k.shape[2], device=n.device) < n)]
 
-    def _static_flush(self, n, due):
-        g = self.group_size
-        k, v = self.k_win[:, :, :g], self.v_win[:, :, :g]  # (B, H, g, D): what `_flush` gets
-        B, H, _, D = k.shape
-        if self.sk is not None:  # as `_flush`: sinks in this group kept exactly, their keys as the median
-            S = self.sink_tokens
-            j = torch.arange(S, device=n.device)
-            inside = (j >= n) & (j < n + g)  # (S,)
-            idx = (j - n).clamp(0, g - 1)
-            gidx = idx[None, None, :, None].expand(B, H, S, D)
-            here = (inside & due)[:, None]  # (S, 1)
-            self.sk.copy_(torch.where(here, k.gather(2, gidx).half(), self.sk))
-            self.sv.copy_(torch.where(here, v.gather(2, gidx).half(), self.sv))
-            k = fill_with_group_median(k.float(), idx.expand(B, S), inside.expand(B, S), g).to(k.dtype)
-        kc, ks, kz = quantize_per_channel(k, self.bits, g)
-        vc, vs, vz = quantize_per_token(v, self.bits, self.value_group)
-        cap, commit = self.kc.shape[2], due.view(1, 1, 1, 1)
-        tokens = (n + torch.arange(g, device=n.device)).clamp(max=cap - 1)  # repeats only where not committed
-        group = (n // g).clamp(max=cap // g - 1)
-        for buf, x in ((self.kc, kc), (self.vc, vc), (self.vs, vs), (self.vz, vz)):
-            masked_write(buf, 2, tokens, x, commit)
-        for buf, x in ((self.ks, ks), (self.kz, kz)):
-            masked_write(buf, 2, group, x, commit)
-
-    def _flush_state(self):
-        return None if self.sk is None else (self.sk.clone(), self.sv.clone())
-
-    def _unflush(self, state) -> None:
-        self.sk, self.sv = (None, None) if state is None else state
-
-    def _sink_columns(self, batch: int, device):
-        """Packed column of each sink (B, S), clamped into range, and whether it is flushed (B, S)."""
-        pos = self.sink_positions(self.sink_tokens, batch, device)
-        return pos.clamp(max=self.n_quant - 1), pos < self.n_quant
-
-    def _views(self):
-        n, g = self.n_quant, self.group_size
-        return (self.kc[:, :, :n], self.ks[:, :, : n // g], self.kz[:, :, : n // g],
-                self.vc[:, :, :n], self.vs[:, :, :n], self.vz[:, :, :n])
-
+    # ------------------------------------------------------------------ reads
     def _quant_scores(self, qg, scaling):
-        kc, ks, kz = self._views()[:3]
         q = qg * scaling
-        s = channel_quant_scores(q, kc, ks, kz, self.bits, self.group_size, backend=self.read_backend)
+        s = channel_quant_scores(q, *self._views()[0], self.bits, self.group_size, backend=self.read_backend)
         if self.sk is not None:  # flushed sink columns: the exact score in place of the codes' one
             col, flushed = self._sink_columns(q.shape[0], q.device)
             col = col[:, None, None].expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
@@ -286,20 +209,19 @@ class KiviLayer(QuantWindowLayer):
         return self.mask_padding_scores(s)
 
     def _quant_output(self, p):
-        vc, vs, vz = self._views()[3:]
         p_sink = None
         if self.sv is not None:  # flushed sink columns read the exact values, not the codes
             col, flushed = self._sink_columns(p.shape[0], p.device)
             col = col[:, None, None].expand(-1, p.shape[1], p.shape[2], -1)
             p_sink = p.gather(-1, col) * flushed[:, None, None]  # (B, H, M, S)
             p = p.scatter_add(-1, col, -p_sink)
-        out = token_quant_values(p, vc, vs, vz, self.bits, self.value_group, backend=self.read_backend)
+        out = token_quant_values(p, *self._views()[1], self.bits, self.value_group, backend=self.read_backend)
         return out if p_sink is None else out + p_sink @ self.sv.float()
 
     def _dequantize_into(self, k_out, v_out):
-        kc, ks, kz, vc, vs, vz = self._views()
-        k_out.copy_(dequantize_per_channel(kc, ks, kz, self.bits, self.group_size))
-        v_out.copy_(dequantize_per_token(vc, vs, vz, self.bits, self.value_group))
+        k, v = self._dequantized(*self._views())
+        k_out.copy_(k)
+        v_out.copy_(v)
         if self.sk is not None:  # flushed sink columns hold the exact rows, not the codes
             col, flushed = self._sink_columns(k_out.shape[0], k_out.device)
             idx = col[:, None, :, None].expand(-1, k_out.shape[1], -1, k_out.shape[3])  # (B, H, S, D)
@@ -308,6 +230,7 @@ class KiviLayer(QuantWindowLayer):
             v_out.scatter_(2, idx, torch.where(here, self.sv.float(), v_out.gather(2, idx)))
         return True
 
+    # ------------------------------------------------------------------ decode steps
     def _attend(self, q, k_new, v_new, scaling):
         if self.fused_step_ok(q, k_new, self.decode_backend):
             return self._fused_decode(q, k_new, v_new, scaling)
@@ -315,30 +238,26 @@ class KiviLayer(QuantWindowLayer):
             return self._native_decode(q, k_new, v_new, scaling)
         return super()._attend(q, k_new, v_new, scaling)
 
-    def _sinks_flushed(self) -> bool:
-        """Whether every row's exact sinks are in the packed part (then the packed tokens a step
-        reads start right after them, and no row's window holds padding)."""
-        rs = self.row_start
-        return self.n_quant >= (0 if rs is None else int(rs.max())) + self.sink_tokens
-
     def _native_step(self, q, k_new) -> bool:
-        """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): a
-        CPU decode step over a packed store, the native reader allowed and built, and the exact
-        sinks (if any) all flushed (before that, the reads still go native through
-        `_quant_scores` / `_quant_output`)."""
-        if not self.n_quant or (self.sk is not None and not self._sinks_flushed()):
+        """Whether this step runs as one native call (`kvpress.kernels.native.quant_attend`): over
+        packed tokens, the native reader chosen (`native_step_ok`), and every row's exact sinks
+        flushed (before that, the reads still go native through `_quant_scores` / `_quant_output`)."""
+        if not self.n_quant:
             return False
-        views = self._views()
-        return self.native_step_ok(q, k_new, self.read_backend, [(views[:3], views[3:])])
+        if self.sk is not None:  # then no row's window holds padding either
+            rs = self.row_start
+            if self.n_quant < (0 if rs is None else int(rs.max())) + self.sink_tokens:
+                return False
+        return self.native_step_ok(q, k_new, self.read_backend, [self._views()])
 
     def _native_decode(self, q, k_new, v_new, scaling):
         """CPU decode: the packed tokens, the exact sinks and the window under one softmax in one
         native call (the packed part starts after each row's sinks, which attend exactly)."""
-        views, starts, exact = self._views(), self.row_start, None
+        (keys, values), starts, exact = self._views(), self.row_start, None
         if self.sk is not None:
             starts = self.sink_positions(self.sink_tokens, q.shape[0], q.device)[:, 0] + self.sink_tokens
             exact = (self.sk, self.sv)
-        seg = native.PackedSegment(views[:3], views[3:], self.bits, self.group_size, self.value_group, starts=starts)
+        seg = native.PackedSegment(keys, values, self.bits, self.group_size, self.value_group, starts=starts)
         return self.native_decode(q, k_new, v_new, scaling, [seg], exact=exact)
 
     def _fused_decode(self, q, k_new, v_new, scaling):
@@ -358,7 +277,8 @@ class KiviLayer(QuantWindowLayer):
             s_sink = (qg @ self.sk.float().transpose(-1, -2) * scaling).masked_fill(~flushed[:, None, None], float("-inf"))
             lse_s = s_sink.logsumexp(-1)  # (B, H, G); -inf for a row with no sink flushed yet
             out_s = torch.nan_to_num((s_sink - lse_s[..., None]).exp()) @ self.sv.float()
-        out_q, lse_q = quant_decode(q[:, :, 0], *self._views(), bits=self.bits, group_size=self.group_size,
+        keys, values = self._views()
+        out_q, lse_q = quant_decode(q[:, :, 0], *keys, *values, bits=self.bits, group_size=self.group_size,
                                     seq_starts=starts, scale=scaling, backend=self.decode_backend,
                                     value_group_size=self.value_group)
         out, lse = merge_states(out_q.float(), lse_q, *self.window_rows(q[:, :, 0], scaling))
@@ -367,7 +287,3 @@ class KiviLayer(QuantWindowLayer):
         self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
         self._maybe_flush()
         return out.to(q.dtype)[:, :, None]
-
-    def _quant_tensors(self):
-        return {"kc": self.kc, "ks": self.ks, "kz": self.kz, "vc": self.vc, "vs": self.vs, "vz": self.vz,
-                "sk": self.sk, "sv": self.sv}

@@ -7,13 +7,15 @@ import torch
 
 from kvpress.cache import PROMPT_CROP_TOKENS
 from kvpress.kernels import native
-from kvpress.kernels.merge import merge_states
-from kvpress.kernels.packed_decode import quant_decode
 from kvpress.kernels.quant import ALLOWED_BITS, ALLOWED_GROUP_SIZES, READ_BACKENDS, check_quant_config
 from kvpress.registry import MAX_CHANNELS, MAX_SEED, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._quant import QuantWindowLayer
-from ._zipcache_store import _joined, _runs, _Store
+from ._zipcache_static import (StaticState, mirror_probes, probes_from_static, reserve_store, salient_target,
+                               static_after_attend, static_flush, static_packed, store_slots)
+from ._zipcache_probes import (after_attend, crop_probes, prompt_probe_rows, random_probes, refine_channels,
+                               saliency, set_prompt_probes)
+from ._zipcache_store import _Store, dequantize_into, fused_decode
 
 
 @register_policy
@@ -172,7 +174,11 @@ class ZipCacheLayer(QuantWindowLayer):
     and ``probe_rand`` (P bools: random probe, kept while it can still see an unflushed token).
     The two lists live on the host, so choosing which probes to keep never waits for the device
     (a device boolean mask would, several times per layer and step on CUDA); ``probe_pos_dev``
-    holds the same positions on the queries' device, for the saliency."""
+    holds the same positions on the queries' device, for the saliency. A static decode step
+    (``static_decode``) keeps the probes in fixed slots instead, with the high-precision counts
+    of its flushes in a table (``zs``, `kvpress.policies._zipcache_static`); with a planned
+    capacity the eager paths keep those slots current, and take the probes back from them after
+    static steps."""
 
     packed_in_sequence_order = False  # high-precision store first, then the low-precision one
     # Croppable (the flush waits for the crop, as for every quantized window): the probes are put
@@ -193,21 +199,13 @@ class ZipCacheLayer(QuantWindowLayer):
         self._scaling = 1.0
         self._probes_before = self._forward_q = None  # while a recorded forward can be cropped
         self.decode_backend = "auto"  # quant_decode backend of the fused GPU path ("triton": tests on CPU)
+        self.zs = StaticState()  # the static step's probe slots and store bookkeeping (`_zipcache_static`)
+        self._static_steps = False  # static steps ran since the eager path last looked: `probes_from_static`
 
     def _row_layer(self, cache):
         return ZipCacheLayer(cache, self.layer_idx, self.p)
 
     # ------------------------------------------------------------------ probes
-    def _random_probes(self, q_start: int, T: int) -> torch.Tensor:
-        """bool (T,) on the host: ``probe_random`` random rows among a step's queries older than the
-        recent ones."""
-        older = max(0, T - self.p.probe_recent)
-        mask = torch.zeros(T, dtype=torch.bool)
-        if older:
-            gen = torch.Generator().manual_seed(self.p.seed * 1_000_003 + self.layer_idx * 8191 + q_start)
-            mask[torch.randperm(older, generator=gen)[: self.p.probe_random]] = True
-        return mask
-
     def probe_state(self) -> tuple:
         """The probes as they are (to put back with ``set_probe_state``)."""
         return self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand, self.probe_pos_dev
@@ -215,58 +213,16 @@ class ZipCacheLayer(QuantWindowLayer):
     def set_probe_state(self, state: tuple) -> None:
         self.probe_q, self.probe_lse, self.probe_pos, self.probe_rand, self.probe_pos_dev = state
 
-    def _keep_probes(self, parts, pos: list[int], rand: list[bool]) -> None:
-        """Keep the ``probe_recent`` latest queries and the random probes that can still attend
-        an unflushed token (probe at position p sees tokens <= p). ``parts``: ``(q, lse, pos_dev)``
-        device tensors whose rows (dim 2, dim 2, dim 0) follow one another in sequence order;
-        ``pos`` / ``rand`` (host) describe all those rows. The kept rows are joined from slices
-        of the parts (one ``cat`` per tensor): no index or mask on the device."""
-        lo, flushed = self.seen - self.p.probe_recent, self.n_quant
-        keep = [(r or p >= lo) and p >= flushed for p, r in zip(pos, rand)]
-        pieces, start = [], 0
-        for part in parts:
-            n = part[0].shape[2]
-            pieces += [(part, a - start, b - a) for a, b in _runs(keep, start, start + n)]
-            start += n
-        self.probe_q, self.probe_lse = _joined(parts, pieces, 0, 2), _joined(parts, pieces, 1, 2)
-        self.probe_pos_dev = _joined(parts, pieces, 2, 0)
-        self.probe_pos = [p for p, k in zip(pos, keep) if k]
-        self.probe_rand = [r for r, k in zip(rand, keep) if k]
-
-    def _prompt_probe_rows(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A ``T``-token prompt's probes: sequence indices (P,) and whether each is a random one (host)."""
-        rand = self._random_probes(0, T)
-        pos_all = torch.arange(T)
-        sel = rand | (pos_all >= T - self.p.probe_recent)
-        return pos_all[sel], rand[sel]
-
     def _prefill(self, q, k, v, scaling):
         if q is not None:
             T = q.shape[2]
-            pos, rand = self._prompt_probe_rows(T)
-            self._set_prompt_probes(q[:, :, pos.to(q.device)], pos, rand, k, scaling)
+            pos, rand = prompt_probe_rows(self, T)
+            set_prompt_probes(self, q[:, :, pos.to(q.device)], pos, rand, k, scaling)
             if self._recorded:  # keep the queries a prompt shorter by up to PROMPT_CROP_TOKENS would probe
-                rows = torch.cat([self._prompt_probe_rows(T - n)[0]
+                rows = torch.cat([prompt_probe_rows(self, T - n)[0]
                                   for n in range(1, min(PROMPT_CROP_TOKENS, T - 1) + 1)] + [pos]).unique()
                 self._forward_q = ("prompt", rows, q[:, :, rows.to(q.device)], scaling)
         super()._prefill(q, k, v, scaling)
-
-    def _set_prompt_probes(self, qp, pos, rand, k, scaling) -> None:
-        """Probes from prompt queries ``qp`` (B, H_q, P, D) at sequence indices ``pos`` over the
-        prompt's keys ``k`` (B, H, T, D), each with its own log-sum-exp (``pos``, ``rand``: host)."""
-        B, H_q, P, D = qp.shape
-        H, T = k.shape[1], k.shape[2]
-        pos_dev = pos.to(k.device)
-        s = (qp.float().view(B, H, H_q // H, P, D) @ k.float()[:, :, None].transpose(-1, -2)) * scaling  # (B, H, G, P, T)
-        hidden = torch.arange(T, device=k.device)[None, :] > pos_dev[:, None]  # (P, T)
-        pad = self.padding_mask(0, T, k.device)
-        if pad is not None:
-            hidden = (hidden[None] | pad[:, None, :])[:, None, None]  # (B, 1, 1, P, T)
-        lse = s.masked_fill(hidden, float("-inf")).logsumexp(-1).view(B, H_q, -1)
-        seen, self.seen = self.seen, T  # _keep_probes reads the sequence length
-        self._keep_probes([(qp, lse, pos_dev)], pos.tolist(), rand.tolist())
-        self.seen = seen
-        self._scaling = scaling
 
     # ------------------------------------------------------------------ crop
     def record_forward(self, k, v):
@@ -274,73 +230,26 @@ class ZipCacheLayer(QuantWindowLayer):
         self._probes_before = self.probe_state()
         self._forward_q = None
 
-    def removable(self) -> int:
-        n = super().removable()
+    def truncatable(self) -> int:
+        n = super().truncatable()
         if n and self._forward_q is not None and self._forward_q[0] == "prompt":
             n = min(n, PROMPT_CROP_TOKENS, self.seen - 1)
         return n
 
     def _after_crop(self, n: int) -> None:
-        """The forward lost its last ``n`` tokens (window and ``seen`` already cut): its probes
-        again, from the kept queries, before the flush reads them."""
-        record, self._forward_q = self._forward_q, None
-        if n == 0 or record is None:
-            return
-        self.set_probe_state(self._probes_before)
-        if record[0] == "prompt":
-            _, rows, q_rows, scaling = record
-            pos, rand = self._prompt_probe_rows(self.seen)
-            self._set_prompt_probes(q_rows[:, :, torch.searchsorted(rows, pos).to(q_rows.device)], pos, rand,
-                                    self.k_win[:, :, : self.seen], scaling)
-        else:
-            _, q, lse, q_start, scaling = record
-            keep = self.seen - q_start
-            self._after_attend(q[:, :, :keep], lse[:, :, :keep], q_start, scaling, as_steps=True)
+        """The forward lost its last ``n`` tokens: its probes again from the kept queries, before
+        the flush reads them (`crop_probes`), and every probe slot rewritten (a prompt's kept
+        probes have new log-sum-exps)."""
+        crop_probes(self, n)
+        mirror_probes(self, full=True)
 
     def _after_attend(self, q, lse, q_start, scaling, as_steps: bool = False):
-        verification = bool(self._recorded and q_start)  # assisted decoding's: probes as its decode steps'
-        if verification:
-            prev = self._forward_q
-            if prev is not None and prev[0] == "step" and prev[3] + prev[1].shape[2] == q_start:
-                # a later segment of the same verification (`_attend_across_flushes`): all its queries
-                self._forward_q = ("step", torch.cat([prev[1], q], 2), torch.cat([prev[2], lse], 2), prev[3], scaling)
-            else:
-                self._forward_q = ("step", q, lse, q_start, scaling)
-        T = q.shape[2]
-        pos, pos_dev = list(range(q_start, q_start + T)), torch.arange(q_start, q_start + T, device=q.device)
-        if verification or as_steps or T <= self.p.probe_recent:  # no random probe (none of the rows is older)
-            rand = [False] * T
-        else:
-            rand = self._random_probes(q_start, T).tolist()
-        if self.probe_q is None:
-            self._keep_probes([(q, lse, pos_dev)], pos, rand)
-            return
-        before = (self.probe_q, self.probe_lse, self.probe_pos_dev)
-        self._keep_probes([before, (q.to(self.probe_q.dtype), lse, pos_dev)], self.probe_pos + pos, self.probe_rand + rand)
+        after_attend(self, q, lse, q_start, scaling, as_steps)
 
     def saliency(self, k: torch.Tensor, start: int) -> torch.Tensor:
         """Normalised attention (B, H, n) received by tokens ``start ..`` with keys k (B, H, n, D);
-        +inf where no probe sees the token (kept precise), -inf on left padding."""
-        B, H, n, D = k.shape
-        if self.probe_q is None:  # no queries seen (shared prefill): no evidence, all equal
-            sal = torch.zeros(B, H, n, device=k.device)
-        else:
-            H_q, P = self.probe_q.shape[1], self.probe_q.shape[2]
-            qp = self.probe_q.float().view(B, H, H_q // H, P, D)
-            s = (qp @ k.float()[:, :, None].transpose(-1, -2)) * self._scaling  # (B, H, G, P, n)
-            prob = torch.exp(s - self.probe_lse.view(B, H, H_q // H, P)[..., None])
-            pos = torch.arange(start, start + n, device=k.device)
-            seen_by = self.probe_pos_dev[:, None] >= pos[None, :]  # (P, n) probe can attend token
-            rs = self.row_start
-            probe_real = torch.ones(B, P, dtype=torch.bool, device=k.device) if rs is None else \
-                self.probe_pos_dev[None, :] >= rs[:, None]  # padded probes attended only to themselves
-            valid = seen_by[None] & probe_real[:, :, None]  # (B, P, n)
-            total = (prob * valid[:, None, None]).sum((2, 3))  # (B, H, n)
-            count = valid.sum(1).clamp(min=1) * (H_q // H)  # (B, n)
-            sal = total / count[:, None, :]
-            sal = torch.where(valid.any(1)[:, None, :], sal, torch.full_like(sal, float("inf")))
-        pad = self.padding_mask(start, n, k.device)
-        return sal if pad is None else sal.masked_fill(pad[:, None, :], float("-inf"))
+        +inf where no probe sees the token (kept precise), -inf on left padding (`saliency`)."""
+        return saliency(self, k, start)
 
     # ------------------------------------------------------------------ storage
     # a flush appends to the two stores (and sets the value normaliser once); the saliency it
@@ -354,32 +263,17 @@ class ZipCacheLayer(QuantWindowLayer):
     def _unflush(self, state) -> None:
         self.hi.n, self.hi.pad, self.lo.n, self.lo.pad, self.vn, self.lo.ridx = state
 
-    def refine_channels(self, k: torch.Tensor) -> torch.Tensor:
-        """The ``refine_key_channels`` key channels of each KV head whose coarse codes would move
-        the probes' scores most, long (B, H, R): mean squared probe query channel (over the
-        probes and the KV head's query heads; 1 without probes) times the channel's mean squared
-        range over the token groups of keys ``k`` (B, H, n, D) -- the variance of a code's
-        rounding error is proportional to the squared range of its group."""
-        B, H, n, D = k.shape
-        g = self.p.group_size
-        kg = k.float().view(B, H, n // g, g, D)
-        spread = (kg.amax(3) - kg.amin(3)).pow(2).mean(2)  # (B, H, D)
-        if self.probe_q is not None:
-            spread = spread * self.probe_q.float().pow(2).view(B, H, -1, D).mean(2)
-        return spread.topk(self.p.refine_key_channels, dim=-1).indices.sort(-1).values
-
     def _flush(self, k, v, start):
         B, H, n, D = k.shape
-        g = self.p.group_size
         k, v = self.zero_padding(k, start), self.zero_padding(v, start)
         if self.vn is None:
             vabs = v.float().abs().amax(2)  # (B, H, D)
             self.vn = torch.where(vabs > 0, vabs.sqrt(), torch.ones_like(vabs)).half()
         if self.lo.refine and self.lo.ridx is None:  # fixed at the first flush, as the normaliser
-            self.lo.ridx = self.refine_channels(k)
+            self.lo.ridx = refine_channels(self, k)
         v_norm = v.float() / self.vn.float()[:, :, None]
         # the high store tracks salient_ratio of everything flushed so far, in whole key groups
-        target = int(self.p.salient_ratio * (start + n) / g + 0.5) * g
+        target = salient_target(self.p, start + n)
         n_hi = min(n, max(0, target - self.hi.n))
         sal = self.saliency(k, start) if 0 < n_hi < n else torch.zeros(B, H, n, device=k.device)
         order = sal.argsort(dim=-1, descending=True, stable=True)
@@ -395,9 +289,38 @@ class ZipCacheLayer(QuantWindowLayer):
                 torch.gather(pad[:, None, :].expand(-1, H, -1), 2, idx).sum(-1).to(torch.int32)
             store.add(torch.gather(k, 2, gi), torch.gather(v_norm, 2, gi), n_pad)
 
+    # ------------------------------------------------------------------ static decode (`_zipcache_static`)
+    static_decode = True
+
+    def _store_slots(self):
+        return store_slots(self)
+
+    def _reserve_store(self, like_k, like_v, slots):
+        reserve_store(self, like_k, like_v, slots)
+
+    def _static_packed(self, n):
+        return static_packed(self, n)
+
+    def _static_flush(self, n, due):
+        static_flush(self, n, due)
+
+    def _static_after_attend(self, q, lse, pos, scaling):
+        static_after_attend(self, q, lse, pos)
+
+    def count_tokens(self, n: int) -> None:
+        super().count_tokens(n)
+        self._static_steps = True
+
+    def _from_static(self) -> None:
+        """Before an eager forward: the host state of the static steps since the last one."""
+        if self._static_steps:
+            self._static_steps = False
+            probes_from_static(self)
+
     def _attend(self, q, k_new, v_new, scaling):
+        self._from_static()
         if self.fused_step_ok(q, k_new, self.decode_backend):
-            return self._fused_decode(q, k_new, v_new, scaling)
+            return fused_decode(self, q, k_new, v_new, scaling)
         stores = [st for st in (self.hi, self.lo) if st.n]
         if self.native_step_ok(q, k_new, self.p.backend, [st.views() for st in stores]):
             segments = [native.PackedSegment(*st.views(), st.bits, st.group_size, st.value_group_size, starts=st.pad,
@@ -405,63 +328,14 @@ class ZipCacheLayer(QuantWindowLayer):
             return self.native_decode(q, k_new, v_new, scaling, segments)  # both stores and the window in one call
         return super()._attend(q, k_new, v_new, scaling)
 
-    def _fused_decode(self, q, k_new, v_new, scaling):
-        """GPU decode: each store through the fused dequantize-attention kernel (`quant_decode`),
-        the window through `window_rows`, merged by log-sum-exp. A store's left padding is its
-        first ``pad`` rows, the same count in every head (padding has -inf saliency in all of
-        them, so every flush sends the same number of padding tokens to each store): ``pad[:, 0]``
-        is the kernel's per-row start."""
-        B, H_q, _, D = q.shape
-        H = k_new.shape[1]
-        q_start = self.seen
-        self._append(k_new, v_new)
-        self.seen += 1
-        out, lse = self.window_rows(q[:, :, 0], scaling)
-        if self._vn_q is None or self._vn_q[0] is not self.vn:  # a new normaliser (first flush, batch_select)
-            self._vn_q = (self.vn, self.vn.float().repeat_interleave(H_q // H, dim=1))
-        vn = self._vn_q[1]  # (B, H_q, D): query head h reads KV head h // G
-        for st in (self.hi, self.lo):
-            if st.n:
-                (kc, ks, kz), (vc, vs, vz) = st.views()
-                o, l = quant_decode(q[:, :, 0], kc, ks, kz, vc, vs, vz, bits=st.bits, group_size=st.group_size,
-                                    seq_starts=st.pad[:, 0], scale=scaling, backend=self.decode_backend,
-                                    value_group_size=st.value_group_size, refine=st.refine_views())
-                out, lse = merge_states(out, lse, o.float() * vn, l)
-        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
-        self._maybe_flush()
-        return out.to(q.dtype)[:, :, None]
-
     def _dequantize_into(self, k_out, v_out):
-        # column of each store row: every padding row first (the high store's, then the low
-        # store's), then the high store's real rows, then the low store's
-        stores = [st for st in (self.hi, self.lo) if st.n]
-        vn = self.vn.float()[:, :, None]  # undo the value channel normalisation
-        if self.row_start is None:  # no padding: the stores one after the other
-            i = 0
-            for st in stores:
-                k, v = st.dequantized()
-                k_out[:, :, i : i + st.n] = k
-                torch.mul(v, vn, out=v_out[:, :, i : i + st.n])
-                i += st.n
-            return True
-        pads = [st.pad.long()[..., None] for st in stores]  # (B, H, 1) each
-        pad_total, real_before = sum(pads), 0
-        pad_before = torch.zeros_like(pad_total)
-        for st, pad in zip(stores, pads):
-            k, v = st.dequantized()
-            i = torch.arange(st.n, device=k.device)  # (n,) row of the store
-            col = torch.where(i < pad, pad_before + i, pad_total + real_before + i - pad)  # (B, H, n)
-            col = col[..., None].expand(-1, -1, -1, k.shape[-1])
-            k_out.scatter_(2, col, k)
-            v_out.scatter_(2, col, v * vn)
-            pad_before, real_before = pad_before + pad, real_before + (st.n - pad)
-        return True
+        return dequantize_into(self, k_out, v_out)
 
     def _lse_rows(self, q_start, T):
         if self._recorded:  # a crop re-reads the kept rows' log-sum-exp: every row may be needed
             return torch.ones(T, dtype=torch.bool)
         pos = torch.arange(q_start, q_start + T)
-        return self._random_probes(q_start, T) | (pos >= self.seen - self.p.probe_recent)
+        return random_probes(self, q_start, T) | (pos >= self.seen - self.p.probe_recent)
 
     def _quant_scores(self, qg, scaling):
         q = qg * scaling
@@ -479,6 +353,8 @@ class ZipCacheLayer(QuantWindowLayer):
     def batch_select(self, indices):
         if self.by_row is not None:
             return super().batch_select(indices)
+        self._from_static()
+        self.zs.select(indices)
         sel = lambda t: None if t is None else t.index_select(0, indices.to(t.device))  # noqa: E731
         self.k_win, self.v_win, self.vn = sel(self.k_win), sel(self.v_win), sel(self.vn)
         self.probe_q, self.probe_lse = sel(self.probe_q), sel(self.probe_lse)
@@ -493,5 +369,5 @@ class ZipCacheLayer(QuantWindowLayer):
             out[f"{prefix}_pad"] = s.pad
         if self.lo.refine:
             out["lo_ridx"] = self.lo.ridx
-        return out
+        return {**out, **self.zs.tensors()}
 

@@ -93,6 +93,33 @@ def test_crop_by_either_strategy_equals_never_storing_the_tokens(rollback):
             layer.crop(-1)
 
 
+class WindowToyLayer(ToyLayer):
+    """Truncates only its latest ``whole`` tokens (older ones count as compressed), and counts the
+    records a crop ended."""
+
+    def __init__(self, cache, whole):
+        super().__init__(cache, "truncate")
+        self.whole, self.ended = whole, []
+
+    def truncatable(self):
+        return self.whole
+
+    def end_record(self):
+        self.ended.append(self.seen)
+
+
+def test_a_truncating_layer_takes_back_only_what_it_declares_and_hears_every_crop():
+    layer = WindowToyLayer(_cache(ForwardKind.DECODE), whole=3)
+    layer.store_again(*_kv(8, seed=4))
+    with pytest.raises(ValueError, match=r"at most 3 can be taken back now \(call activate_past_recording"):
+        layer.crop(-4)
+    assert layer.seen == 8 and layer.ended == []  # a refused crop changes nothing
+    layer.crop(-2)
+    layer.crop(0)
+    assert layer.seen == layer.buffer.length == 6 and layer.ended == [6, 6]
+    torch.testing.assert_close(layer.total, layer.buffer.keys.sum(2))  # after_truncate ran
+
+
 def test_an_undeclared_or_unknown_rollback_is_refused():
     cache = _cache()
     with pytest.raises(ValueError, match="cannot take tokens back"):

@@ -99,3 +99,24 @@ def test_policy_level_choices_without_the_library(monkeypatch):
     assert backend.label_select_backend(q, 2, torch.randn(1, 2, 4, 16), k, "triton") == "torch"
     assert backend.shadowkv_step_backend(q, k, "auto") == "torch"
     assert backend.residual_backend(k, torch.zeros(1, 2, 16, 40, dtype=torch.uint8), "auto") == "torch"
+
+
+def test_fused_quant_decode_runs_only_where_the_kernel_can_and_a_forced_one_raises():
+    q = torch.randn(1, 4, 1, 64)
+    step = dict(n_quant=32)
+    assert backend.fused_quant_backend(q, 2, **step) == ("triton" if backend.AUTO_TRITON_ON_CPU and interpreting()
+                                                        and backend.triton_available() else "torch")
+    assert backend.fused_quant_backend(q, 2, **step, decode_backend="torch") == "torch"
+    # not a decode step over packed tokens: the other paths, even when the kernel is forced
+    assert backend.fused_quant_backend(q.expand(1, 4, 3, 64), 2, **step, decode_backend="triton") == "torch"
+    assert backend.fused_quant_backend(q, 2, n_quant=0, decode_backend="triton") == "torch"
+    with pytest.raises(ValueError, match=r"decode_backend='triton' cannot run these inputs: it takes head_dim in "
+                                         r"\(64, 128\), got 32; use decode_backend='auto' or 'torch'"):
+        backend.fused_quant_backend(torch.randn(1, 4, 1, 32), 2, **step, decode_backend="triton")
+    with pytest.raises(ValueError, match=r"GQA groups of 1\.\.16"):
+        backend.fused_quant_backend(torch.randn(1, 34, 1, 64), 2, **step, decode_backend="triton")
+    with pytest.raises(ValueError, match=r"decode_backend must be one of \('auto', 'triton', 'torch'\), got 'cuda'"):
+        backend.fused_quant_backend(q, 2, **step, decode_backend="cuda")
+    if not interpreting():
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            backend.fused_quant_backend(q, 2, **step, decode_backend="triton")

@@ -408,6 +408,8 @@ def test_zipcache_probes_are_chosen_on_the_host(llama):
     the host (no device mask to wait for), ``probe_pos_dev`` the same positions, the queries those
     positions had, and the rule: the ``probe_recent`` latest plus the prompt's random probes, all
     still able to see an unflushed token."""
+    from kvpress.policies._zipcache_probes import random_probes
+
     policy = kvpress.get_policy("zipcache", group_size=8, value_group_size=8, residual_length=8, flush_size=8,
                                 salient_ratio=0.25, probe_recent=4, probe_random=6)
     layer = kvpress.make_cache(llama, policy).layers[0]
@@ -415,7 +417,7 @@ def test_zipcache_probes_are_chosen_on_the_host(llama):
     T, steps = 48, 30
     qs = torch.randn(1, 4, T + steps, 16, generator=gen)
     ks, vs = torch.randn(2, 1, 2, T + steps, 16, generator=gen)
-    rand = set(layer._random_probes(0, T).nonzero().flatten().tolist())
+    rand = set(random_probes(layer, 0, T).nonzero().flatten().tolist())
     assert len(rand) == 6
     flushed, n_quant = [], 0  # n_quant when the probes were chosen (before the step's flush)
     for t in range(T, T + steps + 1):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kvpress
+from kvpress.compat import cache_kwargs
 from kvpress.policies import _quant
 from kvpress.policies._quant_storage import WINDOW_STEP, window_slots
 
@@ -79,3 +80,19 @@ def test_long_prompt_window_shrinks_to_what_it_holds(llama):
     layer = out.past_key_values.layers[0]
     # 1000 tokens: 768 flushed, 232 left in a window of 256 slots (not the prompt's 1000, nor 100 + 256)
     assert (layer.n_quant, layer.win_len, layer.k_win.shape[2]) == (768, 232, 256)
+
+
+@pytest.mark.parametrize("spec", ("kivi:group_size=16:residual_length=16",
+                                  "zipcache:group_size=16:value_group_size=16:residual_length=16:flush_size=16"))
+def test_a_forced_fused_decode_the_kernel_cannot_run_is_refused(llama, spec):
+    """``decode_backend="triton"`` on the tiny llama (head_dim 16, which the fused kernel does not
+    take) raises at the first decode step over packed tokens, naming what it takes."""
+    policy = kvpress.get_policy(spec)
+    cache = kvpress.make_cache(llama, policy)
+    for layer in cache.layers:
+        layer.decode_backend = "triton"
+    ids = random_ids(40, seed=7)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        llama(ids, use_cache=True, **cache_kwargs(llama, cache))
+        with pytest.raises(ValueError, match=r"decode_backend='triton' cannot run these inputs: it takes head_dim"):
+            llama(ids[:, :1], use_cache=True, **cache_kwargs(llama, cache))
