@@ -11,7 +11,7 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_value_sums
-from ._shadowkv_step import append_generated, key_table
+from ._shadowkv_step import key_table
 from ._shadowkv_store import (add_residual, default_rank, fetch_tables, low_rank, query_pair_weights,
                               residual_table, to_host)
 
@@ -114,7 +114,7 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
             layer.kr_host = to_host(residual.view(B, H, C, cs, -1))
         if p.tail_chunk:
             layer.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
-    layer.seen += T
+    layer.seen = T
 
 
 def attend_turn(layer, q, k_new, v_new, scaling):
@@ -151,8 +151,8 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         values.append(fetched.view(B, H, layer.max_selectable * cs, D))
         seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
     if layer.gen_len:
-        keys.append(layer.gen_k[:, :, : layer.gen_len])
-        values.append(layer.gen_v[:, :, : layer.gen_len])
+        keys.append(layer.gen.keys)
+        values.append(layer.gen.values)
         seen_by_all.append(torch.ones(B, H, layer.gen_len, dtype=torch.bool, device=dev))
     keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
     seen_by_all = torch.cat(seen_by_all + [torch.zeros(B, H, 0, dtype=torch.bool, device=dev)], dim=2)  # (B, H, N0)
@@ -168,6 +168,6 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         n0 = seen_by_all.shape[2]
         out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys[:, :, : n0 + t1],
                                                      values[:, :, : n0 + t1], visible, scaling)
-    append_generated(layer, k_new, v_new)
+    layer.gen.append(k_new, v_new)
     layer.seen += T
     return out.reshape(B, H_q, T, D).to(q.dtype)

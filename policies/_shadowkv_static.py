@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpress.buffers import KVBuffer
 from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.merge import torch_merge_states
 from kvpress.kernels.shadowkv_rebuild import torch_shadowkv_rebuild
@@ -215,7 +216,7 @@ class StaticStore:
         return gather(self.v_host), None if table is None else gather(table)
 
     def fold(self) -> None:
-        """The eager step's fold (`ShadowKVLayer._fold`) under a device condition: the oldest ``f``
+        """The fold (`ShadowKVPolicy.fold_size`) under a device condition: the oldest ``f``
         generated tokens (0 when the step folds none) join the exact tokens or the chunk grid."""
         p, cs, F = self.policy, self.policy.chunk_size, self.fold_max
         fold, lw = p.fold_tokens, p.local_window
@@ -298,8 +299,8 @@ class StaticStore:
         the previous step's fetch stays for reuse (chunk ids are stable: the grid only grows)."""
         cs = self.policy.chunk_size
         n = int(self.n_chunks)
-        layer.gen_len = int(self.gen_len)
-        layer.gen_k, layer.gen_v = self.gen_k, self.gen_v
+        layer.gen = KVBuffer(64)
+        layer.gen.k, layer.gen.v, layer.gen.length = self.gen_k, self.gen_v, int(self.gen_len)
         cnt = self.exact_cnt
         E = int(cnt.max()) if cnt.numel() else 0
         layer.exact_k = self.exact_k[:, :, :E].contiguous()
