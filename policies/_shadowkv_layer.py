@@ -51,10 +51,11 @@ class ShadowKVLayer(CacheLayer):
               "tail_v_sum", "key_weight")
     # what a forward replaces (never changes in place; `gen` only grows): recorded by reference
     rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + (
-        "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "exact_mode", "n_chunks", "_exact_cnt_cpu",
+        "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu",
         "_sel_cnt_cpu")
-    _MOVED = ("gen_k", "gen_v", "exact_k", "exact_v", "exact_idx", "landmarks", "selectable", "factor", "v_host",
-              "k_host", "kr_host", "tail_v_sum", "row_exact", "has_basis")  # held by the `StaticStore`
+    # held by the `StaticStore` while it lives (the previous step's fetch is dropped: a static step reuses none)
+    _MOVED = ("exact_k", "exact_v", "exact_idx", "exact_cnt", "landmarks", "selectable", "factor", "v_host", "k_host",
+              "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
     gen_k = property(lambda self: self.gen.k, lambda self, t: setattr(self.gen, "k", t))
     gen_v = property(lambda self: self.gen.v, lambda self, t: setattr(self.gen, "v", t))
     gen_len = property(lambda self: self.gen.length)
@@ -71,7 +72,6 @@ class ShadowKVLayer(CacheLayer):
         for name in self.rollback_state:
             setattr(self, name, None)
         self.exact_max = self.max_selectable = self.n_chunks = 0  # n_chunks: the store's chunk grid
-        self.exact_mode = False
         self._static = None  # the state at fixed shapes while static steps may come (`StaticStore`)
 
     # ------------------------------------------------------------------ forwards
@@ -186,7 +186,7 @@ class ShadowKVLayer(CacheLayer):
 
     def host_tensors(self):
         holder = self if self._static is None else self._static
-        return {"v_host": holder.v_host, "k_host": holder.k_host, "kr_host": holder.kr_host}
+        return {name: getattr(holder, name) for name in ("v_host", "k_host", "kr_host")}
 
     def batch_select(self, indices: torch.Tensor) -> None:
         self._leave_static()

@@ -11,8 +11,8 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_value_sums
-from ._shadowkv_step import key_table
-from ._shadowkv_store import (add_residual, default_rank, fetch_tables, low_rank, query_pair_weights,
+from ._shadowkv_step import attended_keys, key_table
+from ._shadowkv_store import (default_rank, fetch_tables, low_rank, query_pair_weights,
                               residual_table, to_host)
 
 
@@ -51,7 +51,6 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
     row_exact = p.budget >= T - rs  # (B,)
     out_cnt = torch.where(row_exact, middle.sum(1), middle.sum(1).clamp(max=p.outlier_chunks))  # (B,)
     n_out = int(out_cnt.max()) if B else 0
-    layer.exact_mode = bool(row_exact.all())
     layer.row_exact, layer.rope_start, layer.n_chunks = row_exact, rope_start, C
 
     landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
@@ -136,18 +135,9 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         C, cs = layer.selectable.shape[-1], p.chunk_size
         order = torch.where(layer.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
         ids = torch.where(order < C, order, -1)[..., : layer.max_selectable].to(torch.int32)  # (B, H, K)
-        extra_table = key_table(layer)
-        tables = [layer.v_host] if extra_table is None else [layer.v_host, extra_table]
+        tables = [t for t in (layer.v_host, key_table(layer)) if t is not None]
         fetched, *extra = fetch_tables(tables, ids, None, [None] * len(tables), layer.counters, dev)
-        if p.fetch_keys:
-            keys.append(extra[0].view(B, H, layer.max_selectable * cs, D))
-        else:
-            rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(dev), layer.rope_start,
-                                       chunk_size=cs, backend=p.backend)
-            if p.residual_bits:
-                rebuilt = add_residual(rebuilt, extra[0].view(B, H, layer.max_selectable * cs, -1),
-                                       p.residual_bits, p.residual_group_for(D), backend=p.backend)
-            keys.append(rebuilt)
+        keys.append(attended_keys(layer, ids, extra[0] if extra else None))
         values.append(fetched.view(B, H, layer.max_selectable * cs, D))
         seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
     if layer.gen_len:

@@ -9,6 +9,7 @@ import torch
 from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
 from kvpress.kernels.backend import shadowkv_step_backend
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
+from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import select_chunks, select_tokens, tail_estimate, tail_estimate_tokens
 from ._shadowkv_static import StaticStore
@@ -23,7 +24,7 @@ def store_step(layer, k: torch.Tensor, v: torch.Tensor) -> None:
     if p.fold_tokens and layer.gen_len >= p.local_window + p.fold_tokens:
         store = StaticStore(layer, tokens=layer.seen + 1)
         store.fold()
-        store.to_layer(layer, keep_fetched=True)
+        store.to_layer(layer)  # (the previous step's fetch stays: chunk ids are stable)
     layer.gen.append(k, v)
     layer.seen += 1
 
@@ -32,6 +33,22 @@ def key_table(layer):
     """The host table fetched beside the values: exact keys (``fetch_keys``), the rebuilt keys'
     quantized residual (``residual_bits``) or None."""
     return layer.k_host if layer.policy.fetch_keys else layer.kr_host
+
+
+def attended_keys(layer, ids, fetched, rebuilt=None):
+    """The keys to attend the chosen chunks ``ids`` (B, H, K; -1 empty) with, (B, H, K * cs, D):
+    the exact keys fetched beside their values (``fetch_keys``), else ``rebuilt`` (their low-rank
+    keys; None: rebuilt here) plus, with ``residual_bits``, the fetched residual rows."""
+    p = layer.policy
+    if p.fetch_keys:
+        return fetched.reshape(*ids.shape[:2], -1, fetched.shape[-1])
+    if rebuilt is None:
+        rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(ids.device), layer.rope_start,
+                                   chunk_size=p.chunk_size, backend=p.backend)
+    if not p.residual_bits:
+        return rebuilt
+    return add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
+                        p.residual_group_for(rebuilt.shape[-1]), backend=p.backend)
 
 
 def decode(layer, q, k_new, v_new, scaling):
@@ -131,11 +148,7 @@ def selected_rows(layer, q0, k_sel, allow, scaling, compiled: bool = False):
                                     layer.counters, dev)
     fetched = fetched[0] if fetched else None
     layer.sel_idx, layer.sel_values, layer.sel_keys = ids, values, fetched
-    if p.fetch_keys:
-        keys = fetched.reshape(keys.shape)
-    elif p.residual_bits:
-        keys = add_residual(keys, fetched.reshape(*keys.shape[:3], -1), p.residual_bits, p.residual_group_for(D),
-                            backend=p.backend)
+    keys = attended_keys(layer, ids, fetched, keys)
     cnt = (ids >= 0).sum(-1).to(torch.int32)  # (B, H)
     rows_v = values.reshape(B, H, k_sel * cs, D)
     return keys, rows_v, ids, rows_v if tokens else values, 1 if tokens else cs, cnt

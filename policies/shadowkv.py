@@ -10,8 +10,7 @@ from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._shadowkv_layer import ShadowKVLayer
-from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_rank, to_host,  # noqa: F401
-                              transfer_summary)  # (re-exported)
+from ._shadowkv_store import transfer_summary  # noqa: F401  (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
 SELECT_UNITS = ("chunks", "tokens")
@@ -135,7 +134,8 @@ class ShadowKVPolicy(Policy):
         key_dim = adapter.num_kv_heads * adapter.head_dim
         if self.rank is not None and self.rank > key_dim:
             raise ValueError(f"rank={self.rank} is larger than the key dimension num_kv_heads * head_dim = "
-                             f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
+                             f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; "
+                             f"allowed: 1 <= rank <= {key_dim}")
         if adapter.head_dim % 2:
             raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
         if self.residual_bits:
