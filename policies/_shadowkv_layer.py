@@ -54,8 +54,8 @@ class ShadowKVLayer(CacheLayer):
         "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu",
         "_sel_cnt_cpu")
     # held by the `StaticStore` while it lives (the previous step's fetch is dropped: a static step reuses none)
-    _MOVED = ("exact_k", "exact_v", "exact_idx", "exact_cnt", "landmarks", "selectable", "factor", "v_host", "k_host",
-              "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
+    _MOVED = ("exact_k", "exact_v", "exact_idx", "exact_cnt", "landmarks", "selectable", "factor", "basis", "v_host",
+              "k_host", "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
     gen_k = property(lambda self: self.gen.k, lambda self, t: setattr(self.gen, "k", t))
     gen_v = property(lambda self: self.gen.v, lambda self, t: setattr(self.gen, "v", t))
     gen_len = property(lambda self: self.gen.length)
