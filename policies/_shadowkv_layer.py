@@ -197,10 +197,6 @@ class ShadowKVLayer(CacheLayer):
             self._exact_cnt_cpu = self._exact_cnt_cpu.index_select(0, host_idx)
             self._sel_cnt_cpu = self._sel_cnt_cpu.index_select(0, host_idx)
 
-    def transfer_stats(self) -> dict:
-        """Host -> device traffic of this layer: steps, chunks, bytes per step, reuse rate."""
-        return self.counters.as_dict()
-
     def stored_tokens(self) -> int:
         # every token is represented (exactly, low-rank + host, or generated); a staged prompt the core counts
         return 0 if self.rope_start is None else self.seen

@@ -11,8 +11,8 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_value_sums
-from ._shadowkv_step import attended_keys, key_table
-from ._shadowkv_store import (default_rank, fetch_tables, low_rank, query_pair_weights,
+from ._shadowkv_step import key_table
+from ._shadowkv_store import (attended_keys, default_rank, fetch_tables, low_rank, query_pair_weights,
                               residual_table, to_host)
 
 

@@ -1,11 +1,7 @@
-"""ShadowKV's chunk selection of one decode step, in torch (the reference of `native.shadowkv_select`),
-and the ``tail_chunk`` estimate of the chunks a step leaves out.
-
-Same arguments and results as `kvpress.kernels.native.shadowkv_select`, plus the ``backend`` of
-the key rebuild (`kvpress.kernels.shadowkv_rebuild`): landmark scores (GQA group reduced), the
-top chunks per KV head -- or, with ``shortlist > k``, a landmark shortlist whose rebuilt keys are
-re-scored exactly -- and the chosen chunks' rebuilt post-RoPE keys.
-"""
+"""ShadowKV's chunk selection of one decode step in torch (`select_chunks`, the reference of
+`kvpress.kernels.native.shadowkv_select`: same arguments and results, plus the rebuild's
+``backend``), shared by the eager and the static step, and the ``tail_chunk`` estimate of the
+chunks a step leaves out."""
 from __future__ import annotations
 
 import torch

@@ -13,7 +13,7 @@ from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
 from kvpress.plan import capacity_bucket, static_address
 
 from ._shadowkv_select import chunk_scores, rerank, tail_estimate, tail_value_sums, top_chunks
-from ._shadowkv_store import add_residual, default_rank, low_rank, project, residual_table
+from ._shadowkv_store import attended_keys, default_rank, low_rank, project, residual_table
 
 
 class StaticStore:
@@ -130,11 +130,7 @@ class StaticStore:
         if self.k_max:
             ids, sel_keys = self._select(q0, allow, sel_cnt, scaling)
             sel_values, fetched = self._fetch(ids, tokens)
-            if p.fetch_keys:
-                sel_keys = fetched
-            elif p.residual_bits:
-                sel_keys = add_residual(sel_keys, fetched, p.residual_bits, p.residual_group_for(D), backend="torch")
-            keys.append(sel_keys)
+            keys.append(attended_keys(self, ids, fetched, sel_keys, backend="torch"))
             values.append(sel_values)
             visible.append(ids >= 0 if tokens else (ids >= 0).repeat_interleave(cs, dim=-1))
             chosen_values = sel_values if tokens else sel_values.view(B, H, self.k_max, cs, D)

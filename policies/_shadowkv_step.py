@@ -9,11 +9,10 @@ import torch
 from kvpress.kernels import SparseIndex, merge_states, native, sparse_decode
 from kvpress.kernels.backend import shadowkv_step_backend
 from kvpress.kernels.rows import attend_rows, triton_rows_supported
-from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import select_chunks, select_tokens, tail_estimate, tail_estimate_tokens
 from ._shadowkv_static import StaticStore
-from ._shadowkv_store import add_residual, fetch_tables
+from ._shadowkv_store import attended_keys, fetch_tables
 
 
 def store_step(layer, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -33,22 +32,6 @@ def key_table(layer):
     """The host table fetched beside the values: exact keys (``fetch_keys``), the rebuilt keys'
     quantized residual (``residual_bits``) or None."""
     return layer.k_host if layer.policy.fetch_keys else layer.kr_host
-
-
-def attended_keys(layer, ids, fetched, rebuilt=None):
-    """The keys to attend the chosen chunks ``ids`` (B, H, K; -1 empty) with, (B, H, K * cs, D):
-    the exact keys fetched beside their values (``fetch_keys``), else ``rebuilt`` (their low-rank
-    keys; None: rebuilt here) plus, with ``residual_bits``, the fetched residual rows."""
-    p = layer.policy
-    if p.fetch_keys:
-        return fetched.reshape(*ids.shape[:2], -1, fetched.shape[-1])
-    if rebuilt is None:
-        rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(ids.device), layer.rope_start,
-                                   chunk_size=p.chunk_size, backend=p.backend)
-    if not p.residual_bits:
-        return rebuilt
-    return add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
-                        p.residual_group_for(rebuilt.shape[-1]), backend=p.backend)
 
 
 def decode(layer, q, k_new, v_new, scaling):

@@ -1,14 +1,8 @@
-"""Host tier of ShadowKV: values (with ``fetch_keys`` exact keys too) in chunk-contiguous layout,
-fetched per step with reuse.
-
-ShadowKV (arXiv 2410.21465) moves the values of the prompt off the accelerator and copies
-back only the chunks a decode step selects. Consecutive steps select mostly the same chunks,
-so chunks fetched for the previous step are kept on the device and reused; only the missing
-ones cross the host link. On CUDA the store is pinned host memory (asynchronous copies); on
-CPU it is a separate tensor, and the copies are counted the same way so the traffic is
-measurable without a GPU. Also here: the truncated SVD of the pre-RoPE keys that stays on the
-device (`low_rank`) and the traffic summed over a cache's layers (`transfer_summary`).
-"""
+"""Host tier of ShadowKV (arXiv 2410.21465): the prompt's values (and key tables) in chunk-contiguous
+layout off the accelerator, only the chunks a step selects copied back; consecutive steps select
+mostly the same chunks, so the previous step's are reused and only the missing ones cross the link
+(pinned memory on CUDA; on CPU a separate tensor, the traffic counted the same way). Also the
+truncated SVD of the pre-RoPE keys that stays on the device (`low_rank`) and the key residual."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -220,3 +214,23 @@ def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size:
     codes = unpack_codes(table[..., :nb], bits).float().view(B, H, n, ng, group_size)
     res = codes * sz[..., :ng, None] + sz[..., ng:, None]
     return (keys.float() + res.view(B, H, n, D)).to(keys.dtype)
+
+
+def attended_keys(layer, ids, fetched, rebuilt=None, backend=None):
+    """The keys to attend the chosen chunks ``ids`` (B, H, K; -1 empty) with, (B, H, K * cs, D):
+    the exact keys fetched beside their values (``fetch_keys``), else ``rebuilt`` (their low-rank
+    keys; None: rebuilt here from ``layer``'s factors) plus, with ``residual_bits``, the fetched
+    residual rows (``backend``: the residual's, the policy's by default)."""
+    from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
+
+    p = layer.policy
+    backend = backend or p.backend
+    if p.fetch_keys:
+        return fetched.reshape(*ids.shape[:2], -1, fetched.shape[-1])
+    if rebuilt is None:
+        rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(ids.device), layer.rope_start,
+                                   chunk_size=p.chunk_size, backend=backend)
+    if not p.residual_bits:
+        return rebuilt
+    return add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
+                        p.residual_group_for(rebuilt.shape[-1]), backend=backend)

@@ -145,12 +145,9 @@ class ShadowKVPolicy(Policy):
         """Channels per scale of the residual: ``residual_group``, or with None the largest allowed
         group of at most 32 channels that divides ``head_dim``."""
         fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
-        if self.residual_group is None:
-            small = [g for g in fits if g <= 32]
-            if small:
-                return small[-1]
-        elif head_dim % self.residual_group == 0:
-            return self.residual_group
+        group = self.residual_group or max((g for g in fits if g <= 32), default=None)
+        if group in fits:
+            return group
         group = (f"any residual_group of at most 32 channels in {list(ALLOWED_GROUP_SIZES)}"
                  if self.residual_group is None else f"residual_group={self.residual_group}")
         raise ValueError(f"head_dim={head_dim} is not divisible by {group}; allowed for this model: "

@@ -401,7 +401,7 @@ def test_native_step_decodes_as_the_torch_path(model, kw, monkeypatch):
     assert torch.equal(outs["torch"].sequences, outs["auto"].sequences)
     torch.testing.assert_close(torch.stack(outs["auto"].scores), torch.stack(outs["torch"].scores), atol=1e-4, rtol=0)
     for a, b in zip(outs["torch"].past_key_values.layers, outs["auto"].past_key_values.layers):
-        assert a.transfer_stats() == b.transfer_stats()
+        assert a.counters.as_dict() == b.counters.as_dict()
 
 
 def test_token_selection_takes_the_shortlists_top_tokens_and_attends_them(model):
