@@ -117,12 +117,10 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
 
 
 def attend_turn(layer, q, k_new, v_new, scaling):
-    """Several tokens after the prompt without past recording (a new turn, a continuation):
-    they attend densely, as any policy's prompt continuation does -- every exact token, every
-    selectable chunk (keys rebuilt from the factors with RoPE, values fetched from the host
-    tier, counted as one fetch), the generated tokens and their own earlier tokens -- and are
-    then kept as generated tokens. One pass instead of a decode step per token; the rebuilt
-    keys and fetched values are transient (a layer's worth, like a prefill's)."""
+    """Several tokens after the prompt without past recording (a new turn): they attend densely, as
+    any policy's prompt continuation does -- every exact token, every selectable chunk (keys rebuilt,
+    values fetched once), the generated tokens and their own earlier ones -- and are kept as
+    generated tokens. The rebuilt keys and fetched values are transient (like a prefill's)."""
     p = layer.policy
     B, H_q, T, D = q.shape
     H, dev = k_new.shape[1], q.device

@@ -20,17 +20,14 @@ class StaticStore:
     """A ShadowKV layer's decode state at fixed shapes, for steps `torch.compile` captures.
 
     Built from the layer's state after a prompt or a turn when the cache's capacity is planned (a
-    traced step cannot build it), else at the first static step; `step` is the layer's decode step
-    while ``plan.static``; `to_layer` gives the state back to the eager paths (whose folds also run
-    here: a store built for one `fold`, given back). The chunk grid (``landmarks``, ``selectable``,
-    ``factor``, the host tables, ``tail_v_sum``), the exact tokens and the generated tokens are
-    preallocated for every token the capacity allows; ``n_chunks``, ``gen_len`` and ``exact_cnt``
-    live on the device. A step folds (`ShadowKVPolicy.fold_size`) under a device condition with
-    masked writes, selects a constant ``k_max`` chunks by top-k (the eager step's budget, shortlist
-    size and rerank decision as device masks), gathers the chosen values from the host tier by
-    device ids (`kvpress.kernels.triton_shadowkv_host.host_gather`), attends exact, chosen and
-    generated tokens under one masked softmax and merges the ``tail_chunk`` estimate. Unlike the
-    eager step it keeps no previous fetch to reuse and counts neither transfers nor ``max_attended``.
+    traced step cannot build it), else at the first static step; `to_layer` gives the state back to
+    the eager paths (whose folds also run here: a store built for one `fold`). The chunk grid, the
+    exact and the generated tokens are preallocated for every token the capacity allows; counts live
+    on the device. A step folds under a device condition with masked writes, selects a constant
+    ``k_max`` chunks by top-k (the eager step's budget, shortlist and rerank decision as device
+    masks), gathers their values from the host tier by device ids (`host_gather`), attends exact,
+    chosen and generated tokens under one masked softmax and merges the ``tail_chunk`` estimate. It
+    reuses no previous fetch and counts neither transfers nor ``max_attended``.
     """
 
     def __init__(self, layer, tokens: int | None = None):
