@@ -29,6 +29,10 @@ class CacheLayer(CacheLayerMixin):
     # the latest forward's record (work deferred while recording, e.g. a flush, runs there).
     rollback: str | None = None
     rollback_state: tuple[str, ...] = ()
+    # ("record") objects that keep the layer's latest tokens whole, each with ``length`` / ``truncate``
+    # (ShadowKV's generated tokens): a crop may then reach past the recorded forward, the rest of it
+    # truncated from them as ``"truncate"`` does (:meth:`after_truncate` follows)
+    rollback_truncate: tuple[str, ...] = ()
     # True when the layer's decode step is static (``plan.static``): it writes and attends at the plan's
     # device positions over buffers sized in advance, so ``torch.compile`` captures it as one graph
     static_decode = False
@@ -52,6 +56,7 @@ class CacheLayer(CacheLayerMixin):
         self.record_past = False  # set by activate_past_recording (assisted decoding)
         self.counts_deferred = False  # a static step stored a token its caller still has to count
         self._record: tuple[int, torch.Tensor, torch.Tensor, dict] | None = None  # the latest recorded forward
+        self._whole_before = 0  # (``rollback_truncate``) tokens kept whole before the recorded forward
         self.prompt_stage = None  # an open prompt's pieces, held by the core (``stages_prompt``)
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.device: torch.device | None = None
@@ -145,21 +150,31 @@ class CacheLayer(CacheLayerMixin):
                              f"{', '.join(map(repr, ROLLBACKS))}")
         if self.rollback == "truncate":
             return self.truncatable()
-        if self.rollback == "record" and self._record is not None:
-            return self._record[1].shape[2]
+        if self.rollback == "record":
+            if self._record is None:
+                return self._kept_whole()
+            return self._record[1].shape[2] + self._whole_before
         return 0
+
+    def _kept_whole(self) -> int:
+        """(``rollback_truncate``) How many of the latest tokens the named objects keep whole."""
+        parts = [getattr(self, name) for name in self.rollback_truncate]
+        return min((part.length for part in parts if part is not None), default=0)
+
+    def _truncate(self, names: tuple[str, ...], n: int) -> None:
+        for name in names:
+            part = getattr(self, name)
+            if part is not None:
+                part.truncate(part.length - n)
+        self.seen -= n
+        self.after_truncate()
 
     def remove_latest(self, n: int) -> None:
         """Take back the latest ``n`` tokens (``0 <= n <= removable()``), then :meth:`end_record`;
         ``n = 0`` only ends the latest forward's record."""
         if self.rollback == "truncate":
             if n:
-                for name in self.rollback_state:
-                    part = getattr(self, name)
-                    if part is not None:
-                        part.truncate(part.length - n)
-                self.seen -= n
-                self.after_truncate()
+                self._truncate(self.rollback_state, n)
             self.end_record()
             return
         if self.rollback == "record":
@@ -168,8 +183,11 @@ class CacheLayer(CacheLayerMixin):
                 _seen, k, v, saved = record
                 self.restore(saved)
                 keep = k.shape[2] - n
-                if keep:
+                if keep > 0:
                     self.store_again(k[:, :, :keep], v[:, :, :keep])
+                n = max(0, -keep)
+            if n:  # past the recorded forward (``rollback_truncate``)
+                self._truncate(self.rollback_truncate, n)
             self.end_record()
             return
         if n:
@@ -190,6 +208,7 @@ class CacheLayer(CacheLayerMixin):
         is on: a ``"record"`` layer saves its state (:meth:`snapshot`) with them."""
         if self.rollback == "record":
             self._record = (self.seen, k, v, self.snapshot())
+            self._whole_before = self._kept_whole()
 
     def snapshot(self) -> dict:
         """The state a forward may change (``seen`` and ``rollback_state``), as copies."""

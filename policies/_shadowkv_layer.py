@@ -1,18 +1,19 @@
 """The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): it holds the state and routes each
 forward -- a prompt to `ingest`, a new turn to `attend_turn` (``_shadowkv_prefill``), an eager
 decode step to `decode` (``_shadowkv_step``), a static one to its `StaticStore`
-(``_shadowkv_static``) -- and takes tokens back (crop)."""
+(``_shadowkv_static``). The core stages a prompt given in pieces and takes tokens back."""
 
 from __future__ import annotations
 
 import torch
 
 from kvpress.attention import dense_causal_attention
-from kvpress.cache import CacheLayer, PromptStage
+from kvpress.buffers import KVBuffer
+from kvpress.cache import CacheLayer
 
 from ._shadowkv_prefill import attend_turn, ingest, query_squares
 from ._shadowkv_static import StaticStore
-from ._shadowkv_step import decode
+from ._shadowkv_step import decode, store_step
 from ._shadowkv_store import TransferCounters
 
 
@@ -27,25 +28,37 @@ class ShadowKVLayer(CacheLayer):
 
     Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
     (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
-    with ``exact_idx``/``exact_cnt``, generated tokens ``gen_k``/``gen_v`` (B, H_kv, cap, D), and
-    the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys``: their exact keys
-    with ``fetch_keys``, their residual rows with ``residual_bits``), and with ``tail_chunk`` the
-    value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier: ``v_host`` (B, H_kv, C,
-    chunk_size, D), with ``fetch_keys`` the exact post-RoPE keys ``k_host`` in the same layout,
-    with ``residual_bits`` the quantized residual of the rebuilt keys ``kr_host`` (B, H_kv, C,
-    chunk_size, W; `residual_table`). Transfers: ``counters`` (:class:`TransferCounters`).
+    with ``exact_idx``/``exact_cnt``, generated tokens ``gen`` (a `KVBuffer`; ``gen_k``/``gen_v``/
+    ``gen_len``), the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys``: their
+    exact keys with ``fetch_keys``, their residual rows with ``residual_bits``), and with
+    ``tail_chunk`` the value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier:
+    ``v_host`` (B, H_kv, C, chunk_size, D), with ``fetch_keys`` the exact post-RoPE keys ``k_host``
+    in the same layout, with ``residual_bits`` the quantized residual of the rebuilt keys
+    ``kr_host`` (B, H_kv, C, chunk_size, W; `residual_table`). Transfers: ``counters``.
     While a `StaticStore` holds the state (``_static``), the attributes in ``_MOVED`` are None.
+
+    Rollback (``"record"``): a recorded forward is undone by putting back the attributes it
+    replaced (a prompt's factorisation, a step's fold) and storing its kept tokens again; past it,
+    the generated tokens not yet folded are truncated (``rollback_truncate``).
     """
 
-    croppable = True  # generated tokens; the prompt's own forward by ingesting what it keeps again
-    static_decode = True  # `StaticStore`, built after a prompt or a turn when the capacity is planned
+    static_decode = True  # `StaticStore`: after a prompt or a turn on a planned cache, or at the first static step
     verify_as_steps = True  # assisted decoding's verification attends as decode steps (the core splits it)
+    rollback = "record"
+    rollback_truncate = ("gen",)
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
               "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
               "tail_v_sum", "key_weight")
-    # what a fold replaces (`fold_generated`), held while a recorded forward may still be cropped
-    _FOLDED = _STATE + ("v_host", "k_host", "kr_host", "gen_len", "exact_max", "max_selectable", "exact_mode",
-                        "n_chunks", "_exact_cnt_cpu", "_sel_cnt_cpu")
+    # what a forward replaces (never changes in place; `gen` only grows): recorded by reference
+    rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + (
+        "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu",
+        "_sel_cnt_cpu")
+    # held by the `StaticStore` while it lives (the previous step's fetch is dropped: a static step reuses none)
+    _MOVED = ("exact_k", "exact_v", "exact_idx", "exact_cnt", "landmarks", "selectable", "factor", "basis", "v_host",
+              "k_host", "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
+    gen_k = property(lambda self: self.gen.k, lambda self, t: setattr(self.gen, "k", t))
+    gen_v = property(lambda self: self.gen.v, lambda self, t: setattr(self.gen, "v", t))
+    gen_len = property(lambda self: self.gen.length)
 
     def __init__(self, cache, layer_idx: int, policy):
         super().__init__(cache, layer_idx)
@@ -53,54 +66,37 @@ class ShadowKVLayer(CacheLayer):
         self.max_attended = 0  # most tokens one KV head attended in a decode step
         self.counters = TransferCounters()
         self._inv_freq = None
-        self._prompt_record = None  # (k, v) of the prompt's forward while it can still be cropped
-        self._prompt_qsq = None  # with svd="query": that forward's query squares (`query_squares`)
+        self._prompt_qsq = None  # with svd="query": a recorded prompt forward's query squares (`query_squares`)
         self._stage_qsq = None  # with svd="query": the staged prompt's query squares
-        self._stage = None  # a prompt arriving in several forwards (`PolicyCache.prompt`)
-        self._fold_undo: list[tuple[int, dict]] = []  # folds of the recorded forward: (seen before, state)
-        self._clear()
-
-    def _clear(self) -> None:
-        """No prompt, no generated tokens (a new layer, or a prompt forward taken back)."""
-        for name in self._STATE:
+        self.gen = KVBuffer(64)
+        for name in self.rollback_state:
             setattr(self, name, None)
-        self.v_host = self.k_host = self.kr_host = None
-        self.gen_len = 0
-        self.exact_max = 0  # most exact tokens of any (row, KV head)
-        self.max_selectable = 0
-        self.exact_mode = False
-        self.n_chunks = 0  # chunks of the store's token axis: the padded prompt's, then folded ones
-        self._exact_cnt_cpu = self._sel_cnt_cpu = None
+        self.exact_max = self.max_selectable = self.n_chunks = 0  # n_chunks: the store's chunk grid
         self._static = None  # the state at fixed shapes while static steps may come (`StaticStore`)
-        self.seen = 0
 
-    # ------------------------------------------------------------------ prefill
+    # ------------------------------------------------------------------ forwards
     def attend(self, q, k_new, v_new, scaling):
         plan = self.cache.plan
-        # (a step recording its past for a crop takes the eager path: only that one can undo its fold)
-        if plan is not None and plan.static and self._static is not None and not self.record_past:
+        # (a step recording its past for a crop takes the eager path: only there a fold is undone)
+        if plan is not None and plan.static and self.rope_start is not None and not self.record_past:
+            if self._static is None:
+                self._enter_static()
             return self._static.step(self, q, k_new, v_new, scaling)
         self._leave_static()
-        if self.cache.prompt_open and (self.seen == 0 or self._stage is not None):  # factorised at its end
-            if self._stage is None:
-                self._stage = PromptStage()
-            self.seen += k_new.shape[2]
-            q_sq = query_squares(self.policy, q, k_new.shape[1])
-            if q_sq is not None:
-                self._stage_qsq = q_sq if self._stage_qsq is None else torch.cat([self._stage_qsq, q_sq], dim=2)
-            return self._stage.attend(q, k_new, v_new, scaling, self.row_start)
-        if self.seen == 0:
+        if self.rope_start is None:  # the prompt (one in pieces is staged by the core: `take_prompt`)
             out = dense_causal_attention(q, k_new, v_new, scaling, q_start=0, row_start=self.row_start)
             q_sq = query_squares(self.policy, q, k_new.shape[1])
-            if self._prompt_record is not None:
-                self._prompt_qsq = q_sq
+            self._prompt_qsq = q_sq if self._record is not None else None
             self._ingest(k_new, v_new, q_sq)
             return out
+        self._prompt_qsq = None
         if self.cache.prompt_open or q.shape[2] > 1:
             # a new turn (any piece of one, a one-token last piece included): a prompt continuation
-            return self._attend_turn(q, k_new, v_new, scaling)
-        # a decode step (assisted decoding's verification arrives as such steps: verify_as_steps)
-        return decode(self, q, k_new, v_new, scaling)
+            out = attend_turn(self, q, k_new, v_new, scaling)
+            if not self.cache.prompt_open:
+                self._enter_static(planned=True)
+            return out
+        return decode(self, q, k_new, v_new, scaling)  # (a verification arrives as such steps)
 
     def ingest_prefill(self, k, v):
         if self.policy.svd == "query":
@@ -111,34 +107,37 @@ class ShadowKVLayer(CacheLayer):
             self.lazy_initialization(k, v)
         self._ingest(k, v)
 
-    def end_prompt(self) -> None:
-        self._leave_static()
-        stage, self._stage = self._stage, None
+    @property
+    def stages_prompt(self) -> bool:
+        return self.rope_start is None  # a first prompt is factorised as a whole; a turn's pieces attend densely
+
+    def attend_staged(self, q, stage, q_start, scaling):
+        q_sq = query_squares(self.policy, q, stage.buffer.k.shape[1])
+        if q_sq is not None:
+            self._stage_qsq = q_sq if self._stage_qsq is None else torch.cat([self._stage_qsq, q_sq], dim=2)
+        return super().attend_staged(q, stage, q_start, scaling)
+
+    def take_prompt(self, stage) -> None:
         q_sq, self._stage_qsq = self._stage_qsq, None
-        if stage is not None:  # the whole prompt, as one forward would have left it
-            self.seen = 0
-            self._ingest(stage.buffer.keys, stage.buffer.values, q_sq)
+        self._ingest(stage.buffer.keys, stage.buffer.values, q_sq)
+
+    def end_prompt(self) -> None:
+        self._enter_static(planned=True)  # after a turn in pieces
 
     def _ingest(self, k, v, q_sq=None) -> None:
         ingest(self, k, v, q_sq)
-        self._enter_static()
-
-    def _attend_turn(self, q, k_new, v_new, scaling):
-        out = attend_turn(self, q, k_new, v_new, scaling)
-        self._enter_static()
-        return out
+        self._enter_static(planned=True)
 
     # ------------------------------------------------------------------ static decode
-    _MOVED = ("gen_k", "gen_v", "exact_k", "exact_v", "exact_idx", "landmarks", "selectable", "factor", "v_host",
-              "k_host", "kr_host", "tail_v_sum")  # held by the `StaticStore` while it lives
-
-    def _enter_static(self) -> None:
-        """After a prompt or a turn, with the cache's capacity planned: move the state into a
-        `StaticStore` (fixed shapes), which the static steps use and `_leave_static` gives back."""
-        if self.cache.capacity and self.exact_k is not None:
+    def _enter_static(self, planned: bool = False) -> None:
+        """Move the state into a `StaticStore` (fixed shapes) for the static steps; with ``planned``
+        only on a cache whose capacity is planned (the static path's steps are traced, so the
+        store must exist before the first of them). `_leave_static` gives the state back."""
+        if self._static is None and self.rope_start is not None and (self.cache.capacity or not planned):
             self._static = StaticStore(self)
             for name in self._MOVED:
                 setattr(self, name, None)
+            self.gen = KVBuffer(64)
 
     def _leave_static(self) -> None:
         """The eager paths need the state as attributes again (host counts read once)."""
@@ -146,69 +145,48 @@ class ShadowKVLayer(CacheLayer):
             store, self._static = self._static, None
             store.to_layer(self)
 
-    # ------------------------------------------------------------------ decode
     def _rope_inv_freq(self, device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
             self._inv_freq = self.cache.adapter.inv_freq(device, self.layer_idx)
         return self._inv_freq
 
-    # ------------------------------------------------------------------ crop
-    def record_forward(self, k, v):
-        # the prompt's forward (assisted decoding's first one also holds draft tokens) is taken
-        # back by ingesting the kept tokens again; later forwards only add generated tokens
-        self._prompt_record = (k, v) if self.seen == 0 else None
-        self._prompt_qsq = None  # set by the forward's attention when it is the prompt's
-        self._fold_undo = []  # an earlier forward's folds are final
+    # ------------------------------------------------------------------ rollback (run by the core)
+    def snapshot(self) -> dict:
+        self._leave_static()  # references, not copies: a forward replaces these, and only appends to `gen`
+        return {"seen": self.seen, "gen": (self.gen, self.gen.length),
+                **{name: getattr(self, name) for name in self.rollback_state}}
+
+    def restore(self, saved: dict) -> None:
+        self._static = None  # (built after the recorded forward)
+        for name, value in saved.items():
+            setattr(self, name, value)
+        self.gen, length = saved["gen"]
+        self.gen.truncate(length)  # the slots the forward appended, zeroed
+
+    def store_again(self, k, v) -> None:
+        if self.rope_start is None:  # the prompt's forward, shorter: factorised again
+            q_sq, self._prompt_qsq = self._prompt_qsq, None
+            self._ingest(k, v, None if q_sq is None else q_sq[:, :, : k.shape[2]])
+            return
+        for t in range(k.shape[2]):  # as decode steps store them (folds included)
+            store_step(self, k[:, :, t : t + 1], v[:, :, t : t + 1])
 
     def removable(self) -> int:
         self._leave_static()
-        if self._prompt_record is not None:
-            return self._prompt_record[0].shape[2]
-        if self._fold_undo:  # undoing the forward's folds gives back the tokens they took
-            seen, state = self._fold_undo[0]
-            return self.seen - seen + state["gen_len"]
-        return self.gen_len
+        return super().removable()
 
     def _removable_hint(self) -> str:
         return (" (the generated tokens not yet folded into the store, see fold_size; the prompt only right after "
                 "its forward, with past recording on)")
 
-    def remove_latest(self, n):
-        self._leave_static()
-        record, self._prompt_record = self._prompt_record, None
-        q_sq, self._prompt_qsq = self._prompt_qsq, None
-        undo, self._fold_undo = self._fold_undo, []  # the forward's folds, oldest first
-        if not n:
-            return
-        if record is not None:  # the whole latest forward was the prompt: ingest what it keeps again
-            k, v = record
-            self._clear()
-            if k.shape[2] > n:
-                keep = k.shape[2] - n
-                self._ingest(k[:, :, :keep], v[:, :, :keep], None if q_sq is None else q_sq[:, :, :keep])
-            return
-        kept = self.seen - n
-        while undo and undo[-1][0] >= kept:  # a fold made by a step that is taken back
-            self.seen, state = undo.pop()
-            for name, value in state.items():
-                setattr(self, name, value)
-        n = self.seen - kept
-        self.gen_len -= n
-        self.gen_k[:, :, self.gen_len : self.gen_len + n] = 0
-        self.gen_v[:, :, self.gen_len : self.gen_len + n] = 0
-        self.seen -= n
-
     # ------------------------------------------------------------------ bookkeeping
     def state_tensors(self):
-        if self._static is not None:
-            return {**{name: getattr(self, name) for name in self._STATE}, **self._static.device_tensors()}
-        staged = {} if self._stage is None else {**self._stage.state_tensors(), "_stage_qsq": self._stage_qsq}
-        return {**{name: getattr(self, name) for name in self._STATE}, **staged}
+        own = {**{name: getattr(self, name) for name in self._STATE}, "_stage_qsq": self._stage_qsq}
+        return own if self._static is None else {**own, **self._static.device_tensors()}
 
     def host_tensors(self):
-        if self._static is not None:
-            return self._static.host_tensors()
-        return {"v_host": self.v_host, "k_host": self.k_host, "kr_host": self.kr_host}
+        holder = self if self._static is None else self._static
+        return {name: getattr(holder, name) for name in ("v_host", "k_host", "kr_host")}
 
     def batch_select(self, indices: torch.Tensor) -> None:
         self._leave_static()
@@ -219,19 +197,12 @@ class ShadowKVLayer(CacheLayer):
             self._exact_cnt_cpu = self._exact_cnt_cpu.index_select(0, host_idx)
             self._sel_cnt_cpu = self._sel_cnt_cpu.index_select(0, host_idx)
 
-    def transfer_stats(self) -> dict:
-        """Host -> device traffic of this layer: steps, chunks, bytes per step, reuse rate."""
-        return self.counters.as_dict()
-
     def stored_tokens(self) -> int:
-        return self.seen  # every token is represented (exactly, low-rank + host, or generated)
+        # every token is represented (exactly, low-rank + host, or generated); a staged prompt the core counts
+        return 0 if self.rope_start is None else self.seen
 
     def cached_elements(self) -> int:
-        if self._stage is not None:
-            return self._stage.cached_elements()
-        exact_k = self.exact_k if self._static is None else self._static.exact_k
-        if exact_k is None:
+        if self.rope_start is None:
             return 0
-        b, h, _, d = exact_k.shape
-        return 2 * b * h * self.seen * d
-
+        adapter = self.cache.adapter
+        return 2 * self.rope_start.shape[0] * adapter.num_kv_heads * self.seen * adapter.head_dim

@@ -11,8 +11,8 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_value_sums
-from ._shadowkv_step import append_generated, key_table
-from ._shadowkv_store import (add_residual, default_rank, fetch_tables, low_rank, query_pair_weights,
+from ._shadowkv_step import key_table
+from ._shadowkv_store import (attended_keys, default_rank, fetch_tables, low_rank, query_pair_weights,
                               residual_table, to_host)
 
 
@@ -51,7 +51,6 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
     row_exact = p.budget >= T - rs  # (B,)
     out_cnt = torch.where(row_exact, middle.sum(1), middle.sum(1).clamp(max=p.outlier_chunks))  # (B,)
     n_out = int(out_cnt.max()) if B else 0
-    layer.exact_mode = bool(row_exact.all())
     layer.row_exact, layer.rope_start, layer.n_chunks = row_exact, rope_start, C
 
     landmarks = chunk_landmarks(kp, cs, seq_starts=rope_start)  # (B, H, C, D)
@@ -114,16 +113,14 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
             layer.kr_host = to_host(residual.view(B, H, C, cs, -1))
         if p.tail_chunk:
             layer.tail_v_sum = tail_value_sums(vp.view(B, H, C, cs, D), selectable, p.tail_chunk)
-    layer.seen += T
+    layer.seen = T
 
 
 def attend_turn(layer, q, k_new, v_new, scaling):
-    """Several tokens after the prompt without past recording (a new turn, a continuation):
-    they attend densely, as any policy's prompt continuation does -- every exact token, every
-    selectable chunk (keys rebuilt from the factors with RoPE, values fetched from the host
-    tier, counted as one fetch), the generated tokens and their own earlier tokens -- and are
-    then kept as generated tokens. One pass instead of a decode step per token; the rebuilt
-    keys and fetched values are transient (a layer's worth, like a prefill's)."""
+    """Several tokens after the prompt without past recording (a new turn): they attend densely, as
+    any policy's prompt continuation does -- every exact token, every selectable chunk (keys rebuilt,
+    values fetched once), the generated tokens and their own earlier ones -- and are kept as
+    generated tokens. The rebuilt keys and fetched values are transient (like a prefill's)."""
     p = layer.policy
     B, H_q, T, D = q.shape
     H, dev = k_new.shape[1], q.device
@@ -136,23 +133,14 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         C, cs = layer.selectable.shape[-1], p.chunk_size
         order = torch.where(layer.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
         ids = torch.where(order < C, order, -1)[..., : layer.max_selectable].to(torch.int32)  # (B, H, K)
-        extra_table = key_table(layer)
-        tables = [layer.v_host] if extra_table is None else [layer.v_host, extra_table]
+        tables = [t for t in (layer.v_host, key_table(layer)) if t is not None]
         fetched, *extra = fetch_tables(tables, ids, None, [None] * len(tables), layer.counters, dev)
-        if p.fetch_keys:
-            keys.append(extra[0].view(B, H, layer.max_selectable * cs, D))
-        else:
-            rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(dev), layer.rope_start,
-                                       chunk_size=cs, backend=p.backend)
-            if p.residual_bits:
-                rebuilt = add_residual(rebuilt, extra[0].view(B, H, layer.max_selectable * cs, -1),
-                                       p.residual_bits, p.residual_group_for(D), backend=p.backend)
-            keys.append(rebuilt)
+        keys.append(attended_keys(layer, ids, extra[0] if extra else None))
         values.append(fetched.view(B, H, layer.max_selectable * cs, D))
         seen_by_all.append((ids >= 0).repeat_interleave(cs, dim=-1))
     if layer.gen_len:
-        keys.append(layer.gen_k[:, :, : layer.gen_len])
-        values.append(layer.gen_v[:, :, : layer.gen_len])
+        keys.append(layer.gen.keys)
+        values.append(layer.gen.values)
         seen_by_all.append(torch.ones(B, H, layer.gen_len, dtype=torch.bool, device=dev))
     keys, values = torch.cat(keys + [k_new], dim=2), torch.cat(values + [v_new], dim=2)
     seen_by_all = torch.cat(seen_by_all + [torch.zeros(B, H, 0, dtype=torch.bool, device=dev)], dim=2)  # (B, H, N0)
@@ -168,6 +156,6 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         n0 = seen_by_all.shape[2]
         out[:, :, :, t0:t1] = masked_group_attention(qg[:, :, :, t0:t1], keys[:, :, : n0 + t1],
                                                      values[:, :, : n0 + t1], visible, scaling)
-    append_generated(layer, k_new, v_new)
+    layer.gen.append(k_new, v_new)
     layer.seen += T
     return out.reshape(B, H_q, T, D).to(q.dtype)

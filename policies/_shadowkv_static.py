@@ -5,32 +5,29 @@ from __future__ import annotations
 
 import torch
 
+from kvpress.buffers import KVBuffer
 from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.merge import torch_merge_states
 from kvpress.kernels.shadowkv_rebuild import torch_shadowkv_rebuild
 from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
 from kvpress.plan import capacity_bucket, static_address
 
-from ._shadowkv_select import (chunk_scores, pick_chunks, pick_tokens, tail_estimate, tail_estimate_tokens,
-                               tail_value_sums, token_scores, top_chunks)
-from ._shadowkv_store import add_residual, default_rank, project, residual_table
+from ._shadowkv_select import chunk_scores, rerank, tail_estimate, tail_value_sums, top_chunks
+from ._shadowkv_store import attended_keys, default_rank, low_rank, project, residual_table
 
 
 class StaticStore:
     """A ShadowKV layer's decode state at fixed shapes, for steps `torch.compile` captures.
 
-    Built from the layer's state after a prompt or a turn when the cache's capacity is planned;
-    `step` is the layer's decode step while ``plan.static``; `to_layer` gives the state back to the
-    eager paths (whose folds also run here: a store built for one `fold`, given back). The chunk
-    grid (``landmarks``, ``selectable``, ``factor``, the host tables, ``tail_v_sum``), the exact
-    tokens and the generated tokens are preallocated for every token the capacity allows;
-    ``n_chunks``, ``gen_len`` and ``exact_cnt`` live on the device. A step folds
-    (`ShadowKVPolicy.fold_size`) under a device condition with masked writes, selects a constant
-    ``k_max`` chunks by top-k (the eager step's budget, shortlist size and rerank decision as device
-    masks), gathers the chosen values from the host tier by device ids
-    (`kvpress.kernels.triton_shadowkv_host.host_gather`), attends exact, chosen and generated tokens
-    under one masked softmax and merges the ``tail_chunk`` estimate. Unlike the eager step it keeps
-    no previous fetch to reuse and counts neither transfers nor ``max_attended``.
+    Built from the layer's state after a prompt or a turn when the cache's capacity is planned (a
+    traced step cannot build it), else at the first static step; `to_layer` gives the state back to
+    the eager paths (whose folds also run here: a store built for one `fold`). The chunk grid, the
+    exact and the generated tokens are preallocated for every token the capacity allows; counts live
+    on the device. A step folds under a device condition with masked writes, selects a constant
+    ``k_max`` chunks by top-k (the eager step's budget, shortlist and rerank decision as device
+    masks), gathers their values from the host tier by device ids (`host_gather`), attends exact,
+    chosen and generated tokens under one masked softmax and merges the ``tail_chunk`` estimate. It
+    reuses no previous fetch and counts neither transfers nor ``max_attended``.
     """
 
     def __init__(self, layer, tokens: int | None = None):
@@ -101,12 +98,9 @@ class StaticStore:
                        self.chunked, self.row_exact, self.has_basis)
 
     def device_tensors(self) -> dict:
-        names = ("gen_k", "gen_v", "exact_k", "exact_v", "exact_cnt", "landmarks", "selectable", "factor", "basis",
-                 "tail_v_sum", "row_exact", "has_basis", "rope_start", "key_weight")
-        return {name: getattr(self, name) for name in names}
-
-    def host_tensors(self) -> dict:
-        return {"v_host": self.v_host, "k_host": self.k_host, "kr_host": self.kr_host}
+        """Every tensor the store holds on the device (the RoPE table is the layer's)."""
+        return {name: t for name, t in vars(self).items() if isinstance(t, torch.Tensor) and name != "inv_freq"
+                and name not in ("v_host", "k_host", "kr_host")}
 
     # ------------------------------------------------------------------ the step
     def step(self, layer, q, k_new, v_new, scaling):
@@ -133,11 +127,7 @@ class StaticStore:
         if self.k_max:
             ids, sel_keys = self._select(q0, allow, sel_cnt, scaling)
             sel_values, fetched = self._fetch(ids, tokens)
-            if p.fetch_keys:
-                sel_keys = fetched
-            elif p.residual_bits:
-                sel_keys = add_residual(sel_keys, fetched, p.residual_bits, p.residual_group_for(D), backend="torch")
-            keys.append(sel_keys)
+            keys.append(attended_keys(self, ids, fetched, sel_keys, backend="torch"))
             values.append(sel_values)
             visible.append(ids >= 0 if tokens else (ids >= 0).repeat_interleave(cs, dim=-1))
             chosen_values = sel_values if tokens else sel_values.view(B, H, self.k_max, cs, D)
@@ -146,9 +136,8 @@ class StaticStore:
         visible.append((torch.arange(G, device=q.device) < self.gen_len).expand(B, H, G))
         out, lse = _attend(q0, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(visible, 2), scaling)
         if p.tail_chunk:
-            estimate = tail_estimate_tokens if tokens else tail_estimate
-            o, l = estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, chosen_values,
-                            chunk_size=cs, tail_chunk=p.tail_chunk, scale=scaling)
+            o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, chosen_values,
+                                 chunk_size=cs, tail_chunk=p.tail_chunk, scale=scaling, tokens=tokens)
             out, lse = torch_merge_states(out, lse, o, l)
         layer.count_static_step()
         return out.to(q.dtype)[:, :, None]
@@ -187,12 +176,11 @@ class StaticStore:
             return ids, rebuild(ids)
         k_sel = allow.amax()  # the eager step's k
         shortlist = torch.maximum(torch.minimum(k_sel * p.rerank, sel_cnt.amax()), k_sel)  # its shortlist size
-        cand = top_chunks(scores, min(K * p.rerank, C), shortlist.expand(allow.shape))
-        cand_keys = rebuild(cand)
-        tok = token_scores(q0, cand, cand_keys, chunk_size=cs, scale=scaling, reduction=p.score_reduction)
+        ids, keys = rerank(q0, scores, rebuild, allow, shortlist.expand(allow.shape), k=K,
+                           shortlist=min(K * p.rerank, C), chunk_size=cs, scale=scaling, reduction=p.score_reduction,
+                           tokens=tokens)
         if tokens:
-            return pick_tokens(cand, cand_keys, tok, allow, k=K, chunk_size=cs, num_chunks=C)
-        ids, keys = pick_chunks(cand, cand_keys, tok, allow, k=K, chunk_size=cs, num_chunks=C)
+            return ids, keys
         plain = top_chunks(scores, K, allow)  # the eager step reranks only a shortlist longer than k
         reranked = shortlist > k_sel
         return torch.where(reranked, ids, plain), torch.where(reranked, keys, rebuild(plain))
@@ -215,7 +203,7 @@ class StaticStore:
         return gather(self.v_host), None if table is None else gather(table)
 
     def fold(self) -> None:
-        """The eager step's fold (`ShadowKVLayer._fold`) under a device condition: the oldest ``f``
+        """The fold (`ShadowKVPolicy.fold_size`) under a device condition: the oldest ``f``
         generated tokens (0 when the step folds none) join the exact tokens or the chunk grid."""
         p, cs, F = self.policy, self.policy.chunk_size, self.fold_max
         fold, lw = p.fold_tokens, p.local_window
@@ -246,7 +234,7 @@ class StaticStore:
         factor = project(k_pre, self.basis, self.key_weight).to(self.factor.dtype)  # (B, F, R)
         if self.may_need_basis:
             need = crow & ~self.has_basis
-            f_svd, b_svd = _svd(k_pre, f, self.factor.shape[2], H, self.factor.dtype, self.key_weight)
+            f_svd, b_svd = low_rank(k_pre, None, self.factor.shape[2], H, self.factor.dtype, self.key_weight, count=f)
             factor = torch.where(need[:, None, None], f_svd, factor)
             self.basis.copy_(torch.where(need[:, None, None, None], b_svd, self.basis))
             self.has_basis.copy_(self.has_basis | need)
@@ -292,14 +280,13 @@ class StaticStore:
         self.gen_len.sub_(f)
 
     # ------------------------------------------------------------------ back to the eager paths
-    def to_layer(self, layer, keep_fetched: bool = False) -> None:
+    def to_layer(self, layer) -> None:
         """Give the state back to ``layer``'s eager attributes (host counts read once; new tensors, so
-        state held elsewhere, such as a recorded fold's undo, keeps the old ones). ``keep_fetched``:
-        the previous step's fetch stays for reuse (chunk ids are stable: the grid only grows)."""
+        state held elsewhere, such as a recorded forward's snapshot, keeps the old ones)."""
         cs = self.policy.chunk_size
         n = int(self.n_chunks)
-        layer.gen_len = int(self.gen_len)
-        layer.gen_k, layer.gen_v = self.gen_k, self.gen_v
+        layer.gen = KVBuffer(64)
+        layer.gen.k, layer.gen.v, layer.gen.length = self.gen_k, self.gen_v, int(self.gen_len)
         cnt = self.exact_cnt
         E = int(cnt.max()) if cnt.numel() else 0
         layer.exact_k = self.exact_k[:, :, :E].contiguous()
@@ -309,9 +296,6 @@ class StaticStore:
         layer.exact_cnt, layer.exact_max, layer._exact_cnt_cpu = cnt.to(torch.int32), E, cnt.cpu()
         layer.n_chunks = n
         layer.row_exact, layer.has_basis = self.row_exact, self.has_basis
-        layer.exact_mode = bool(self.row_exact.all())
-        if not keep_fetched:
-            layer.sel_idx = layer.sel_values = layer.sel_keys = None
         if not bool(self.chunked):
             return
         layer.landmarks = self.landmarks[:, :, :n].contiguous()
@@ -341,19 +325,3 @@ def _attend(q0, keys, values, visible, scaling):
     out = torch.exp(s - lse[..., None]) @ values.float()  # (B, H, G, D)
     return out.reshape(B, H_q, D), lse.reshape(B, H_q)
 
-
-def _svd(k_pre, f, rank, num_kv_heads, dtype, weights):
-    """`low_rank` of every row's first ``f`` (a [1] device count) of ``k_pre`` (B, F, H_kv * D), the
-    others zero: the components past ``min(f, H_kv * D)`` are zeroed, as the eager SVD of ``f`` rows has none."""
-    B, F, HD = k_pre.shape
-    scale = None if weights is None else weights.float().sqrt()  # (B, HD)
-    keys = k_pre if scale is None else k_pre * scale[:, None]
-    u, s, vh = torch.linalg.svd(keys, full_matrices=False)  # (B, F, m), (B, m), (B, m, HD)
-    r = min(rank, s.shape[-1])
-    ok = (torch.arange(r, device=k_pre.device) < torch.clamp(f, max=HD)).to(k_pre.dtype)  # (r,)
-    factor = k_pre.new_zeros(B, F, rank)
-    basis = k_pre.new_zeros(B, rank, HD)
-    factor[:, :, :r] = u[..., :r] * (s[:, None, :r] * ok)
-    vr = vh[:, :r] if scale is None else vh[:, :r] / scale[:, None]
-    basis[:, :r] = vr * ok[:, None]
-    return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)

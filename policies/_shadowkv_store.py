@@ -1,14 +1,8 @@
-"""Host tier of ShadowKV: values (with ``fetch_keys`` exact keys too) in chunk-contiguous layout,
-fetched per step with reuse.
-
-ShadowKV (arXiv 2410.21465) moves the values of the prompt off the accelerator and copies
-back only the chunks a decode step selects. Consecutive steps select mostly the same chunks,
-so chunks fetched for the previous step are kept on the device and reused; only the missing
-ones cross the host link. On CUDA the store is pinned host memory (asynchronous copies); on
-CPU it is a separate tensor, and the copies are counted the same way so the traffic is
-measurable without a GPU. Also here: the truncated SVD of the pre-RoPE keys that stays on the
-device (`low_rank`) and the traffic summed over a cache's layers (`transfer_summary`).
-"""
+"""Host tier of ShadowKV (arXiv 2410.21465): the prompt's values (and key tables) in chunk-contiguous
+layout off the accelerator, only the chunks a step selects copied back; consecutive steps select
+mostly the same chunks, so the previous step's are reused and only the missing ones cross the link
+(pinned memory on CUDA; on CPU a separate tensor, the traffic counted the same way). Also the
+truncated SVD of the pre-RoPE keys that stays on the device (`low_rank`) and the key residual."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,22 +12,11 @@ import torch
 
 @dataclass
 class TransferCounters:
-    """Host -> device traffic of one layer (summed over decode steps).
-
-    Attributes
-    ----------
-    steps : int
-        Fetches from the host tier: decode steps, and new turns (which fetch every selectable
-        chunk once for their dense pass).
-    requested_chunks : int
-        Selected chunks summed over steps, rows and KV heads.
-    reused_chunks : int
-        Of those, chunks already on the device from the previous step.
-    fetched_bytes : int
-        Bytes copied from the host tier.
-    last_fetched_bytes : int
-        Bytes copied by the latest step.
-    """
+    """Host -> device traffic of one layer: ``steps`` (fetches from the host tier: decode steps, and
+    new turns, which fetch every selectable chunk once for their dense pass), ``requested_chunks``
+    (selected chunks summed over steps, rows and KV heads), ``reused_chunks`` (of those, chunks
+    already on the device from the previous step), ``fetched_bytes`` (copied from the host tier)
+    and ``last_fetched_bytes`` (by the latest step)."""
 
     steps: int = 0
     requested_chunks: int = 0
@@ -46,14 +29,11 @@ class TransferCounters:
         """Fraction of selected chunks served from the device copy of the previous step."""
         return self.reused_chunks / self.requested_chunks if self.requested_chunks else 0.0
 
-    @property
-    def fetched_bytes_per_step(self) -> float:
-        return self.fetched_bytes / self.steps if self.steps else 0.0
-
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "requested_chunks": self.requested_chunks,
-                "reused_chunks": self.reused_chunks, "fetched_bytes": self.fetched_bytes,
-                "fetched_bytes_per_step": self.fetched_bytes_per_step, "reuse_rate": self.reuse_rate}
+        steps = self.steps
+        return {"steps": steps, "requested_chunks": self.requested_chunks, "reused_chunks": self.reused_chunks,
+                "fetched_bytes": self.fetched_bytes, "reuse_rate": self.reuse_rate,
+                "fetched_bytes_per_step": self.fetched_bytes / steps if steps else 0.0}
 
 
 def to_host(values: torch.Tensor) -> torch.Tensor:
@@ -65,17 +45,6 @@ def to_host(values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", copy=True).contiguous()
 
 
-def append_host(host: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``host`` (B, H_kv, C, chunk_size, D) with ``values`` (B, H_kv, n, chunk_size, D) appended as
-    chunks: a new host-tier tensor (pinned when ``values`` live on CUDA)."""
-    B, H, C, cs, D = host.shape
-    pin = values.device.type == "cuda"
-    out = torch.empty(B, H, C + values.shape[2], cs, D, dtype=host.dtype, device="cpu", pin_memory=pin)
-    out[:, :, :C] = host
-    out[:, :, C:] = values.to("cpu")
-    return out
-
-
 def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
                  prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device) -> torch.Tensor:
     """Values of the selected chunks on ``device``, reusing the previous step's copies
@@ -85,24 +54,14 @@ def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Te
 
 def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, prevs, counters: TransferCounters,
                  device: torch.device) -> list[torch.Tensor]:
-    """The selected chunks of each host-tier table (values; with ``fetch_keys`` exact keys beside
-    them) on ``device``, reusing the previous step's copies: one plan for every table, one step.
+    """The selected chunks of each host-tier table on ``device``, reusing the previous step's copies:
+    one plan for every table (values; with ``fetch_keys`` exact keys, with ``residual_bits`` the
+    keys' residual), one step counted in ``counters`` (its chunks once, the bytes of every table).
 
-    Parameters
-    ----------
-    hosts : sequence of Tensor (B, H_kv, C, chunk_size, D_i) on the host
-        Chunk-contiguous tables of the same chunks.
-    chunk_idx : int32 Tensor (B, H_kv, K) on ``device``
-        Selected chunk ids, -1 for empty slots (zeros there, nothing is fetched).
-    prev_idx : (B, H_kv, K') on ``device``, or None
-        The previous step's selection; ``prevs`` its copies of each table (B, H_kv, K', chunk_size,
-        D_i), or None.
-    counters : TransferCounters
-        Updated in place: one step, its chunks counted once, the bytes of every table.
-
-    Returns
-    -------
-    list of Tensor (B, H_kv, K, chunk_size, D_i) on ``device``, one per table.
+    ``hosts``: tables (B, H_kv, C, chunk_size, D_i) on the host; ``chunk_idx``: int32 (B, H_kv, K)
+    on ``device``, -1 for empty slots (zeros there, nothing fetched); ``prev_idx`` (B, H_kv, K') the
+    previous step's selection and ``prevs`` its copies of each table, or None. Returns a list of
+    (B, H_kv, K, chunk_size, D_i) on ``device``, one per table.
     """
     B, H, C, cs = hosts[0].shape[:4]
     K, BH = chunk_idx.shape[2], B * H
@@ -172,13 +131,15 @@ def default_rank(key_dim: int) -> int:
     return max(1, key_dim // 4)
 
 
-def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_heads: int, dtype,
-             weights: torch.Tensor | None = None):
+def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor | None, rank: int, num_kv_heads: int, dtype,
+             weights: torch.Tensor | None = None, count: torch.Tensor | None = None):
     """Truncated SVD of each row's real tokens: factor (B, T_pad, rank), basis (B, rank, H_kv, D).
 
-    Each row is factored on its own real tokens only (padding rows excluded, not just zeroed) and
-    short rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the
-    same factors as the same prompt run alone.
+    Each row is factored on its own real tokens only (from ``rope_start``; None: all) and short
+    rows are zero-padded to ``rank`` components, so a left-padded row of a batch gets the same
+    factors as the same prompt run alone. ``count`` (a [1] device tensor, the static fold's): the
+    rows past it are zeros and the components past ``min(count, H_kv * D)`` are dropped, as an SVD
+    of ``count`` rows has none.
 
     ``weights`` (B, H_kv * D), positive: the SVD is taken in the metric ``sum_c w_c e_c^2`` of the
     error ``e`` (keys scaled by ``sqrt(w)`` per channel, the scale taken back out of the basis), so
@@ -188,15 +149,17 @@ def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor, rank: int, num_kv_he
     factor = k_pre.new_zeros(B, T_pad, rank)
     basis = k_pre.new_zeros(B, rank, HD)
     scale = None if weights is None else weights.float().sqrt()  # (B, HD)
-    starts = rope_start.tolist()
+    starts = [0] * B if rope_start is None else rope_start.tolist()
     groups = [list(range(B))] if len(set(starts)) == 1 else [[b] for b in range(B)]
     for rows in groups:
         first = starts[rows[0]]
         keys = k_pre[rows, first:] if scale is None else k_pre[rows, first:] * scale[rows, None]
         u, s, vh = torch.linalg.svd(keys, full_matrices=False)  # (n, L, m), (n, m), (n, m, HD)
         r = min(rank, s.shape[-1])
-        factor[rows, first:, :r] = u[..., :r] * s[:, None, :r]
-        basis[rows, :r] = vh[:, :r] if scale is None else vh[:, :r] / scale[rows, None]
+        ok = 1 if count is None else (torch.arange(r, device=s.device) < torch.clamp(count, max=HD)).to(s.dtype)
+        factor[rows, first:, :r] = u[..., :r] * (s[:, None, :r] * ok)
+        basis[rows, :r] = (vh[:, :r] if scale is None else vh[:, :r] / scale[rows, None]) * (
+            ok if count is None else ok[:, None])
     return factor.to(dtype), basis.view(B, rank, num_kv_heads, HD // num_kv_heads).to(dtype)
 
 
@@ -251,3 +214,23 @@ def add_residual(keys: torch.Tensor, table: torch.Tensor, bits: int, group_size:
     codes = unpack_codes(table[..., :nb], bits).float().view(B, H, n, ng, group_size)
     res = codes * sz[..., :ng, None] + sz[..., ng:, None]
     return (keys.float() + res.view(B, H, n, D)).to(keys.dtype)
+
+
+def attended_keys(layer, ids, fetched, rebuilt=None, backend=None):
+    """The keys to attend the chosen chunks ``ids`` (B, H, K; -1 empty) with, (B, H, K * cs, D):
+    the exact keys fetched beside their values (``fetch_keys``), else ``rebuilt`` (their low-rank
+    keys; None: rebuilt here from ``layer``'s factors) plus, with ``residual_bits``, the fetched
+    residual rows (``backend``: the residual's, the policy's by default)."""
+    from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
+
+    p = layer.policy
+    backend = backend or p.backend
+    if p.fetch_keys:
+        return fetched.reshape(*ids.shape[:2], -1, fetched.shape[-1])
+    if rebuilt is None:
+        rebuilt = shadowkv_rebuild(layer.factor, layer.basis, ids, layer._rope_inv_freq(ids.device), layer.rope_start,
+                                   chunk_size=p.chunk_size, backend=backend)
+    if not p.residual_bits:
+        return rebuilt
+    return add_residual(rebuilt, fetched.reshape(*rebuilt.shape[:3], -1), p.residual_bits,
+                        p.residual_group_for(rebuilt.shape[-1]), backend=backend)

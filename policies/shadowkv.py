@@ -10,8 +10,7 @@ from kvpress.kernels.shadowkv_rebuild import SHADOWKV_CHUNK_SIZES
 from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 from ._shadowkv_layer import ShadowKVLayer
-from ._shadowkv_store import (TransferCounters, default_rank, fetch_chunks, low_rank, to_host,  # noqa: F401
-                              transfer_summary)  # (re-exported)
+from ._shadowkv_store import transfer_summary  # noqa: F401  (re-exported)
 
 _BACKENDS = ("auto", "torch", "triton")
 SELECT_UNITS = ("chunks", "tokens")
@@ -135,7 +134,8 @@ class ShadowKVPolicy(Policy):
         key_dim = adapter.num_kv_heads * adapter.head_dim
         if self.rank is not None and self.rank > key_dim:
             raise ValueError(f"rank={self.rank} is larger than the key dimension num_kv_heads * head_dim = "
-                             f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; allowed: 1 <= rank <= {key_dim}")
+                             f"{adapter.num_kv_heads} * {adapter.head_dim} = {key_dim}; "
+                             f"allowed: 1 <= rank <= {key_dim}")
         if adapter.head_dim % 2:
             raise ValueError(f"shadowkv needs an even head_dim for RoPE, got {adapter.head_dim}")
         if self.residual_bits:
@@ -145,12 +145,9 @@ class ShadowKVPolicy(Policy):
         """Channels per scale of the residual: ``residual_group``, or with None the largest allowed
         group of at most 32 channels that divides ``head_dim``."""
         fits = [g for g in ALLOWED_GROUP_SIZES if head_dim % g == 0]
-        if self.residual_group is None:
-            small = [g for g in fits if g <= 32]
-            if small:
-                return small[-1]
-        elif head_dim % self.residual_group == 0:
-            return self.residual_group
+        group = self.residual_group or max((g for g in fits if g <= 32), default=None)
+        if group in fits:
+            return group
         group = (f"any residual_group of at most 32 channels in {list(ALLOWED_GROUP_SIZES)}"
                  if self.residual_group is None else f"residual_group={self.residual_group}")
         raise ValueError(f"head_dim={head_dim} is not divisible by {group}; allowed for this model: "

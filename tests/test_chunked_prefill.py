@@ -109,10 +109,8 @@ def test_duo_prefill_modes_are_the_prompts_not_the_forwards(model, fields, chunk
 
 
 def _staged(layer):
-    """The pieces of an open prompt held for ``layer``: by the core (``stages_prompt``), or by
-    the layer itself (shadowkv)."""
-    stage = getattr(layer, "prompt_stage", None)
-    return stage if stage is not None else getattr(layer, "_stage", None)
+    """The pieces of an open prompt the core holds for ``layer`` (``stages_prompt``)."""
+    return getattr(layer, "prompt_stage", None)
 
 
 @pytest.mark.parametrize("name", ["snapkv", "shadowkv"])

@@ -120,6 +120,50 @@ def test_a_truncating_layer_takes_back_only_what_it_declares_and_hears_every_cro
     torch.testing.assert_close(layer.total, layer.buffer.keys.sum(2))  # after_truncate ran
 
 
+class WholeTailLayer(ToyLayer):
+    """Records its forwards, and keeps the tokens after its first ``prefix`` whole in ``tail`` (a
+    buffer a crop may truncate past the record), as ShadowKV keeps its generated tokens."""
+
+    rollback_truncate = ("tail",)
+
+    def __init__(self, cache, prefix):
+        super().__init__(cache, "record")
+        self.rollback_state, self.prefix, self.tail = ("buffer", "total", "tail"), prefix, KVBuffer()
+
+    def store_again(self, k, v):
+        super().store_again(k, v)
+        for t in range(k.shape[2]):
+            if self.seen - k.shape[2] + t >= self.prefix:
+                self.tail.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+
+    def after_truncate(self):
+        self.buffer.truncate(self.seen)
+        self.total = self.buffer.keys.sum(2)
+
+
+def test_a_recording_layer_truncates_past_the_record_what_it_keeps_whole():
+    cache = _cache(ForwardKind.DECODE)
+    layer, ref = WholeTailLayer(cache, prefix=4), WholeTailLayer(cache, prefix=4)
+    k0, v0 = _kv(7, seed=4)
+    k1, v1 = _kv(3, seed=5)
+    for lay in (layer, ref):
+        lay.store_again(k0, v0)
+        lay.activate_past_recording()
+    assert layer.removable() == 3  # no record: the tokens kept whole
+    layer.record_forward(k1, v1)
+    layer.store_again(k1, v1)
+    assert layer.removable() == 3 + 3  # the recorded forward, then the whole tokens before it
+    layer.crop(-5)
+    ref.store_again(k0[:, :, :0], v0[:, :, :0])
+    ref.crop(-2)
+    assert layer.seen == ref.seen == 5 and layer.tail.length == ref.tail.length == 1
+    torch.testing.assert_close(layer.buffer.keys, k0[:, :, :5])
+    torch.testing.assert_close(layer.total, k0[:, :, :5].sum(2))
+    torch.testing.assert_close(layer.tail.keys, ref.tail.keys)
+    with pytest.raises(ValueError, match="at most 1 can be taken back"):
+        layer.crop(-2)
+
+
 def test_an_undeclared_or_unknown_rollback_is_refused():
     cache = _cache()
     with pytest.raises(ValueError, match="cannot take tokens back"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvpress
+from kvpress.stats import tensor_bytes
 from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -126,20 +127,44 @@ def test_static_steps_past_the_planned_capacity_grow_the_store(model, fold_size)
     assert static_state == eager_state
 
 
-def test_state_moves_to_the_static_store_only_with_a_planned_capacity(model):
+def _held_bytes(layer):
+    """Bytes of every tensor the layer holds: its attributes, its generated tokens' buffer and its
+    static store (not the host-side integer budget tables nor the RoPE table)."""
+    holders = [layer, layer.gen] + ([layer._static] if layer._static is not None else [])
+    return tensor_bytes([t for h in holders for name, t in vars(h).items() if isinstance(t, torch.Tensor)
+                         and name not in ("_exact_cnt_cpu", "_sel_cnt_cpu", "_inv_freq", "inv_freq")])
+
+
+def _counted_bytes(layer):
+    return tensor_bytes([*layer.state_tensors().values(), *layer.host_tensors().values()])
+
+
+def test_state_moves_to_the_static_store_only_when_the_static_path_may_run(model):
+    """After the prompt the state moves into a `StaticStore` only on a cache planned for static
+    steps; an eager step takes it back, and without a plan the first static step builds it. In
+    every case the layer reports the bytes of exactly the tensors it holds."""
     policy = kvpress.get_policy("shadowkv", **BASE)
+    tok = torch.tensor([[5]])
     with torch.no_grad(), kvpress.apply(model, policy):
-        cache = kvpress.make_cache(model, policy)
-        model(random_ids(44), past_key_values=cache, use_cache=True)
-        assert all(layer._static is None for layer in cache.layers)
+        plain = kvpress.make_cache(model, policy)
+        model(random_ids(44), past_key_values=plain, use_cache=True)
+        assert all(layer._static is None for layer in plain.layers)
         planned = kvpress.make_cache(model, policy)
         planned.plan_capacity(100)
         model(random_ids(44), past_key_values=planned, use_cache=True)
         layer = planned.layers[0]
-        assert layer._static is not None and layer.landmarks is None
+        assert layer._static is not None and layer.landmarks is None and layer.gen_k is None
         assert layer.state_tensors()["landmarks"].shape[2] * 8 >= 100  # room for the capacity's tokens
-        assert layer.cached_elements() > 0
-        assert layer.removable() == 0 and layer._static is None and layer.landmarks is not None  # given back
+        assert layer.cached_elements() == 2 * 2 * 44 * 16 and layer.stored_tokens() == 44
+        assert all(_counted_bytes(layer) == _held_bytes(layer) for cache in (plain, planned) for layer in cache.layers)
+        model(tok, past_key_values=planned, use_cache=True)  # an eager step: the state is given back
+        assert layer._static is None and layer.landmarks is not None and layer.gen_len == 1
+        assert all(_counted_bytes(layer) == _held_bytes(layer) for layer in planned.layers)
+        with _static_plans(True):
+            model(tok, past_key_values=plain, use_cache=True)  # unplanned: built at the first static step
+        assert all(layer._static is not None for layer in plain.layers)
+        assert all(_counted_bytes(layer) == _held_bytes(layer) for layer in plain.layers)
+        assert layer.removable() == 1 and layer._static is None  # given back for the core's rollback
 
 
 def test_host_ops_gather_and_scatter_rows():
