@@ -38,13 +38,19 @@ import torch
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.layers import ChunkTail, DenseLayer
-from kvpress.kernels import SparseIndex, select_topk, sparse_decode, topk_ids
+from kvpress.kernels import REDUCTIONS, SparseIndex, select_topk, sparse_decode, topk_ids
+from kvpress.registry import check_choice, check_tokens
 
 
 class SelectiveLayer(DenseLayer):
     """Dense storage (a :class:`DenseLayer`), dense prefill, sparse decode over a per-step selection.
 
-    Subclasses implement :meth:`select` and may override :meth:`on_append` (metadata).
+    Subclasses implement :meth:`select` and :meth:`static_select`; per-token metadata derived from
+    the stored keys (page bounds, labels) goes in :attr:`metadata`, whose objects this class keeps
+    in step with the buffer through one protocol (`ChunkTail`'s): ``append(k, v, start, row_start)``,
+    ``static_append(k, v, pos, row_start, capacity)``, ``reserve(capacity, like)``,
+    ``truncate(buffer, row_start, cache)``, ``count_stored(length)``, ``state_tensors()``,
+    ``batch_select(indices)``.
 
     Parameters
     ----------
@@ -54,24 +60,26 @@ class SelectiveLayer(DenseLayer):
     tail_chunk : int
         0: a sparse step attends the budget only. ``n > 0``: it also adds a `ChunkTail`
         estimate of the tokens left out, from ``n``-token chunk means.
+    backend : str
+        ``backend=`` of the sparse decode kernel (`kvpress.kernels.sparse_decode`).
     """
 
     static_decode = True  # every selection decodes statically when traced (`static_select`)
     verify_as_steps = True  # a verification selects per token as decode does (a new turn attends densely)
 
-    def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0):
+    def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0, backend: str = "auto"):
         super().__init__(cache, layer_idx)
         self.budget = budget
+        self.backend = backend
         self.tail = ChunkTail(tail_chunk) if tail_chunk else None
+        self.metadata: list = [] if self.tail is None else [self.tail]
         self._validated = False  # sparse_decode checks the first index against the cache only
         self.forward_start = 0  # sequence index of the current forward's first token
 
-    # ------------------------------------------------------------------ hooks
-    def on_append(self, start: int, n: int) -> None:
-        """Tokens ``[start, start + n)`` were appended to the buffer (update metadata here)."""
-
-    def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
-        """Index for one decode query ``q`` [B, H_q, D]; ``lengths`` [B] = real tokens per row."""
+    # ------------------------------------------------------------------ the policy's selection
+    def select(self, q: torch.Tensor, scaling: float) -> SparseIndex:
+        """Index for one decode query ``q`` [B, H_q, D] (the token is stored; `lengths` gives the
+        real tokens per row)."""
         raise NotImplementedError
 
     def static_select(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -92,43 +100,35 @@ class SelectiveLayer(DenseLayer):
             self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
         self.buffer.append(k_new, v_new)
         self.seen += n
-        self.on_append(q_start, n)
-        if self.tail is not None:
-            self.tail.append(k_new, v_new, q_start, self.row_start)
-        self.reserve_metadata()
-        lengths = self.lengths()
+        self._store_metadata(k_new, v_new, q_start)
         # several tokens, or any piece of an open prompt (a one-token last piece included), attend
         # as a prompt continuation
-        if n > 1 or self.cache.prompt_open or self.dense_step(lengths):
+        if n > 1 or self.cache.prompt_open or self.dense_step():
             return dense_causal_attention(
                 q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
             )
-        return self.decode_step(q, scaling, lengths)
+        return self.decode_step(q, scaling)
+
+    def _store_metadata(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Fold k / v [B, H_kv, n, D] at sequence indices ``start ..`` into the metadata, sized for
+        the buffer's capacity (the first static decode step then finds the shapes every later one has)."""
+        for part in self.metadata:
+            part.reserve(self.buffer.capacity, self.buffer.k)
+            part.append(k, v, start, self.row_start)
 
     def static_step(self, q, k_new, v_new, scaling):
         """One decode token at the plan's device position; the selection and the attention run over
         the whole capacity as masks (no host length in any shape), so a compiled step keeps one graph.
         Selects what the eager step selects: a row the budget covers selects every candidate."""
         plan = self.static_write(k_new, v_new)
-        self.on_static_append(k_new, plan.start)
-        if self.tail is not None:
-            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
+        for part in self.metadata:
+            part.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
         self.count_static_step()
         return self.static_attend_step(q, scaling)
 
     def static_attend_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """The attention of a static step whose token is stored: q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
         return self.static_attend(q, self.static_select(q[:, :, 0], scaling), scaling)
-
-    def reserve_metadata(self) -> None:
-        """Size the per-token metadata for the buffer's capacity (after every store; cheap when it
-        is): the first static decode step then finds the shapes every later one has."""
-        if self.tail is not None:
-            self.tail.reserve(self.buffer.capacity, self.buffer.k)
-
-    def on_static_append(self, k_new: torch.Tensor, pos: torch.Tensor) -> None:
-        """A static step stored ``k_new`` [B, H_kv, 1, D] at the device position ``pos`` [1]
-        (update metadata here, in place, without reading ``pos`` on the host)."""
 
     def static_attend(self, q: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
         """q [B, H_q, 1, D] over the slots ``visible`` (B, H_kv, C) marks (+ the tail estimate of the
@@ -139,46 +139,47 @@ class SelectiveLayer(DenseLayer):
 
     def count_tokens(self, n: int) -> None:
         super().count_tokens(n)
-        if self.tail is not None:
-            self.tail.count_stored(self.seen)
+        for part in self.metadata:
+            part.count_stored(self.seen)
 
-    def decode_step(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """One sparse decode step (the token is already stored): q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
-        return self.sparse_attend(q, self.select(q[:, :, 0], scaling, lengths), scaling)
+        return self.sparse_attend(q, self.select(q[:, :, 0], scaling), scaling)
 
-    def dense_step(self, lengths: torch.Tensor) -> bool:
+    def dense_step(self) -> bool:
         """Whether this decode step attends densely: every row fits in the budget."""
         return self.seen - self.min_row_start() <= self.budget
 
     def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
         """``sparse_decode`` of q [B, H_q, 1, D] over the buffer (+ the tail estimate); returns [B, H_q, 1, D]."""
         if self.tail is not None:
-            out = self.tail.attend(q[:, :, 0], self.buffer, index, scaling, validate_index=not self._validated)
+            out = self.tail.attend(q[:, :, 0], self.buffer, index, scaling, backend=self.backend,
+                                   validate_index=not self._validated)
         else:
             out, _ = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling,
-                                   validate_index=not self._validated)
-        self._validated = True
+                                   backend=self.backend, validate_index=not self._validated)
+        self._validated = True  # every step builds its index the same way: check the values once
         return out[:, :, None]
 
     def after_truncate(self) -> None:
-        if self.tail is not None:
-            self.tail.truncate(self.buffer, self.row_start, self.cache)
+        for part in self.metadata:
+            part.truncate(self.buffer, self.row_start, self.cache)
 
     def ingest_prefill(self, k, v):
         start = self.seen
         super().ingest_prefill(k, v)
-        self.on_append(start, k.shape[2])
-        if self.tail is not None:
-            self.tail.append(k, v, start, self.row_start)
-        self.reserve_metadata()
+        self._store_metadata(k, v, start)
 
     def state_tensors(self):
-        return {**super().state_tensors(), **({} if self.tail is None else self.tail.state_tensors())}
+        out = super().state_tensors()
+        for part in self.metadata:
+            out.update(part.state_tensors())
+        return out
 
     def batch_select(self, indices):
         super().batch_select(indices)
-        if self.tail is not None:
-            self.tail.batch_select(indices)
+        for part in self.metadata:
+            part.batch_select(indices)
 
     # ------------------------------------------------------------------ helpers
     def min_row_start(self) -> int:
@@ -207,8 +208,9 @@ class PageStats:
         self.page_min: torch.Tensor | None = None
         self.page_max: torch.Tensor | None = None
 
-    def append(self, k: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
-        """Fold keys ``k`` [B, H_kv, n, D] at sequence indices ``start ..`` into their pages.
+    def append(self, k: torch.Tensor, v, start: int, row_start: torch.Tensor | None) -> None:
+        """Fold keys ``k`` [B, H_kv, n, D] at sequence indices ``start ..`` into their pages (``v``:
+        unused, the metadata protocol of `SelectiveLayer`).
 
         Only the pages the new tokens fall in are touched (a scatter min / max), so a decode
         step costs O(D) per head, not O(cached tokens).
@@ -235,7 +237,7 @@ class PageStats:
         self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
         self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
 
-    def static_append(self, k: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
+    def static_append(self, k: torch.Tensor, v, pos: torch.Tensor, row_start: torch.Tensor | None,
                       capacity: int) -> None:
         """Fold one decode key per row k [B, H_kv, 1, D] at the device position ``pos`` ([1] long)
         into its page in place (a static decode step); the bounds hold every page of a
@@ -254,18 +256,30 @@ class PageStats:
         B, H, _, D = like.shape
         self._ensure(B, H, D, -(-capacity // self.page_size), like)
 
-    def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
-        """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from
-        index 0; a crop truncated the buffer): pages that held a removed token are folded again."""
+    def truncate(self, buffer, row_start: torch.Tensor | None, cache) -> None:
+        """Forget the tokens after the ``buffer``'s (a crop truncated it): pages that held a removed
+        token are folded again from the kept keys."""
         if self.page_min is None:
             return
+        keys = buffer.keys
         length, ps = keys.shape[2], self.page_size
         first = max(0, length - cache.max_row_start) // ps  # first page (of any row) that held a removed token
         self.page_min[:, :, first:] = float("inf")
         self.page_max[:, :, first:] = float("-inf")
         start = min(length, cache.min_row_start + first * ps)  # no row's page `first` starts earlier
         if start < length:  # folding a key twice into a min / max changes nothing
-            self.append(keys[:, :, start:], start, row_start)
+            self.append(keys[:, :, start:], None, start, row_start)
+
+    def count_stored(self, length: int) -> None:
+        """(The bounds need no host count.)"""
+
+    def state_tensors(self) -> dict:
+        return {"page_min": self.page_min, "page_max": self.page_max}
+
+    def batch_select(self, indices: torch.Tensor) -> None:
+        if self.page_min is not None:
+            self.page_min = self.page_min.index_select(0, indices.to(self.page_min.device))
+            self.page_max = self.page_max.index_select(0, indices.to(self.page_max.device))
 
     def _ensure(self, B: int, H: int, D: int, pages: int, like: torch.Tensor) -> None:
         if self.page_min is not None and self.page_min.shape[2] >= pages:
@@ -284,6 +298,15 @@ class PageStats:
         mn, mx = self.page_min[:, :, :num_pages], self.page_max[:, :, :num_pages]
         empty = torch.isinf(mn)
         return mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+
+
+def check_selection(policy, reduction: str) -> None:
+    """ValueError unless the fields every selection policy has are in range: ``budget``,
+    ``sink_tokens``, ``tail_chunk`` and the GQA reduction named by the field ``reduction``."""
+    check_tokens("budget", policy.budget, 1)
+    check_tokens("sink_tokens", policy.sink_tokens, 0)
+    check_choice(reduction, getattr(policy, reduction), REDUCTIONS)
+    check_tokens("tail_chunk", policy.tail_chunk, 0)
 
 
 def check_budget(budget: int, always_on: int, what: str) -> None:
@@ -424,6 +447,19 @@ def static_slots(capacity: int, end: torch.Tensor, row_start: torch.Tensor | Non
     slot = torch.arange(capacity, device=device)
     rel = slot[None, :] if row_start is None else slot[None, :] - row_start[:, None]
     return slot, rel, (rel >= 0) & (slot < end)[None, :]
+
+
+def static_token_split(capacity: int, end: torch.Tensor, row_start: torch.Tensor | None, batch: int, device, *,
+                       sinks: int, recent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A static decode step's slots as a token selection splits them: ``(real, always, candidates)``.
+
+    ``real`` (B or 1, C) as :func:`static_slots`; ``always`` (B or 1, C): the real slots among a
+    row's first ``sinks`` tokens or the ``recent`` last (attended every step); ``candidates`` (B, C):
+    the other real slots, among which the selection chooses.
+    """
+    slot, rel, real = static_slots(capacity, end, row_start, device)
+    sink, last = rel < sinks, slot[None, :] >= end - recent
+    return real, real & (sink | last), (real & ~sink & ~last).expand(batch, capacity)
 
 
 def top_entries(scores: torch.Tensor, k: int, *, lowest_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
