@@ -8,7 +8,7 @@ import functools
 import re
 import warnings
 
-from kvpress.registry import check_int
+from kvpress.registry import MAX_LAYERS, check_int
 
 ARTIFACT_VERSION = 2  # 2: layers = [selection, reselection] both measured (1 measured the re-selection only)
 CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
@@ -70,9 +70,16 @@ def selection_layers(selection: int | None, reselection: int | None, adapter, wa
     return selection, middle
 
 
-def check_layers(selection: int | None, reselection: int | None, adapter) -> None:
-    """ValueError unless the layers :func:`selection_layers` chooses exist in ``adapter``'s model
-    and are full-attention layers."""
+def check_layers(selection: int | None, reselection: int | None, adapter=None) -> None:
+    """ValueError unless the fields ``selection_layer`` / ``reselection_layer`` are in range (any
+    model), and with ``adapter``, unless the layers :func:`selection_layers` chooses exist in its
+    model and are full-attention layers."""
+    if adapter is None:
+        if selection is not None:
+            check_int("selection_layer", selection, 0, MAX_LAYERS)
+        if reselection not in (None, -1):
+            check_int("reselection_layer", reselection, 1 if selection is None else selection + 1, MAX_LAYERS)
+        return
     if selection is not None:
         check_int("selection_layer", selection, 0, adapter.num_layers - 1)
     selection, reselection = selection_layers(selection, reselection, adapter, warn=False)

@@ -13,7 +13,7 @@ from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_select
                                       static_token_split, topk_mask)
 from kvpress.policies._tidal_artifact import (ARTIFACT_VERSION, artifact_name, measured_layers,  # noqa: F401
                                               check_layers, selection_layers)  # (re-exported: the artifact's names)
-from kvpress.registry import MAX_LAYERS, Policy, check_int, check_tokens, register_policy
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 def selection_scores(probs: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
@@ -116,11 +116,7 @@ class TidalPolicy(Policy):
 
     def validate(self):
         check_selection(self, "score_reduction")
-        if self.selection_layer is not None:
-            check_int("selection_layer", self.selection_layer, 0, MAX_LAYERS)
-        if self.reselection_layer not in (None, -1):
-            check_int("reselection_layer", self.reselection_layer,
-                      1 if self.selection_layer is None else self.selection_layer + 1, MAX_LAYERS)
+        check_layers(self.selection_layer, self.reselection_layer)
         check_tokens("recent_tokens", self.recent_tokens, 1)
         check_budget(self.budget, self.sink_tokens + self.recent_tokens,
                      f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
