@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvpress.calibration import register_calibrator, shipped_artifact, shipped_artifact_for
+from kvpress.calibration import register_calibrator
 from kvpress.kernels.backend import label_select_backend
 from kvpress.kernels import SparseIndex, label_scores, native, reduce_over_group, topk_ids
 from kvpress.policies import _double_sparsity_calib as calib
@@ -130,26 +130,17 @@ class DoubleSparsityPolicy(Policy):
         low, high = max(1, d // 16), max(1, d // 4)
         r = self.channels_for(d)
         if not low <= r <= high:
-            raise ValueError(f"label_channels={r} is out of range for head_dim {d}; allowed: {low} <= label_channels <= {high}")
-        _channel_rank(self.artifact_path(adapter), adapter)
+            raise ValueError(f"label_channels={r} is out of range for head_dim {d}; "
+                             f"allowed: {low} <= label_channels <= {high}")
+        calib.channel_rank(self.artifact_path(adapter), adapter)
 
     def artifact_path(self, adapter) -> pathlib.Path:
         """The artifact to read: ``artifact``, else the one shipped for the model (SmolLM2, Gemma 3 270M)."""
-        if self.artifact is not None:
-            return pathlib.Path(self.artifact)
-        shipped = shipped_artifact_for(self.name, adapter) or shipped_artifact(calib.SHIPPED)
-        try:
-            _channel_rank(shipped, adapter)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(
-                f"double_sparsity ships channel artifacts for SmolLM2 and Gemma 3 270M only; model "
-                f"{adapter.model_id!r} needs its own: run `{calib.CALIBRATE_COMMAND}` and pass artifact=FILE"
-            ) from exc
-        return shipped
+        return calib.artifact_for(self.artifact, adapter)
 
     def make_layer(self, cache, layer_idx):
         adapter = cache.adapter
-        rank = _channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
+        rank = calib.channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
         channels = rank[layer_idx, :, : self.channels_for(adapter.head_dim)].contiguous()  # (H_kv, r)
         return DoubleSparsityLayer(cache, layer_idx, self, channels)
 
@@ -162,19 +153,6 @@ class DoubleSparsityPolicy(Policy):
         the labels shortlist twice the kept tokens for exact re-scoring."""
         return cls(budget=24, sink_tokens=2, window_size=6, label_channels=max(1, adapter.head_dim // 8),
                    artifact=str(synthetic_artifact(adapter)), rerank=2)
-
-
-_RANKS: dict[tuple, torch.Tensor] = {}
-
-
-def _channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
-    """Checked ``channel_rank`` [L, H_kv, D] of an artifact (cached by path, mtime, model fields)."""
-    stat = path.stat() if path.is_file() else None
-    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
-           adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
-    if key not in _RANKS:
-        _RANKS[key] = calib.load(path, adapter)
-    return _RANKS[key]
 
 
 class DoubleSparsityLayer(SelectiveLayer):

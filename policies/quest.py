@@ -8,8 +8,9 @@ import torch
 
 from kvpress.kernels import ALLOWED_BLOCK_SIZES, SparseIndex, quest_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import (PageStats, SelectiveLayer, check_budget, check_selection, page_index,
-                                      range_topk_index, select_pages, static_slots, topk_mask)
+from kvpress.policies._quest_pages import PageStats
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_selection, page_index, range_topk_index,
+                                      select_pages, static_slots, topk_mask)
 from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, register_policy
 
 

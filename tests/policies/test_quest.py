@@ -7,7 +7,7 @@ import kvpress
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import PolicyCache
 from kvpress.kernels import page_min_max
-from kvpress.policies._sparse import PageStats
+from kvpress.policies._quest_pages import PageStats
 
 from conftest import tiny_model
 from smollm2_needle import beside_full
