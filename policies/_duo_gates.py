@@ -1,9 +1,10 @@
 """Where ``duo``'s gates come from: the ``gates`` override, a kvpress artifact (``kvpress calibrate
 duo``), an upstream ``full_attention_heads.tsv`` (or the directory holding it), or the artifact
-shipped for the model; checked against the model (`load_gates`)."""
+shipped for the model; checked as a field (`check_gates`) and against the model (`load_gates`)."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 import torch
@@ -14,6 +15,21 @@ from kvpress.policies._duo_calibrate import ARTIFACT_VERSION
 SHIPPED = "duo-smollm2.safetensors"
 UPSTREAM_FILE = "full_attention_heads.tsv"
 _CHECK = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def check_gates(gates, artifact) -> None:
+    """ValueError unless the field ``gates`` (None, or an override [layers][KV heads] of finite
+    numbers) is well formed and not given with ``artifact``."""
+    if gates is None:
+        return
+    if not gates or not all(isinstance(r, (tuple, list)) and len(r) == len(gates[0]) > 0 for r in gates):
+        raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in gates for x in r):
+        raise ValueError("gates must hold numbers")
+    if not all(math.isfinite(x) for r in gates for x in r):
+        raise ValueError("gates must hold finite numbers (no NaN or inf)")
+    if artifact is not None:
+        raise ValueError("give either gates or artifact, not both")
 
 
 def load_gates(policy, adapter) -> torch.Tensor:

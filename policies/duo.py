@@ -63,7 +63,7 @@ from kvpress.cache import CacheLayer, KVBuffer
 from kvpress.calibration import register_calibrator
 from kvpress.layers import SinkWindowLayer
 from kvpress.policies._duo_calibrate import configure_parser, run_from_args
-from kvpress.policies._duo_gates import load_gates, read_upstream_pattern  # noqa: F401  (re-exported)
+from kvpress.policies._duo_gates import check_gates, load_gates, read_upstream_pattern  # noqa: F401  (re-exported)
 from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
 
 # Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
@@ -159,16 +159,7 @@ class DuoPolicy(Policy):
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
             check_int("random_heads_seed", self.random_heads_seed, 0, MAX_SEED)
-        if self.gates is not None:
-            rows = self.gates
-            if not rows or not all(isinstance(r, (tuple, list)) and len(r) == len(rows[0]) > 0 for r in rows):
-                raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in rows for x in r):
-                raise ValueError("gates must hold numbers")
-            if not all(math.isfinite(x) for r in rows for x in r):
-                raise ValueError("gates must hold finite numbers (no NaN or inf)")
-            if self.artifact is not None:
-                raise ValueError("give either gates or artifact, not both")
+        check_gates(self.gates, self.artifact)
 
     # ----------------------------------------------------------------- gates -> head split
     def load_gates(self, adapter) -> torch.Tensor:
@@ -205,19 +196,20 @@ class DuoPolicy(Policy):
     def with_budget(self, budget: int) -> "DuoPolicy":
         """Budget of the streaming heads (``sink_tokens + window_size``); retrieval heads keep all."""
         if budget <= self.sink_tokens:
-            raise ValueError(f"budget={budget} must exceed sink_tokens={self.sink_tokens} (budget = sink_tokens + window_size)")
+            raise ValueError(f"budget={budget} must exceed sink_tokens={self.sink_tokens} "
+                             "(budget = sink_tokens + window_size)")
         return replace(self, window_size=int(budget) - self.sink_tokens)
 
     @classmethod
     def example(cls, adapter) -> "DuoPolicy":
         # Synthetic gates: alternate which heads stream so every layer has both kinds when it can.
-        rows = tuple(
-            tuple(float((layer + head) % 2) for head in range(adapter.num_kv_heads)) for layer in range(adapter.num_layers)
-        )
+        rows = tuple(tuple(float((layer + head) % 2) for head in range(adapter.num_kv_heads))
+                     for layer in range(adapter.num_layers))
         return cls(gates=rows, sparsity=0.5, sink_tokens=2, window_size=8)
 
 
-def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float, random_seed: int | None = None) -> torch.Tensor:
+def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float,
+                random_seed: int | None = None) -> torch.Tensor:
     """Turn gates [L, H] into a retrieval mask (bool [L, H], True = full KV).
 
     With ``sparsity`` the ``round(sparsity * L * H)`` lowest gates stream (ties by index, so the
