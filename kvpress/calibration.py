@@ -21,9 +21,25 @@ _ROPE_LAYOUT = "rotate_half"  # the RoPE layout of every supported family (see k
 CALIBRATORS: dict[str, tuple[str, Callable, Callable]] = {}
 
 
-def register_calibrator(name: str, help_text: str, configure: Callable, run: Callable) -> None:
-    """Make ``kvpress calibrate <name>`` available (``configure`` adds arguments, ``run`` does it)."""
-    CALIBRATORS[name] = (help_text, configure, run)
+def register_calibrator(name: str, help_text: str, configure: Callable | str, run: Callable | str) -> None:
+    """Make ``kvpress calibrate <name>`` available (``configure`` adds arguments, ``run`` does it).
+
+    Either may be given as ``"module:function"``, imported when the command runs (a calibration
+    module that imports its policy's module, or one too heavy to import with the policy)."""
+    CALIBRATORS[name] = (help_text, _resolved_later(configure), _resolved_later(run))
+
+
+def _resolved_later(function: Callable | str) -> Callable:
+    if callable(function):
+        return function
+    module, _, attr = function.partition(":")
+
+    def call(*args):
+        import importlib
+
+        return getattr(importlib.import_module(module), attr)(*args)
+
+    return call
 
 
 def portable_model_id(model_id: str) -> str:

@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from kvpress.adapters import get_adapter
-from kvpress.calibration import load_artifact, model_metadata, save_artifact
+from kvpress.calibration import load_artifact, model_metadata, save_artifact, shipped_artifact, shipped_artifact_for
 from kvpress.patching import observed_attention
 
 POLICY = "double_sparsity"
@@ -182,6 +182,36 @@ def load(path, adapter) -> torch.Tensor:
     if not torch.equal(rank.sort(dim=-1).values, torch.arange(adapter.head_dim).expand_as(rank)):
         raise ValueError(f"{path}: channel_rank rows must be permutations of 0..{adapter.head_dim - 1}")
     return rank
+
+
+_RANKS: dict[tuple, torch.Tensor] = {}
+
+
+def channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
+    """:func:`load`, cached by the file (path, mtime, size) and the model's fields: every layer of
+    every generation reads the artifact once."""
+    stat = path.stat() if path.is_file() else None
+    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
+           adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
+    if key not in _RANKS:
+        _RANKS[key] = load(path, adapter)
+    return _RANKS[key]
+
+
+def artifact_for(artifact: str | None, adapter) -> pathlib.Path:
+    """The artifact to read: ``artifact``, else the one shipped for the model (SmolLM2, Gemma 3 270M;
+    ValueError naming the calibrate command for any other model)."""
+    if artifact is not None:
+        return pathlib.Path(artifact)
+    shipped = shipped_artifact_for(POLICY, adapter) or shipped_artifact(SHIPPED)
+    try:
+        channel_rank(shipped, adapter)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(
+            f"double_sparsity ships channel artifacts for SmolLM2 and Gemma 3 270M only; model "
+            f"{adapter.model_id!r} needs its own: run `{CALIBRATE_COMMAND}` and pass artifact=FILE"
+        ) from exc
+    return shipped
 
 
 def matches_model(path, adapter) -> bool:

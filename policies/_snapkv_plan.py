@@ -2,8 +2,9 @@
 ``score``, ``kept``, ``filled``, ``seen``, ``prompt_len``, ``policy``; ``_grow``): a forward of
 several tokens as that many decode steps (a verification; any forward after the prompt with
 ``reselect_turns=False``), the steps' slots planned first and the queries attending at once
-(:func:`plan_slots`, :func:`attend_planned`, :func:`apply_plan`); and a compiled decode step whose
-slot is chosen on the device (:func:`static_step`)."""
+(:func:`plan_slots`, :func:`attend_planned`, :func:`apply_plan`); and the slot rule of one decode
+token (:func:`store_token`), eager or in a compiled step that chooses it on the device
+(:func:`static_step`)."""
 
 from __future__ import annotations
 
@@ -136,43 +137,71 @@ def apply_plan(layer, k_new, v_new, slots) -> None:
     layer.seen += n
 
 
-def static_step(layer, q, k_new, v_new, scaling, plan) -> torch.Tensor:
-    """The static decode step of a ``SnapKVLayer`` (``plan.static``: a step ``torch.compile`` captures).
+def grow_if_full(layer) -> None:
+    """Grow the buffers by ``GROW`` slots (up to the budget) when a short cache has no free slot
+    left for the next token (read from the host count ``filled``)."""
+    budget = layer.policy.budget
+    if layer.k.shape[2] < budget and layer.filled == layer.k.shape[2]:
+        layer._grow(min(budget, layer.filled + GROW))
 
-    It stores the token where the eager step (``SnapKVLayer._store``) would and attends over the
-    same slots, with every choice made from device tensors: the position is the plan's, the slots
-    in use come from ``pos`` (each row's tokens end at the last slot in use, so the latest slot
-    whose ``pos`` is set is the eager ``filled - 1``), and the slot taken is a ``torch.where`` over
-    all the eager cases (growing: append; a shorter row: the free slot before its tokens; a full
-    row: the lowest-scored prompt token, or the generated token leaving the recent window). The
-    buffers keep their capacity (``SnapKVLayer._hold`` sizes them to ``min(budget,
-    cache.capacity)`` when the cache is planned), and the attention masks the unused slots, so
-    every step of a generation has the same shapes.
+
+def store_token(layer, k_new: torch.Tensor, v_new: torch.Tensor, position, filled):
+    """Store one token per row k_new / v_new [B, H_kv, 1, D] at sequence ``position`` in the slot a
+    decode step takes, ``filled`` slots being in use before it; returns the new ``filled``.
+
+    Growing (``filled < budget``), every row appends; else a shorter left-padded row fills the free
+    slot just before its tokens, and a full row replaces, per KV head, its lowest-scored prompt
+    token until ``window_size`` tokens have been generated, then the generated token leaving the
+    recent window. ``position`` / ``filled`` are host ints in an eager step (the growing and
+    leaving cases are then decided on the host) and device tensors in a static one (every case a
+    ``torch.where``, nothing read on the host). The caller grows the buffers first (:func:`grow_if_full`).
     """
     p = layer.policy
-    # outgrown (an unplanned cache): a new shape. The host count is read only then (a planned
-    # cache's step reads none, so it keeps one graph)
-    if layer.k.shape[2] < p.budget and layer.filled == layer.k.shape[2]:
-        layer._grow(min(p.budget, layer.filled + GROW))
-    B, H, cap, D = layer.k.shape
-    slot_ids = torch.arange(cap, device=layer.k.device)
-    in_use = torch.where(layer.pos[:, 0] >= 0, slot_ids + 1, 0)  # (B, cap)
-    filled = in_use.amax()  # () the eager `filled`
-    leaving = plan.start - p.window_size  # [1]
-    by_window = (layer.pos == leaving).to(torch.int8).argmax(-1)  # (B, H) the generated token leaving
-    by_score = layer.score.argmin(-1)  # (B, H) the lowest-scored prompt token
-    slot = torch.where(leaving >= layer.prompt_len, by_window, by_score)
+    B, H, _, D = layer.k.shape
+    leaving = position - p.window_size
     kept = layer.kept[:, None]  # (B, 1)
-    slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row fills its free slots
-    slot = torch.where(filled < p.budget, filled, slot)  # growing: every row appends
-    filled = (filled + 1).clamp(max=p.budget)
-    layer.kept.copy_(torch.minimum(layer.kept + 1, filled))
+    static = torch.is_tensor(filled)
+    if static or filled >= p.budget:
+        if static:
+            slot = torch.where(leaving >= layer.prompt_len, (layer.pos == leaving).to(torch.int8).argmax(-1),
+                               layer.score.argmin(-1))  # (B, H)
+        elif leaving >= layer.prompt_len:  # a generated token leaves the recent window: replace it
+            slot = (layer.pos == leaving).to(torch.int8).argmax(-1)
+        else:  # too few tokens generated yet: each head's lowest-scored prompt token
+            slot = layer.score.argmin(-1)
+        slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row: the free slot before its tokens
+    if static:
+        slot = torch.where(filled < p.budget, filled, slot)
+        filled = (filled + 1).clamp(max=p.budget)
+        layer.kept.copy_(torch.minimum(layer.kept + 1, filled))  # in place: the graph's fixed address
+    else:
+        if filled < p.budget:
+            slot = torch.full((B, H), filled, dtype=torch.long, device=layer.k.device)
+        filled = min(filled + 1, p.budget)
+        layer.kept = (layer.kept + 1).clamp(max=filled)
     index = slot[:, :, None]  # (B, H, 1)
     rows = index[..., None].expand(B, H, 1, D)
     layer.k.scatter_(2, rows, k_new.to(layer.k.dtype))
     layer.v.scatter_(2, rows, v_new.to(layer.v.dtype))
-    layer.pos.scatter_(2, index, plan.start.view(1, 1, 1).expand(B, H, 1))
+    layer.pos.scatter_(2, index, position.view(1, 1, 1).expand(B, H, 1) if static else position)
     layer.score.scatter_(2, index, float("inf"))
+    return filled
+
+
+def static_step(layer, q, k_new, v_new, scaling, plan) -> torch.Tensor:
+    """The static decode step of a ``SnapKVLayer`` (``plan.static``: a step ``torch.compile`` captures).
+
+    It stores the token where the eager step would (:func:`store_token`) and attends over the same
+    slots, with every choice made from device tensors: the position is the plan's, and the slots in
+    use come from ``pos`` (each row's tokens end at the last slot in use, so the latest slot whose
+    ``pos`` is set is the eager ``filled - 1``). The buffers keep their capacity
+    (``SnapKVLayer._hold`` sizes them to ``min(budget, cache.capacity)`` when the cache is planned),
+    and the attention masks the unused slots, so every step of a generation has the same shapes.
+    """
+    grow_if_full(layer)  # outgrown (an unplanned cache): a new shape; a planned cache's step reads no count
+    slot_ids = torch.arange(layer.k.shape[2], device=layer.k.device)
+    filled = torch.where(layer.pos[:, 0] >= 0, slot_ids + 1, 0).amax()  # () the eager `filled`
+    filled = store_token(layer, k_new, v_new, plan.start, filled)
     layer.count_static_step()
     visible = (slot_ids >= filled - layer.kept[:, None]) & (slot_ids < filled)  # (B, cap)
     return masked_decode_attention(q, layer.k, layer.v, scaling, visible)

@@ -1,6 +1,5 @@
-"""Shared pieces of the query-aware selection policies (``quest``, ``tidal``).
-
-Small on purpose; other policies may import it:
+"""Shared pieces of the query-aware selection policies (``quest``, ``tidal``, ``exact_topk``,
+``double_sparsity``); a selection policy writes only its ``select`` / ``static_select`` and metadata.
 
 ``SelectiveLayer``
     A cache layer that keeps every token in a :class:`kvpress.cache.KVBuffer`, runs plain
@@ -10,10 +9,10 @@ Small on purpose; other policies may import it:
     attends densely instead, so ``budget >= length`` is exactly ``full``. A static decode step
     (``plan.static``) makes the same choice over the whole capacity as a mask (:meth:`static_select`)
     and attends it with one masked softmax; a row the budget covers then selects every candidate.
-``PageStats``
-    Per-page element-wise key min / max (Quest's metadata), updated incrementally on append.
-    Pages are counted from each row's first real token, so a left-padded row pages exactly
-    like the same prompt run alone.
+    Per-token metadata (Quest's page bounds, labels, the tail's chunk sums) follows the buffer through one
+    protocol: stores, static stores, crops, beam reordering and ``cache_stats``.
+``check_selection`` / ``check_budget``
+    Validation of the fields every selection policy has.
 ``select_pages`` / ``page_index``
     Top-k pages per KV head among candidate pages, and the `SparseIndex` that attends them.
 ``range_topk_index`` / ``range_index``
@@ -24,7 +23,7 @@ Small on purpose; other policies may import it:
 ``ChunkTail`` (defined in `kvpress.layers`, re-exported here)
     Running per-chunk key / value sums that estimate the attention of the tokens a step leaves
     out (``tail_chunk`` of the selection policies; `kvpress.kernels.sparse_decode_tail`).
-``static_slots`` / ``topk_mask`` / ``static_sparse_attention``
+``static_slots`` / ``static_token_split`` / ``topk_mask`` / ``static_sparse_attention``
     The static decode step (``plan.static``, a step traced by ``torch.compile``): the same
     selection over the whole preallocated capacity as masks, so every step has the same shapes.
 
@@ -38,13 +37,19 @@ import torch
 
 from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.layers import ChunkTail, DenseLayer
-from kvpress.kernels import SparseIndex, select_topk, sparse_decode, topk_ids
+from kvpress.kernels import REDUCTIONS, SparseIndex, select_topk, sparse_decode, topk_ids
+from kvpress.registry import check_choice, check_tokens
 
 
 class SelectiveLayer(DenseLayer):
     """Dense storage (a :class:`DenseLayer`), dense prefill, sparse decode over a per-step selection.
 
-    Subclasses implement :meth:`select` and may override :meth:`on_append` (metadata).
+    Subclasses implement :meth:`select` and :meth:`static_select`; per-token metadata derived from
+    the stored keys (page bounds, labels) goes in :attr:`metadata`, whose objects this class keeps
+    in step with the buffer through one protocol (`ChunkTail`'s): ``append(k, v, start, row_start)``,
+    ``static_append(k, v, pos, row_start, capacity)``, ``reserve(capacity, like)``,
+    ``truncate(buffer, row_start, cache)``, ``count_stored(length)``, ``state_tensors()``,
+    ``batch_select(indices)``.
 
     Parameters
     ----------
@@ -54,24 +59,26 @@ class SelectiveLayer(DenseLayer):
     tail_chunk : int
         0: a sparse step attends the budget only. ``n > 0``: it also adds a `ChunkTail`
         estimate of the tokens left out, from ``n``-token chunk means.
+    backend : str
+        ``backend=`` of the sparse decode kernel (`kvpress.kernels.sparse_decode`).
     """
 
     static_decode = True  # every selection decodes statically when traced (`static_select`)
     verify_as_steps = True  # a verification selects per token as decode does (a new turn attends densely)
 
-    def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0):
+    def __init__(self, cache, layer_idx: int, budget: int, tail_chunk: int = 0, backend: str = "auto"):
         super().__init__(cache, layer_idx)
         self.budget = budget
+        self.backend = backend
         self.tail = ChunkTail(tail_chunk) if tail_chunk else None
+        self.metadata: list = [] if self.tail is None else [self.tail]
         self._validated = False  # sparse_decode checks the first index against the cache only
         self.forward_start = 0  # sequence index of the current forward's first token
 
-    # ------------------------------------------------------------------ hooks
-    def on_append(self, start: int, n: int) -> None:
-        """Tokens ``[start, start + n)`` were appended to the buffer (update metadata here)."""
-
-    def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
-        """Index for one decode query ``q`` [B, H_q, D]; ``lengths`` [B] = real tokens per row."""
+    # ------------------------------------------------------------------ the policy's selection
+    def select(self, q: torch.Tensor, scaling: float) -> SparseIndex:
+        """Index for one decode query ``q`` [B, H_q, D] (the token is stored; `lengths` gives the
+        real tokens per row)."""
         raise NotImplementedError
 
     def static_select(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -92,43 +99,35 @@ class SelectiveLayer(DenseLayer):
             self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
         self.buffer.append(k_new, v_new)
         self.seen += n
-        self.on_append(q_start, n)
-        if self.tail is not None:
-            self.tail.append(k_new, v_new, q_start, self.row_start)
-        self.reserve_metadata()
-        lengths = self.lengths()
+        self._store_metadata(k_new, v_new, q_start)
         # several tokens, or any piece of an open prompt (a one-token last piece included), attend
         # as a prompt continuation
-        if n > 1 or self.cache.prompt_open or self.dense_step(lengths):
+        if n > 1 or self.cache.prompt_open or self.dense_step():
             return dense_causal_attention(
                 q, self.buffer.keys, self.buffer.values, scaling, q_start=q_start, row_start=self.row_start
             )
-        return self.decode_step(q, scaling, lengths)
+        return self.decode_step(q, scaling)
+
+    def _store_metadata(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Fold k / v [B, H_kv, n, D] at sequence indices ``start ..`` into the metadata, sized for
+        the buffer's capacity (the first static decode step then finds the shapes every later one has)."""
+        for part in self.metadata:
+            part.reserve(self.buffer.capacity, self.buffer.k)
+            part.append(k, v, start, self.row_start)
 
     def static_step(self, q, k_new, v_new, scaling):
         """One decode token at the plan's device position; the selection and the attention run over
         the whole capacity as masks (no host length in any shape), so a compiled step keeps one graph.
         Selects what the eager step selects: a row the budget covers selects every candidate."""
         plan = self.static_write(k_new, v_new)
-        self.on_static_append(k_new, plan.start)
-        if self.tail is not None:
-            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
+        for part in self.metadata:
+            part.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
         self.count_static_step()
         return self.static_attend_step(q, scaling)
 
     def static_attend_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """The attention of a static step whose token is stored: q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
         return self.static_attend(q, self.static_select(q[:, :, 0], scaling), scaling)
-
-    def reserve_metadata(self) -> None:
-        """Size the per-token metadata for the buffer's capacity (after every store; cheap when it
-        is): the first static decode step then finds the shapes every later one has."""
-        if self.tail is not None:
-            self.tail.reserve(self.buffer.capacity, self.buffer.k)
-
-    def on_static_append(self, k_new: torch.Tensor, pos: torch.Tensor) -> None:
-        """A static step stored ``k_new`` [B, H_kv, 1, D] at the device position ``pos`` [1]
-        (update metadata here, in place, without reading ``pos`` on the host)."""
 
     def static_attend(self, q: torch.Tensor, visible: torch.Tensor, scaling: float) -> torch.Tensor:
         """q [B, H_q, 1, D] over the slots ``visible`` (B, H_kv, C) marks (+ the tail estimate of the
@@ -139,46 +138,47 @@ class SelectiveLayer(DenseLayer):
 
     def count_tokens(self, n: int) -> None:
         super().count_tokens(n)
-        if self.tail is not None:
-            self.tail.count_stored(self.seen)
+        for part in self.metadata:
+            part.count_stored(self.seen)
 
-    def decode_step(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         """One sparse decode step (the token is already stored): q [B, H_q, 1, D] -> [B, H_q, 1, D]."""
-        return self.sparse_attend(q, self.select(q[:, :, 0], scaling, lengths), scaling)
+        return self.sparse_attend(q, self.select(q[:, :, 0], scaling), scaling)
 
-    def dense_step(self, lengths: torch.Tensor) -> bool:
+    def dense_step(self) -> bool:
         """Whether this decode step attends densely: every row fits in the budget."""
         return self.seen - self.min_row_start() <= self.budget
 
     def sparse_attend(self, q: torch.Tensor, index: SparseIndex, scaling: float) -> torch.Tensor:
         """``sparse_decode`` of q [B, H_q, 1, D] over the buffer (+ the tail estimate); returns [B, H_q, 1, D]."""
         if self.tail is not None:
-            out = self.tail.attend(q[:, :, 0], self.buffer, index, scaling, validate_index=not self._validated)
+            out = self.tail.attend(q[:, :, 0], self.buffer, index, scaling, backend=self.backend,
+                                   validate_index=not self._validated)
         else:
             out, _ = sparse_decode(q[:, :, 0], self.buffer.k, self.buffer.v, index, scale=scaling,
-                                   validate_index=not self._validated)
-        self._validated = True
+                                   backend=self.backend, validate_index=not self._validated)
+        self._validated = True  # every step builds its index the same way: check the values once
         return out[:, :, None]
 
     def after_truncate(self) -> None:
-        if self.tail is not None:
-            self.tail.truncate(self.buffer, self.row_start, self.cache)
+        for part in self.metadata:
+            part.truncate(self.buffer, self.row_start, self.cache)
 
     def ingest_prefill(self, k, v):
         start = self.seen
         super().ingest_prefill(k, v)
-        self.on_append(start, k.shape[2])
-        if self.tail is not None:
-            self.tail.append(k, v, start, self.row_start)
-        self.reserve_metadata()
+        self._store_metadata(k, v, start)
 
     def state_tensors(self):
-        return {**super().state_tensors(), **({} if self.tail is None else self.tail.state_tensors())}
+        out = super().state_tensors()
+        for part in self.metadata:
+            out.update(part.state_tensors())
+        return out
 
     def batch_select(self, indices):
         super().batch_select(indices)
-        if self.tail is not None:
-            self.tail.batch_select(indices)
+        for part in self.metadata:
+            part.batch_select(indices)
 
     # ------------------------------------------------------------------ helpers
     def min_row_start(self) -> int:
@@ -192,98 +192,13 @@ class SelectiveLayer(DenseLayer):
         return full if row_start is None else full - row_start
 
 
-class PageStats:
-    """Element-wise key min / max per page, ``(B, H_kv, P_cap, D)`` each, grown in chunks.
-
-    Page ``j`` of row ``b`` holds relative positions ``[j * page_size, (j + 1) * page_size)``,
-    i.e. sequence indices from ``row_start[b] + j * page_size``. A page with no token yet holds
-    ``+inf`` (min) / ``-inf`` (max); :meth:`bounds` reports those as zeros, like
-    :func:`kvpress.kernels.page_min_max`.
-    """
-
-    def __init__(self, page_size: int, grow_pages: int = 8):
-        self.page_size = page_size
-        self.grow_pages = grow_pages
-        self.page_min: torch.Tensor | None = None
-        self.page_max: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, start: int, row_start: torch.Tensor | None) -> None:
-        """Fold keys ``k`` [B, H_kv, n, D] at sequence indices ``start ..`` into their pages.
-
-        Only the pages the new tokens fall in are touched (a scatter min / max), so a decode
-        step costs O(D) per head, not O(cached tokens).
-        """
-        B, H, n, D = k.shape
-        if n == 1 and row_start is None:  # a decode step without padding: one page, in place
-            page = start // self.page_size
-            self._ensure(B, H, D, page + 1, k)
-            kf = k[:, :, 0].to(self.page_min.dtype)
-            mn, mx = self.page_min[:, :, page], self.page_max[:, :, page]  # (B, H, D) views
-            torch.minimum(mn, kf, out=mn)
-            torch.maximum(mx, kf, out=mx)
-            return
-        rel = torch.arange(start, start + n, device=k.device).expand(B, n)  # (B, n)
-        if row_start is not None:
-            rel = rel - row_start[:, None]
-        real = rel >= 0
-        pages = torch.where(real, rel, torch.zeros_like(rel)) // self.page_size  # (B, n)
-        need = int(pages.max()) + 1 if n else 0
-        self._ensure(B, H, D, need, k)
-        kf = k.to(self.page_min.dtype)
-        index = pages[:, None, :, None].expand(B, H, n, D)
-        mask = real[:, None, :, None]
-        self.page_min.scatter_reduce_(2, index, kf.masked_fill(~mask, float("inf")), "amin")
-        self.page_max.scatter_reduce_(2, index, kf.masked_fill(~mask, float("-inf")), "amax")
-
-    def static_append(self, k: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None,
-                      capacity: int) -> None:
-        """Fold one decode key per row k [B, H_kv, 1, D] at the device position ``pos`` ([1] long)
-        into its page in place (a static decode step); the bounds hold every page of a
-        ``capacity``-token store."""
-        B, H, _, D = k.shape
-        self._ensure(B, H, D, -(-capacity // self.page_size), k)
-        rel = (pos if row_start is None else pos - row_start).expand(B)  # (B,) a decode token is real
-        at = (rel // self.page_size).view(B, 1, 1, 1).expand(B, H, 1, D)
-        kf = k.to(self.page_min.dtype)
-        self.page_min.scatter_reduce_(2, at, kf, "amin")
-        self.page_max.scatter_reduce_(2, at, kf, "amax")
-
-    def reserve(self, capacity: int, like: torch.Tensor) -> None:
-        """Hold the bounds of every page of a ``capacity``-token store ``like`` [B, H_kv, capacity, D]
-        (a static decode step's bounds then keep their shape)."""
-        B, H, _, D = like.shape
-        self._ensure(B, H, D, -(-capacity // self.page_size), like)
-
-    def truncate(self, keys: torch.Tensor, row_start: torch.Tensor | None, cache) -> None:
-        """Forget the tokens after the first ``keys.shape[2]`` (``keys``: every key kept, from
-        index 0; a crop truncated the buffer): pages that held a removed token are folded again."""
-        if self.page_min is None:
-            return
-        length, ps = keys.shape[2], self.page_size
-        first = max(0, length - cache.max_row_start) // ps  # first page (of any row) that held a removed token
-        self.page_min[:, :, first:] = float("inf")
-        self.page_max[:, :, first:] = float("-inf")
-        start = min(length, cache.min_row_start + first * ps)  # no row's page `first` starts earlier
-        if start < length:  # folding a key twice into a min / max changes nothing
-            self.append(keys[:, :, start:], start, row_start)
-
-    def _ensure(self, B: int, H: int, D: int, pages: int, like: torch.Tensor) -> None:
-        if self.page_min is not None and self.page_min.shape[2] >= pages:
-            return
-        cap = max(self.grow_pages, -(-pages // self.grow_pages) * self.grow_pages)
-        new_min = like.new_full((B, H, cap, D), float("inf"))
-        new_max = like.new_full((B, H, cap, D), float("-inf"))
-        if self.page_min is not None:
-            old = self.page_min.shape[2]
-            new_min[:, :, :old] = self.page_min
-            new_max[:, :, :old] = self.page_max
-        self.page_min, self.page_max = new_min, new_max
-
-    def bounds(self, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(page_min, page_max)`` of the first ``num_pages`` pages, empty pages as zeros."""
-        mn, mx = self.page_min[:, :, :num_pages], self.page_max[:, :, :num_pages]
-        empty = torch.isinf(mn)
-        return mn.masked_fill(empty, 0.0), mx.masked_fill(empty, 0.0)
+def check_selection(policy, reduction: str) -> None:
+    """ValueError unless the fields every selection policy has are in range: ``budget``,
+    ``sink_tokens``, ``tail_chunk`` and the GQA reduction named by the field ``reduction``."""
+    check_tokens("budget", policy.budget, 1)
+    check_tokens("sink_tokens", policy.sink_tokens, 0)
+    check_choice(reduction, getattr(policy, reduction), REDUCTIONS)
+    check_tokens("tail_chunk", policy.tail_chunk, 0)
 
 
 def check_budget(budget: int, always_on: int, what: str) -> None:
@@ -424,6 +339,19 @@ def static_slots(capacity: int, end: torch.Tensor, row_start: torch.Tensor | Non
     slot = torch.arange(capacity, device=device)
     rel = slot[None, :] if row_start is None else slot[None, :] - row_start[:, None]
     return slot, rel, (rel >= 0) & (slot < end)[None, :]
+
+
+def static_token_split(capacity: int, end: torch.Tensor, row_start: torch.Tensor | None, batch: int, device, *,
+                       sinks: int, recent: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A static decode step's slots as a token selection splits them: ``(real, always, candidates)``.
+
+    ``real`` (B or 1, C) as :func:`static_slots`; ``always`` (B or 1, C): the real slots among a
+    row's first ``sinks`` tokens or the ``recent`` last (attended every step); ``candidates`` (B, C):
+    the other real slots, among which the selection chooses.
+    """
+    slot, rel, real = static_slots(capacity, end, row_start, device)
+    sink, last = rel < sinks, slot[None, :] >= end - recent
+    return real, real & (sink | last), (real & ~sink & ~last).expand(batch, capacity)
 
 
 def top_entries(scores: torch.Tensor, k: int, *, lowest_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,16 +7,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvpress.attention import dense_causal_attention
-from kvpress.calibration import register_calibrator, shipped_artifact, shipped_artifact_for
+from kvpress.calibration import register_calibrator
 from kvpress.kernels.backend import label_select_backend
-from kvpress.kernels import REDUCTIONS, SparseIndex, label_scores, native, reduce_over_group, sparse_decode, topk_ids
-from kvpress.layers import DenseLayer
+from kvpress.kernels import SparseIndex, label_scores, native, reduce_over_group, topk_ids
 from kvpress.policies import _double_sparsity_calib as calib
 from kvpress.policies._double_sparsity_calib import synthetic_artifact  # noqa: F401  (re-exported)
-from kvpress.policies._double_sparsity_labels import dequantize_labels, quantize_labels
-from kvpress.policies._sparse import (ChunkTail, range_index, static_slots, static_sparse_attention,
-    token_topk_index, top_entries, topk_mask)
+from kvpress.policies._double_sparsity_labels import (LabelCache, dequantize_labels,  # noqa: F401  (re-exported)
+                                                      quantize_labels)
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_selection, range_index, static_token_split,
+                                      token_topk_index, top_entries, topk_mask)
 from kvpress.registry import MAX_CHANNELS, Policy, check_choice, check_int, check_tokens, register_policy
 
 LABEL_BITS = (4, 16)
@@ -105,21 +104,14 @@ class DoubleSparsityPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_selection(self, "group_reduction")
         check_tokens("window_size", self.window_size, 1)
-        check_tokens("budget", self.budget, 1)
-        always = self.sink_tokens + self.window_size
-        if self.budget <= always:
-            raise ValueError(
-                f"budget={self.budget} must exceed the always-attended tokens sink_tokens + window_size = {always}; "
-                f"allowed: budget >= {always + 1}"
-            )
+        check_budget(self.budget, self.sink_tokens + self.window_size + 1,
+                     f"sink_tokens={self.sink_tokens} + window_size={self.window_size} + 1")
         if self.label_channels is not None:
             check_int("label_channels", self.label_channels, 1, MAX_CHANNELS)
         check_choice("label_bits", self.label_bits, LABEL_BITS)
-        check_choice("group_reduction", self.group_reduction, REDUCTIONS)
         check_choice("backend", self.backend, ("auto", "torch", "triton"))
-        check_tokens("tail_chunk", self.tail_chunk, 0)
         check_int("rerank", self.rerank, 1, 1024)
 
     def channels_for(self, head_dim: int) -> int:
@@ -138,26 +130,17 @@ class DoubleSparsityPolicy(Policy):
         low, high = max(1, d // 16), max(1, d // 4)
         r = self.channels_for(d)
         if not low <= r <= high:
-            raise ValueError(f"label_channels={r} is out of range for head_dim {d}; allowed: {low} <= label_channels <= {high}")
-        _channel_rank(self.artifact_path(adapter), adapter)
+            raise ValueError(f"label_channels={r} is out of range for head_dim {d}; "
+                             f"allowed: {low} <= label_channels <= {high}")
+        calib.channel_rank(self.artifact_path(adapter), adapter)
 
     def artifact_path(self, adapter) -> pathlib.Path:
         """The artifact to read: ``artifact``, else the one shipped for the model (SmolLM2, Gemma 3 270M)."""
-        if self.artifact is not None:
-            return pathlib.Path(self.artifact)
-        shipped = shipped_artifact_for(self.name, adapter) or shipped_artifact(calib.SHIPPED)
-        try:
-            _channel_rank(shipped, adapter)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(
-                f"double_sparsity ships channel artifacts for SmolLM2 and Gemma 3 270M only; model "
-                f"{adapter.model_id!r} needs its own: run `{calib.CALIBRATE_COMMAND}` and pass artifact=FILE"
-            ) from exc
-        return shipped
+        return calib.artifact_for(self.artifact, adapter)
 
     def make_layer(self, cache, layer_idx):
         adapter = cache.adapter
-        rank = _channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
+        rank = calib.channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
         channels = rank[layer_idx, :, : self.channels_for(adapter.head_dim)].contiguous()  # (H_kv, r)
         return DoubleSparsityLayer(cache, layer_idx, self, channels)
 
@@ -172,186 +155,37 @@ class DoubleSparsityPolicy(Policy):
                    artifact=str(synthetic_artifact(adapter)), rerank=2)
 
 
-_RANKS: dict[tuple, torch.Tensor] = {}
-
-
-def _channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
-    """Checked ``channel_rank`` [L, H_kv, D] of an artifact (cached by path, mtime, model fields)."""
-    stat = path.stat() if path.is_file() else None
-    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
-           adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
-    if key not in _RANKS:
-        _RANKS[key] = calib.load(path, adapter)
-    return _RANKS[key]
-
-
-class DoubleSparsityLayer(DenseLayer):
-    """Dense K/V + a label cache [B, H_kv, T, r]; decode attends ``budget`` tokens per KV head.
-
-    Labels are the post-RoPE keys' calibrated channels (``kvpress.kernels.build_labels``),
-    stored in the model dtype token-last (``labels`` [B, H_kv, r, T_cap], so scoring streams
-    contiguous rows of tokens; `label_view` gives [B, H_kv, T, r]) or, with 4 bits, as packed
-    codes ``label_codes`` [B, H_kv, T, ceil(r / 2)] (uint8) with ``label_scale`` /
-    ``label_zero`` [B, H_kv, T, 1] (fp16).
-    """
-
-    static_decode = True  # labels, shortlist and top-k as masks over the capacity when traced
-    verify_as_steps = True  # a verification selects per token as decode does (a new turn attends densely)
+class DoubleSparsityLayer(SelectiveLayer):
+    """Dense K/V + a label cache (`LabelCache`: the post-RoPE keys' calibrated channels, as
+    ``kvpress.kernels.build_labels`` makes them); decode attends ``budget`` tokens per KV head."""
 
     def __init__(self, cache, layer_idx, policy: DoubleSparsityPolicy, channels: torch.Tensor):
-        super().__init__(cache, layer_idx)
+        super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk, backend=policy.backend)
         self.policy = policy
-        self.channels_cpu = channels  # (H_kv, r) long
-        self.channels = None  # on the cache's device, set on first use
-        self.labels = self.label_codes = self.label_scale = self.label_zero = None
-        self.label_len = 0
-        self.tail = ChunkTail(policy.tail_chunk) if policy.tail_chunk else None
-        self._validated = False
+        self.label_cache = LabelCache(channels, policy.label_bits)  # channels: (H_kv, r) long
+        self.metadata.append(self.label_cache)
         self._consts: dict = {}  # small per-batch-size constants of the decode hot path
-
-    # ------------------------------------------------------------------ storage
-    def _append_labels(self, k: torch.Tensor) -> None:
-        """Append the labels of new keys k [B, H_kv, T, D], growing with the K/V buffer's capacity."""
-        if self.channels is None:
-            self.channels = self.channels_cpu.to(k.device)
-        idx = self.channels[None, :, None, :].expand(k.shape[0], k.shape[1], k.shape[2], -1)
-        store, n = self.labels, k.shape[2]
-        if (self.policy.label_bits == 16 and store is not None and store.shape[3] >= self.buffer.k.shape[2]
-                and store.dtype == k.dtype and store.shape[:2] == k.shape[:2]):
-            # decode: gather straight into the label cache (no temporary, no copy)
-            torch.gather(k, -1, idx, out=store.narrow(3, self.label_len, n).transpose(-1, -2))
-            self.label_len += n
-            return
-        new = k.gather(-1, idx)  # (B, H_kv, T, r)
-        if self.policy.label_bits == 16:
-            # stored (B, H_kv, r, T_cap): the scores' matmul then streams rows of tokens (~1/3 faster on CPU)
-            parts = {"labels": (new.transpose(-1, -2), 3)}
-        else:
-            parts = {name: (t, 2) for name, t in zip(("label_codes", "label_scale", "label_zero"), quantize_labels(new))}
-        n = new.shape[2]
-        for name, (store, t_dim) in self._label_stores(parts).items():
-            store.narrow(t_dim, self.label_len, n).copy_(parts[name][0])
-        self.label_len += n
-
-    def _label_stores(self, parts: dict) -> dict:
-        """The label stores for ``parts`` (name -> (new labels, token dim)), grown to the K/V buffer's
-        capacity (zeroed: a static step scores every slot of the capacity, the unused ones masked)."""
-        cap = self.buffer.k.shape[2]
-        stores = {}
-        for name, (part, t_dim) in parts.items():
-            store = getattr(self, name)
-            if store is None or store.shape[t_dim] < cap:
-                shape = list(part.shape)
-                shape[t_dim] = cap
-                grown = part.new_zeros(shape)
-                if store is not None:
-                    grown.narrow(t_dim, 0, self.label_len).copy_(store.narrow(t_dim, 0, self.label_len))
-                setattr(self, name, grown)
-            stores[name] = (getattr(self, name), t_dim)
-        return stores
-
-    def _write_labels_at(self, k: torch.Tensor, pos: torch.Tensor) -> None:
-        """Store the labels of one decode key per row k [B, H_kv, 1, D] at the device position ``pos``
-        ([1] long; a static step)."""
-        idx = self.channels[None, :, None, :].expand(k.shape[0], k.shape[1], 1, -1)
-        new = k.gather(-1, idx)  # (B, H_kv, 1, r)
-        if self.policy.label_bits == 16:
-            parts = {"labels": (new.transpose(-1, -2), 3)}
-        else:
-            names = ("label_codes", "label_scale", "label_zero")
-            parts = {name: (t, 2) for name, t in zip(names, quantize_labels(new))}
-        for name, (store, t_dim) in self._label_stores(parts).items():
-            store.index_copy_(t_dim, pos, parts[name][0].to(store.dtype))
-
-    def label_view(self) -> torch.Tensor:
-        """Labels of the stored tokens [B, H_kv, T, r] (a transposed view when 16-bit; de-quantized when 4-bit)."""
-        n = self.label_len
-        if self.policy.label_bits == 16:
-            return self.labels[:, :, :, :n].transpose(-1, -2)
-        return dequantize_labels(self.label_codes[:, :, :n], self.label_scale[:, :, :n], self.label_zero[:, :, :n],
-                                 self.channels.shape[1])
-
-    def ingest_prefill(self, k, v):
-        start = self.seen
-        super().ingest_prefill(k, v)
-        self._append_labels(k)
-        if self.tail is not None:
-            self.tail.append(k, v, start, self.row_start)
-            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
-
-    def after_truncate(self):
-        self.label_len = self.buffer.length  # labels are per token, in the buffer's order
-        if self.tail is not None:
-            self.tail.truncate(self.buffer, self.row_start, self.cache)
 
     def state_tensors(self):
         consts = {f"select_{name}": t for (name, _), t in self._consts.items()}  # small, but kept: counted
-        return {**super().state_tensors(), "channels": self.channels, "labels": self.labels, "label_codes": self.label_codes,
-                "label_scale": self.label_scale, "label_zero": self.label_zero, **consts,
-                **({} if self.tail is None else self.tail.state_tensors())}
+        return {**super().state_tensors(), **consts}
 
     def batch_select(self, indices):
         super().batch_select(indices)
         self._consts.clear()
-        if self.tail is not None:
-            self.tail.batch_select(indices)
-        for name in ("labels", "label_codes", "label_scale", "label_zero"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, indices.to(t.device)))
 
-    # ------------------------------------------------------------------ attention
-    def attend(self, q, k_new, v_new, scaling):
-        plan = self.cache.plan
-        if plan is not None and plan.static:
-            return self.static_step(q, k_new, v_new, scaling)
-        q_start = self.seen
-        if self.buffer.k is None and self.cache.capacity:  # a planned generation: decode keeps one shape
-            self.buffer.reserve(self.cache.capacity, k_new, v_new, exact=True)
-        self.buffer.append(k_new, v_new)
-        self._append_labels(k_new)
-        self.seen += k_new.shape[2]
-        row_start = self.row_start
-        if self.tail is not None:
-            self.tail.append(k_new, v_new, q_start, row_start)
-            self.tail.reserve(self.buffer.capacity, self.buffer.k)  # a static step's sums keep their shape
-        if q.shape[2] > 1 or self.cache.prompt_open or self._budget_covers(row_start):
-            # prefill (full attention, as the paper), or every real token fits in the budget
-            return dense_causal_attention(q, self.buffer.keys, self.buffer.values, scaling,
-                                          q_start=q_start, row_start=row_start)
-        return self._sparse_step(q, scaling, row_start)
-
-    def static_step(self, q, k_new, v_new, scaling):
-        """A decode step at the plan's device position, pure torch over the whole capacity (labels,
-        candidates, shortlist and top-k as masks; the eager step's selection), so a compiled step
-        keeps one graph. A row the budget covers selects every candidate: it attends densely."""
-        plan = self.static_write(k_new, v_new)
-        self._write_labels_at(k_new, plan.start)
-        if self.tail is not None:
-            self.tail.static_append(k_new, v_new, plan.start, self.row_start, self.buffer.capacity)
-        self.count_static_step()
-        visible = self._static_select(q[:, :, 0], scaling)  # (B, H_kv, C)
-        if self.tail is not None:
-            return self.tail.static_attend(q, self.buffer.k, self.buffer.v, visible, scaling, self.row_start)
-        return static_sparse_attention(q, self.buffer.k, self.buffer.v, visible, scaling)
-
-    def _static_select(self, q0: torch.Tensor, scaling: float) -> torch.Tensor:
-        """`select` over the capacity: bool (B, H_kv, C) of the attended slots (sinks, window, top tokens)."""
-        p = self.policy
+    def static_select(self, q0: torch.Tensor, scaling: float) -> torch.Tensor:
+        """`select` over the capacity, pure torch: bool (B, H_kv, C) of the attended slots (sinks,
+        window, top tokens; labels, shortlist and top-k as masks)."""
+        p, channels = self.policy, self.label_cache.channels
         B, H_q, D = q0.shape
-        H, r = self.channels.shape
+        H, r = channels.shape
         C = self.buffer.capacity
-        end = self.cache.plan.end
-        slot, rel, real = static_slots(C, end, self.row_start, q0.device)
-        sink, window = rel < p.sink_tokens, slot[None, :] >= end - p.window_size
-        candidates = (real & ~sink & ~window).expand(B, C)  # (B, C)
-        if p.label_bits == 16:
-            labels = self.labels[:, :, :, :C].transpose(-1, -2)  # (B, H_kv, C, r)
-        else:
-            labels = dequantize_labels(self.label_codes[:, :, :C], self.label_scale[:, :, :C],
-                                       self.label_zero[:, :, :C], r)
+        _, always, candidates = static_token_split(C, self.cache.plan.end, self.row_start, B, q0.device,
+                                                   sinks=p.sink_tokens, recent=p.window_size)
+        labels = self.label_cache.view(C)  # (B, H_kv, C, r)
         qg = q0.float().view(B, H, H_q // H, D) * scaling
-        q_sel = qg.gather(-1, self.channels[None, :, None, :].expand(B, H, H_q // H, r))  # (B, H_kv, G, r)
+        q_sel = qg.gather(-1, channels[None, :, None, :].expand(B, H, H_q // H, r))  # (B, H_kv, G, r)
         s = (q_sel @ labels.float().transpose(-1, -2)).reshape(B, H_q, C)
         s = reduce_over_group(s, H, reduction=p.group_reduction, mask=candidates)  # (B, H_kv, C)
         keep = p.budget - p.sink_tokens - p.window_size
@@ -361,38 +195,27 @@ class DoubleSparsityLayer(DenseLayer):
             top, cand = top_entries(s, min(keep * p.rerank, C), lowest_first=True)
             exact = self._shortlist_scores(q0, scaling, cand, ~torch.isfinite(top))
             s = torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
-        return (real & (sink | window))[:, None, :] | topk_mask(s, keep, candidates, lowest_first=True)
+        return always[:, None, :] | topk_mask(s, keep, candidates, lowest_first=True)
 
-    def count_tokens(self, n: int) -> None:
-        super().count_tokens(n)
-        self.label_len += n
-        if self.tail is not None:
-            self.tail.count_stored(self.seen)
-
-    def _budget_covers(self, row_start) -> bool:
-        return self.seen - self.cache.min_row_start <= self.policy.budget
-
-    def select(self, q0: torch.Tensor, scaling: float, row_start: torch.Tensor | None) -> SparseIndex:
+    def select(self, q0: torch.Tensor, scaling: float) -> SparseIndex:
         """Token-level index of this decode step: sinks + window + top label scores.
 
         Parameters
         ----------
         q0 : Tensor [B, H_q, D]
             The decode query (post-RoPE); the new token is already stored.
-        row_start : Tensor [B] (long) or None
-            First real token per row.
 
         Returns
         -------
         SparseIndex with block_size 1 and ``budget - sink_tokens - window_size`` selected tokens
         per (row, KV head) wherever the row is long enough, so each attends exactly ``budget``.
         """
-        p = self.policy
+        p, labels, row_start = self.policy, self.label_cache, self.row_start
         keep = p.budget - p.sink_tokens - p.window_size
         lo, hi = p.sink_tokens, self.seen - p.window_size  # candidates: between the sinks and the window
         if row_start is None and hi - lo >= keep and self._native_ok(q0):
             # CPU fp32, no padding: the whole selection in one compiled call (kvpress.kernels.native)
-            ids = native.label_select(q0.contiguous(), self.channels, self.labels, self.buffer.k, lo=lo, hi=hi,
+            ids = native.label_select(q0.contiguous(), labels.channels, labels.labels, self.buffer.k, lo=lo, hi=hi,
                                       keep=keep, shortlist=min(keep * p.rerank, hi - lo), scale=scaling,
                                       reduction=p.group_reduction)
             B, H = ids.shape[:2]
@@ -413,7 +236,7 @@ class DoubleSparsityLayer(DenseLayer):
                 # tens of us on CPU once a layer's MLP has evicted the caches)
                 s = self._candidate_scores(q0, scaling, lo, hi)  # (B, H_kv, hi - lo)
             else:
-                s = label_scores(q0, self.label_view(), self.channels, scale=scaling,
+                s = label_scores(q0, labels.view(), labels.channels, scale=scaling,
                                  reduction=p.group_reduction, mask=mask)  # (B, H_kv, T)
                 lo = 0
             return s if p.rerank == 1 else self._rerank(q0, scaling, s, lo, keep * p.rerank)
@@ -425,7 +248,8 @@ class DoubleSparsityLayer(DenseLayer):
         """Whether `select`'s unpadded hot path runs natively (`kvpress.kernels.backend.label_select_backend`
         decides from the policy's backend; 16-bit labels only)."""
         return (self.policy.label_bits == 16 and label_select_backend(
-            q0, self.channels.shape[0], self.labels, self.buffer.k, self.policy.backend) == "native")
+            q0, self.label_cache.channels.shape[0], self.label_cache.labels, self.buffer.k,
+            self.policy.backend) == "native")
 
     def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
         """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.
@@ -477,32 +301,21 @@ class DoubleSparsityLayer(DenseLayer):
         """
         p = self.policy
         B, H_q, _ = q0.shape
-        H, r = self.channels.shape
+        labels = self.label_cache
+        H, r = labels.channels.shape
         G = H_q // H
-        if p.label_bits != 16 or q0.dtype != torch.float32 or self.labels.dtype != torch.float32:
-            return label_scores(q0, self.label_view()[:, :, lo:hi], self.channels, scale=scaling,
+        if p.label_bits != 16 or q0.dtype != torch.float32 or labels.labels.dtype != torch.float32:
+            return label_scores(q0, labels.view()[:, :, lo:hi], labels.channels, scale=scaling,
                                 reduction=p.group_reduction)
-        q_idx = self._const("q_idx", lambda: self.channels.repeat_interleave(G, 0).expand(B, H_q, r).contiguous())
+        q_idx = self._const("q_idx", lambda: labels.channels.repeat_interleave(G, 0).expand(B, H_q, r).contiguous())
         q_sel = torch.gather(q0, 2, q_idx).view(B * H, G, r)  # (B * H_kv, G, r)
-        labels = self.labels[:, :, :, lo:hi].view(B * H, r, hi - lo)  # a view of the label cache
+        label_rows = labels.labels[:, :, :, lo:hi].view(B * H, r, hi - lo)  # a view of the label cache
         zero = self._const("zero", lambda: q0.new_zeros(1, 1, 1))
-        s = torch.baddbmm(zero, q_sel, labels, beta=0, alpha=scaling)  # (B * H_kv, G, T)
+        s = torch.baddbmm(zero, q_sel, label_rows, beta=0, alpha=scaling)  # (B * H_kv, G, T)
         if p.group_reduction.startswith("softmax"):
             s = torch.softmax(s, dim=-1)  # no -inf here: no NaN to clean up
         s = s.mean(1) if p.group_reduction.endswith("mean") else s.amax(1)
         return s.view(B, H, hi - lo)
-
-    def _sparse_step(self, q, scaling, row_start):
-        q0 = q[:, :, 0]  # (B, H_q, D)
-        index = self.select(q0, scaling, row_start)
-        if self.tail is not None:
-            out = self.tail.attend(q0, self.buffer, index, scaling, backend=self.policy.backend,
-                                   validate_index=not self._validated)
-        else:
-            out, _ = sparse_decode(q0, self.buffer.k, self.buffer.v, index, scale=scaling, backend=self.policy.backend,
-                                   validate_index=not self._validated)
-        self._validated = True  # every step builds its index the same way: check the values once
-        return out[:, :, None]  # (B, H_q, 1, D)
 
 
 register_calibrator(

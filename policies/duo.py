@@ -20,18 +20,9 @@ Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a k
 (``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
 heads, tab separated, as published in github.com/mit-han-lab/duo-attention under
 ``attn_patterns/<model>/<run>/``) or the directory holding it — or, by default, the artifact
-shipped for the model (``policies/artifacts/duo-smollm2.safetensors``, ``duo-gemma3-270m.safetensors``).
-
-The shipped artifact was made with (method, settings and the variants tried in ``_duo_calibrate``)::
-
-    kvpress calibrate duo --model smollm2 --out policies/artifacts/duo-smollm2.safetensors --threads 1
-
-i.e. the calibration defaults: contexts of 512 and 768 tokens (alternating), 48 steps of one
-prompt each (4 passkeys of 3 words at depths 0-1), sink 16 / window 64 during calibration, KL of
-the answer tokens' next-token distributions as the loss (the paper: final hidden states), step
-size 0.25 on the gate logits, L1 weight 0.05, seed 0 — far below the paper's 1k-32k contexts,
-2000 steps and sink 128 / recent 256; 361 s on one CPU thread. The artifact's metadata
-(``extra``) records the settings, every step's loss and the wall time.
+shipped for the model (``policies/artifacts/duo-smollm2.safetensors``, ``duo-gemma3-270m.safetensors``;
+`kvpress.policies._duo_gates`). The calibration, far shorter than the paper's, its settings and the
+variants tried are described in ``_duo_calibrate``, which made the shipped artifacts.
 
 Prefill. The paper deploys DuoAttention with chunked pre-filling, and the upstream code runs
 its needle and LongBench evaluations that way (chunks of 32000 tokens, sinks 64 + recent 256):
@@ -63,23 +54,20 @@ not a recommendation.
 from __future__ import annotations
 
 import math
-import pathlib
 from dataclasses import dataclass, replace
 
 import torch
 
 from kvpress.attention import dense_causal_attention, static_decode_attention, whole_cache_decode
 from kvpress.cache import CacheLayer, KVBuffer
-from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact, shipped_artifact_for
+from kvpress.calibration import register_calibrator
 from kvpress.layers import SinkWindowLayer
-from kvpress.policies._duo_calibrate import ARTIFACT_VERSION, configure_parser, run_from_args
+from kvpress.policies._duo_calibrate import configure_parser, run_from_args
+from kvpress.policies._duo_gates import check_gates, load_gates, read_upstream_pattern  # noqa: F401  (re-exported)
 from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
 
-SHIPPED = "duo-smollm2.safetensors"
-UPSTREAM_FILE = "full_attention_heads.tsv"
 # Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
 _GROW = 32
-_CHECK = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
 PREFILL_MODES = ("streaming", "chunked", "dense")
 
 
@@ -171,57 +159,13 @@ class DuoPolicy(Policy):
             raise ValueError(f"sparsity={self.sparsity!r} is out of range; allowed: 0 <= sparsity <= 1 (or None)")
         if self.random_heads_seed is not None:
             check_int("random_heads_seed", self.random_heads_seed, 0, MAX_SEED)
-        if self.gates is not None:
-            rows = self.gates
-            if not rows or not all(isinstance(r, (tuple, list)) and len(r) == len(rows[0]) > 0 for r in rows):
-                raise ValueError("gates must be a non-empty rectangular tuple of tuples [layers][KV heads]")
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for r in rows for x in r):
-                raise ValueError("gates must hold numbers")
-            if not all(math.isfinite(x) for r in rows for x in r):
-                raise ValueError("gates must hold finite numbers (no NaN or inf)")
-            if self.artifact is not None:
-                raise ValueError("give either gates or artifact, not both")
+        check_gates(self.gates, self.artifact)
 
     # ----------------------------------------------------------------- gates -> head split
     def load_gates(self, adapter) -> torch.Tensor:
-        """Gate per (layer, KV head), fp32 [num_layers, num_kv_heads]; higher = retrieval.
-
-        Raises
-        ------
-        FileNotFoundError
-            No artifact (the message names ``kvpress calibrate duo``).
-        ValueError
-            The gates were made for another layer / head count (or another model).
-        """
-        if self.gates is not None:
-            gates = torch.tensor(self.gates, dtype=torch.float32)
-            source = "gates override"
-        elif self.artifact is None and self.random_heads_seed is not None and self.sparsity is not None:
-            # a random split of a given size needs no calibration (any model, e.g. speed runs on
-            # random weights); the split is the one the shipped gates' shape would give
-            return torch.zeros(adapter.num_layers, adapter.num_kv_heads)
-        else:
-            path = (pathlib.Path(self.artifact) if self.artifact is not None
-                    else shipped_artifact_for(self.name, adapter) or shipped_artifact(SHIPPED))
-            if path.is_dir():
-                path = path / UPSTREAM_FILE
-            source = str(path)
-            if path.suffix == ".tsv":
-                gates = read_upstream_pattern(path)
-            else:
-                tensors, _ = load_artifact(path, policy=self.name, version=ARTIFACT_VERSION, adapter=adapter,
-                                           check=_CHECK, required=("gates",))
-                gates = tensors["gates"].to(torch.float32)
-        if not bool(torch.isfinite(gates).all()):
-            raise ValueError(f"duo gates from {source} hold NaN or inf; every gate must be a finite number "
-                             "(remake the pattern with `kvpress calibrate duo`)")
-        expected = (adapter.num_layers, adapter.num_kv_heads)
-        if tuple(gates.shape) != expected:
-            raise ValueError(
-                f"duo gates from {source} have shape {tuple(gates.shape)} [layers, KV heads]; this model needs "
-                f"{expected}: the pattern was made for another model"
-            )
-        return gates
+        """Gate per (layer, KV head), fp32 [num_layers, num_kv_heads]; higher = retrieval
+        (`kvpress.policies._duo_gates.load_gates`)."""
+        return load_gates(self, adapter)
 
     def retrieval_mask(self, adapter) -> torch.Tensor:
         """bool [num_layers, num_kv_heads]: True where the head keeps its full KV.
@@ -252,19 +196,20 @@ class DuoPolicy(Policy):
     def with_budget(self, budget: int) -> "DuoPolicy":
         """Budget of the streaming heads (``sink_tokens + window_size``); retrieval heads keep all."""
         if budget <= self.sink_tokens:
-            raise ValueError(f"budget={budget} must exceed sink_tokens={self.sink_tokens} (budget = sink_tokens + window_size)")
+            raise ValueError(f"budget={budget} must exceed sink_tokens={self.sink_tokens} "
+                             "(budget = sink_tokens + window_size)")
         return replace(self, window_size=int(budget) - self.sink_tokens)
 
     @classmethod
     def example(cls, adapter) -> "DuoPolicy":
         # Synthetic gates: alternate which heads stream so every layer has both kinds when it can.
-        rows = tuple(
-            tuple(float((layer + head) % 2) for head in range(adapter.num_kv_heads)) for layer in range(adapter.num_layers)
-        )
+        rows = tuple(tuple(float((layer + head) % 2) for head in range(adapter.num_kv_heads))
+                     for layer in range(adapter.num_layers))
         return cls(gates=rows, sparsity=0.5, sink_tokens=2, window_size=8)
 
 
-def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float, random_seed: int | None = None) -> torch.Tensor:
+def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float,
+                random_seed: int | None = None) -> torch.Tensor:
     """Turn gates [L, H] into a retrieval mask (bool [L, H], True = full KV).
 
     With ``sparsity`` the ``round(sparsity * L * H)`` lowest gates stream (ties by index, so the
@@ -283,23 +228,6 @@ def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float, r
     keep = torch.ones(flat.numel(), dtype=torch.bool)
     keep[order[:num_stream]] = False
     return keep.view(gates.shape)
-
-
-def read_upstream_pattern(path) -> torch.Tensor:
-    """Read DuoAttention's published ``full_attention_heads.tsv``: one row per layer, one column
-    per KV head, tab-separated gate values (~[0, 1], higher = full attention). fp32 [L, H]."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no duo pattern at {path}; make one with `kvpress calibrate duo --model MODEL --out FILE.safetensors`"
-        )
-    rows = [line.split() for line in path.read_text().splitlines() if line.strip()]
-    if not rows or any(len(r) != len(rows[0]) for r in rows):
-        raise ValueError(f"{path} is not a rectangular layers x KV heads table")
-    try:
-        return torch.tensor([[float(x) for x in r] for r in rows], dtype=torch.float32)
-    except ValueError as exc:
-        raise ValueError(f"{path} holds a non-numeric gate: {exc}") from None
 
 
 class DuoLayer(CacheLayer):
@@ -351,55 +279,53 @@ class DuoLayer(CacheLayer):
     def static_decode(self) -> bool:
         return self.stream is None or self.stream.static_decode
 
+    def _split(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K/V [B, H_kv, T, D] -> the retrieval heads' (k_r, v_r) and the streaming heads' (k_s, v_s),
+        each [B, H_sub, T, D] (the streaming layer initialised on its first tokens)."""
+        idx = self._indices(k.device)
+        k_s, v_s = k.index_select(1, idx["str"]), v.index_select(1, idx["str"])
+        if self.stream is not None and not self.stream.is_initialized:
+            self.stream.lazy_initialization(k_s, v_s)
+        return k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]), k_s, v_s
+
+    def _store_retrieval(self, k_r: torch.Tensor, v_r: torch.Tensor) -> None:
+        """Append to the retrieval heads' buffer, sized to the planned capacity on its first store
+        (static steps then write in place)."""
+        if self.dense.k is None and self.cache.capacity:
+            self.dense.reserve(self.cache.capacity, k_r, v_r, exact=True)
+        self.dense.append(k_r, v_r)
+
     def attend(self, q, k_new, v_new, scaling):
         plan = self.cache.plan
-        if plan is not None and plan.static and self.static_decode:
-            return self._static_step(q, k_new, v_new, scaling, plan)
+        static = plan is not None and plan.static and self.static_decode
         idx = self._indices(q.device)
-        q_start = self.seen
+        k_r, v_r, k_s, v_s = self._split(k_new, v_new)
         out = q.new_empty(q.shape)  # (B, H_q, T, D)
         if self.dense is not None:
-            self._reserve(k_new, v_new, idx)
-            self.dense.append(k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"]))
             q_ret = q.index_select(1, idx["ret_q"])
-            if q.shape[2] == 1 and q_start > 0:  # decode: the decode kernel over the whole buffer
-                out[:, idx["ret_q"]] = whole_cache_decode(q_ret, self.dense.keys, self.dense.values, scaling,
-                                                          self.row_start)
+            if static:  # at the plan's device position over the whole capacity (fixed shapes)
+                if self.dense.length + 1 > self.dense.capacity:  # outgrown: the next bucket (a new shape)
+                    self.dense.reserve(self.dense.length + 1, k_r, v_r)
+                self.dense.write_at(plan.start, k_r, v_r)
+                out[:, idx["ret_q"]] = static_decode_attention(q_ret, self.dense.k, self.dense.v, scaling,
+                                                               end=plan.end, row_start=self.row_start)
             else:
-                out[:, idx["ret_q"]] = dense_causal_attention(q_ret, self.dense.keys, self.dense.values, scaling,
-                                                              q_start=q_start, row_start=self.row_start)
+                self._store_retrieval(k_r, v_r)
+                if q.shape[2] == 1 and self.seen > 0:  # decode: the decode kernel over the whole buffer
+                    out[:, idx["ret_q"]] = whole_cache_decode(q_ret, self.dense.keys, self.dense.values, scaling,
+                                                              self.row_start)
+                else:
+                    out[:, idx["ret_q"]] = dense_causal_attention(q_ret, self.dense.keys, self.dense.values,
+                                                                  scaling, q_start=self.seen, row_start=self.row_start)
         if self.stream is not None:
-            k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
-            if not self.stream.is_initialized:
-                self.stream.lazy_initialization(k_s, v_s)
-            # through the core: a verification reaches the streaming heads as decode steps
-            out[:, idx["str_q"]] = self.cache.attend(self.stream, q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
-        self.seen += k_new.shape[2]
-        return out
-
-    def _reserve(self, k, v, idx) -> None:
-        """Size the retrieval buffer to the planned capacity on its first store (static steps then
-        write in place)."""
-        if self.dense.k is None and self.cache.capacity:
-            self.dense.reserve(self.cache.capacity, k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]),
-                               exact=True)
-
-    def _static_step(self, q, k_new, v_new, scaling, plan):
-        """One decode token of both head kinds at the plan's device position (fixed shapes)."""
-        idx = self._indices(q.device)
-        out = q.new_empty(q.shape)  # (B, H_q, 1, D)
-        if self.dense is not None:
-            k_r, v_r = k_new.index_select(1, idx["ret"]), v_new.index_select(1, idx["ret"])
-            if self.dense.length + 1 > self.dense.capacity:  # outgrown: the next bucket (a new shape)
-                self.dense.reserve(self.dense.length + 1, k_r, v_r)
-            self.dense.write_at(plan.start, k_r, v_r)
-            out[:, idx["ret_q"]] = static_decode_attention(q.index_select(1, idx["ret_q"]), self.dense.k,
-                                                           self.dense.v, scaling, end=plan.end,
-                                                           row_start=self.row_start)
-        if self.stream is not None:  # its own static step (it counts its token itself)
-            k_s, v_s = k_new.index_select(1, idx["str"]), v_new.index_select(1, idx["str"])
-            out[:, idx["str_q"]] = self.stream.attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
-        self.count_static_step()
+            # a static step: the streaming layer's own (it counts its token itself); else through the
+            # core, so that a verification reaches the streaming heads as decode steps
+            attend = self.stream.attend if static else lambda *a: self.cache.attend(self.stream, *a)
+            out[:, idx["str_q"]] = attend(q.index_select(1, idx["str_q"]), k_s, v_s, scaling)
+        if static:
+            self.count_static_step()
+        else:
+            self.seen += k_new.shape[2]
         return out
 
     def count_tokens(self, n: int) -> None:
@@ -419,14 +345,10 @@ class DuoLayer(CacheLayer):
         streaming heads their sinks + window."""
         if not self.is_initialized:
             self.lazy_initialization(k, v)
-        idx = self._indices(k.device)
+        k_r, v_r, k_s, v_s = self._split(k, v)
         if self.dense is not None:
-            self._reserve(k, v, idx)
-            self.dense.append(k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
+            self._store_retrieval(k_r, v_r)
         if self.stream is not None:
-            k_s, v_s = k.index_select(1, idx["str"]), v.index_select(1, idx["str"])
-            if not self.stream.is_initialized:
-                self.stream.lazy_initialization(k_s, v_s)
             self.stream.ingest_prefill(k_s, v_s)
         self.seen += k.shape[2]
 
@@ -441,10 +363,10 @@ class DuoLayer(CacheLayer):
         return ("dense",) if self.stream is None else ("dense", "stream")
 
     def store_again(self, k, v):
-        idx = self._indices(k.device)
+        k_r, v_r, k_s, v_s = self._split(k, v)
         if self.dense is not None:
-            self.dense.append(k.index_select(1, idx["ret"]), v.index_select(1, idx["ret"]))
-        self.stream.store_again(k.index_select(1, idx["str"]), v.index_select(1, idx["str"]))
+            self.dense.append(k_r, v_r)
+        self.stream.store_again(k_s, v_s)
         self.seen += k.shape[2]
 
     def state_tensors(self):

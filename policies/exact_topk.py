@@ -7,9 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from kvpress.layers import DenseLayer
-from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
-from kvpress.policies._sparse import SelectiveLayer, check_budget, static_slots, token_topk_index, topk_mask
-from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
+from kvpress.kernels import SparseIndex, exact_scores
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_selection, static_token_split,
+                                      token_topk_index, topk_mask)
+from kvpress.registry import MAX_LAYERS, Policy, check_int, check_tokens, register_policy
 
 
 @register_policy
@@ -88,12 +89,9 @@ class ExactTopKPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_tokens("budget", self.budget, 1)
-        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_selection(self, "group_reduction")
         check_tokens("window_size", self.window_size, 1)
-        check_choice("group_reduction", self.group_reduction, REDUCTIONS)
         check_int("dense_layers", self.dense_layers, 0, MAX_LAYERS)
-        check_tokens("tail_chunk", self.tail_chunk, 0)
         always = self.sink_tokens + self.window_size
         check_budget(self.budget, always + 1, f"sink_tokens={self.sink_tokens} + window_size={self.window_size} + 1")
 
@@ -117,7 +115,7 @@ class ExactTopKLayer(SelectiveLayer):
         super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
 
-    def select(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
+    def select(self, q: torch.Tensor, scaling: float) -> SparseIndex:
         p = self.policy
         keys = self.buffer.k
 
@@ -131,12 +129,7 @@ class ExactTopKLayer(SelectiveLayer):
     def static_select(self, q: torch.Tensor, scaling: float) -> torch.Tensor:
         p = self.policy
         keys = self.buffer.k  # (B, H_kv, C, D): the whole capacity
-        B, C = q.shape[0], keys.shape[2]
-        end = self.cache.plan.end
-        slot, rel, real = static_slots(C, end, self.row_start, q.device)
-        sink = rel < p.sink_tokens
-        window = slot[None, :] >= end - p.window_size
-        candidates = (real & ~sink & ~window).expand(B, C)  # (B, C)
+        _, always, candidates = static_token_split(keys.shape[2], self.cache.plan.end, self.row_start, q.shape[0],
+                                                   q.device, sinks=p.sink_tokens, recent=p.window_size)
         scores = exact_scores(q, keys, scale=scaling, reduction=p.group_reduction, mask=candidates)  # (B, H_kv, C)
-        chosen = topk_mask(scores, p.budget - p.sink_tokens - p.window_size, candidates)
-        return (real & (sink | window))[:, None, :] | chosen  # (B, H_kv, C)
+        return always[:, None, :] | topk_mask(scores, p.budget - p.sink_tokens - p.window_size, candidates)

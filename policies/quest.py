@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpress.kernels import ALLOWED_BLOCK_SIZES, REDUCTIONS, SparseIndex, quest_scores
+from kvpress.kernels import ALLOWED_BLOCK_SIZES, SparseIndex, quest_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import (PageStats, SelectiveLayer, check_budget, page_index, range_topk_index,
+from kvpress.policies._quest_pages import PageStats
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_selection, page_index, range_topk_index,
                                       select_pages, static_slots, topk_mask)
-from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
+from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, register_policy
 
 
 @register_policy
@@ -73,12 +74,9 @@ class QuestPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_tokens("budget", self.budget, 1)
+        check_selection(self, "score_reduction")
         check_choice("page_size", self.page_size, ALLOWED_BLOCK_SIZES)
         check_int("dense_layers", self.dense_layers, 0, MAX_LAYERS)
-        check_tokens("sink_tokens", self.sink_tokens, 0)
-        check_choice("score_reduction", self.score_reduction, REDUCTIONS)
-        check_tokens("tail_chunk", self.tail_chunk, 0)
         if self.sink_tokens % self.page_size:
             raise ValueError(f"sink_tokens={self.sink_tokens} must be a multiple of page_size={self.page_size} "
                              "(so selected pages never straddle the sinks and the budget is exact)")
@@ -115,30 +113,27 @@ class QuestLayer(SelectiveLayer):
         super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
         self.pages = PageStats(policy.page_size)
+        self.metadata.append(self.pages)
 
-    def on_append(self, start, n):
-        self.pages.append(self.buffer.k[:, :, start : start + n], start, self.row_start)
-
-    def after_truncate(self):
-        super().after_truncate()
-        self.pages.truncate(self.buffer.keys, self.row_start, self.cache)
-
-    def reserve_metadata(self):
-        super().reserve_metadata()
-        self.pages.reserve(self.buffer.capacity, self.buffer.k)
-
-    def on_static_append(self, k_new, pos):
-        self.pages.static_append(k_new, pos, self.row_start, self.buffer.capacity)
-
-    def static_select(self, q, scaling):
-        """`_select_masked` over every page of the capacity: the candidates, the covered rows' larger
-        page count and the visible tokens come from the plan's device end."""
+    def select(self, q, scaling):
         p = self.policy
         size = p.page_size
-        B, C = q.shape[0], self.buffer.capacity
-        num_pages = -(-C // size)
-        slot, rel, real = static_slots(C, self.cache.plan.end, self.row_start, q.device)
-        lengths = (self.cache.plan.end - (0 if self.row_start is None else self.row_start)).expand(B)  # (B,)
+        if self.row_start is None and p.selected_pages > 0:
+            lo, hi = p.sink_tokens // size, (self.seen - p.dense_tail) // size  # whole pages in [sinks, tail)
+            if hi - lo >= p.selected_pages:  # no padding, every row longer than the budget
+                return self._select_unpadded(q, scaling, lo, hi)
+        return self._select_masked(q, scaling)
+
+    def _page_scores(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor, num_pages: int):
+        """``(scores, candidates, covered, k)`` of the first ``num_pages`` pages, for rows of
+        ``lengths`` [B] real tokens: bounds (B, H_kv, P), candidate pages (B, P), rows the budget
+        covers (B,) and the pages a covered row selects.
+
+        A row longer than the budget selects whole pages inside [sinks, tail_start), so each
+        selected page adds exactly page_size tokens; a row the budget covers (in a batch with
+        longer rows) selects every page that reaches into that range, i.e. everything."""
+        p = self.policy
+        size = p.page_size
         j = torch.arange(num_pages, device=q.device)[None, :]  # (1, P) relative page ids
         tail_start = (lengths - p.dense_tail)[:, None]  # (B, 1) relative
         inside = (j * size >= p.sink_tokens) & ((j + 1) * size <= tail_start)
@@ -147,45 +142,35 @@ class QuestLayer(SelectiveLayer):
         candidates = torch.where(covered[:, None], touching, inside)  # (B, P)
         scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
                               scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, P)
-        k = max(p.selected_pages, -(-self.budget // size))
+        return scores, candidates, covered, max(p.selected_pages, -(-self.budget // size))
+
+    def static_select(self, q, scaling):
+        """`_select_masked` over every page of the capacity: the candidates, the covered rows' larger
+        page count and the visible tokens come from the plan's device end."""
+        p = self.policy
+        size, end = p.page_size, self.cache.plan.end
+        B, C = q.shape[0], self.buffer.capacity
+        num_pages = -(-C // size)
+        slot, rel, real = static_slots(C, end, self.row_start, q.device)
+        lengths = (end - (0 if self.row_start is None else self.row_start)).expand(B)  # (B,)
+        scores, candidates, covered, k = self._page_scores(q, scaling, lengths, num_pages)
         chosen = topk_mask(scores, k, candidates, torch.where(covered, k, p.selected_pages))  # (B, H_kv, P)
         page = (rel.clamp(min=0) // size).clamp(max=num_pages - 1).expand(B, C)  # (B, C) each slot's page
         in_chosen = torch.gather(chosen, 2, page[:, None, :].expand(chosen.shape[0], chosen.shape[1], C))
-        always = (rel < p.sink_tokens) | (slot[None, :] >= self.cache.plan.end - p.dense_tail)
+        always = (rel < p.sink_tokens) | (slot[None, :] >= end - p.dense_tail)
         return real[:, None, :] & (always[:, None, :] | in_chosen)  # (B, H_kv, C)
 
-    def select(self, q, scaling, lengths):
-        p = self.policy
-        size = p.page_size
-        if self.row_start is None and p.selected_pages > 0:
-            lo, hi = p.sink_tokens // size, (self.seen - p.dense_tail) // size  # whole pages in [sinks, tail)
-            if hi - lo >= p.selected_pages:  # no padding, every row longer than the budget
-                return self._select_unpadded(q, scaling, lo, hi)
-        return self._select_masked(q, scaling, lengths)
-
-    def _select_masked(self, q: torch.Tensor, scaling: float, lengths: torch.Tensor) -> SparseIndex:
+    def _select_masked(self, q: torch.Tensor, scaling: float) -> SparseIndex:
         """General path: per-row candidate pages as a mask (left padding, rows the budget covers)."""
         p = self.policy
-        size = p.page_size
-        num_pages = -(-(self.seen - self.min_row_start()) // size)
-        j = torch.arange(num_pages, device=q.device)[None, :]  # (1, P) relative page ids
-        tail_start = (lengths - p.dense_tail)[:, None]  # (B, 1) relative
-        # A row longer than the budget selects whole pages inside [sinks, tail_start), so each
-        # selected page adds exactly page_size tokens; a row the budget covers (in a batch with
-        # longer rows) selects every page that reaches into that range, i.e. everything.
-        inside = (j * size >= p.sink_tokens) & ((j + 1) * size <= tail_start)
-        touching = ((j + 1) * size > p.sink_tokens) & (j * size < tail_start)
-        candidates = torch.where((lengths <= self.budget)[:, None], touching, inside)  # (B, P)
-        scores = quest_scores(q, self.pages.page_min[:, :, :num_pages], self.pages.page_max[:, :, :num_pages],
-                              scale=scaling, reduction=p.score_reduction, mask=candidates)  # (B, H_kv, P)
-        covered = lengths <= self.budget  # (B,)
+        num_pages = -(-(self.seen - self.min_row_start()) // p.page_size)
+        scores, candidates, covered, k = self._page_scores(q, scaling, self.lengths(), num_pages)
         if bool(covered.any()):
-            k = max(p.selected_pages, -(-self.budget // size))
-            row_k = torch.where(covered, k, p.selected_pages)
-            ids, count = select_pages(scores, k, candidates, row_k)
+            ids, count = select_pages(scores, k, candidates, torch.where(covered, k, p.selected_pages))
         else:
             ids, count = select_pages(scores, p.selected_pages, candidates)
-        return page_index(ids, count, size, self.seen, self.row_start, sinks=p.sink_tokens, dense_tail=p.dense_tail)
+        return page_index(ids, count, p.page_size, self.seen, self.row_start, sinks=p.sink_tokens,
+                          dense_tail=p.dense_tail)
 
     def _select_unpadded(self, q: torch.Tensor, scaling: float, lo: int, hi: int) -> SparseIndex:
         """The decode hot path: every row's candidates are pages ``[lo, hi)``, so only those are scored.
@@ -209,12 +194,3 @@ class QuestLayer(SelectiveLayer):
             scores = quest_scores(q, mn, mx, scale=scaling, reduction=p.score_reduction)
         return range_topk_index(scores, p.selected_pages, lo, self.seen, block_size=p.page_size,
                                 sinks=p.sink_tokens, dense_tail=p.dense_tail)
-
-    def state_tensors(self):
-        return {**super().state_tensors(), "page_min": self.pages.page_min, "page_max": self.pages.page_max}
-
-    def batch_select(self, indices):
-        super().batch_select(indices)
-        if self.pages.page_min is not None:
-            self.pages.page_min = self.pages.page_min.index_select(0, indices.to(self.pages.page_min.device))
-            self.pages.page_max = self.pages.page_max.index_select(0, indices.to(self.pages.page_max.device))

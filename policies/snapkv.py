@@ -11,7 +11,8 @@ from kvpress.attention import dense_causal_attention, masked_group_attention
 from kvpress.cache import PROMPT_CROP_TOKENS, CacheLayer
 from kvpress.policy_cache import QUERY_TAIL
 from kvpress.kernels import SparseIndex, sparse_decode
-from kvpress.policies._snapkv_plan import GROW as _GROW, apply_plan, attend_planned, plan_slots, static_step
+from kvpress.policies._snapkv_plan import (GROW as _GROW, apply_plan, attend_planned, grow_if_full, plan_slots,
+                                           static_step, store_token)
 from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_tokens, register_policy
 
@@ -205,7 +206,6 @@ class SnapKVLayer(CacheLayer):
         self.filled = 0
         self._validated = False
         self._prompt_q = None  # (last queries, scaling, prompt length) of a recorded prompt forward
-        self._deficit = None  # (kept, filled, max(filled - kept)): see _max_deficit
 
     # ------------------------------------------------------------------ prefill
     def attend(self, q, k_new, v_new, scaling):
@@ -395,50 +395,14 @@ class SnapKVLayer(CacheLayer):
         return out[:, :, None]
 
     def _store(self, k_new, v_new) -> None:
-        """One new token into its slot (growing, or replacing the slot the policy evicts)."""
-        p = self.policy
-        B, H, _, D = k_new.shape
-        position = self.seen
-        deficit = self._max_deficit()
-        if self.filled < p.budget:  # still growing: every row appends at slot `filled`
-            if self.filled == self.k.shape[2]:
-                self._grow(min(p.budget, self.filled + _GROW))
-            slot = torch.full((B, H), self.filled, dtype=torch.long, device=k_new.device)
-            self.filled += 1
-            self.kept = self.kept + 1
-        else:
-            leaving = position - p.window_size
-            if leaving >= self.prompt_len:  # a generated token leaves the recent window: replace it
-                slot = (self.pos == leaving).to(torch.int8).argmax(-1)  # (B, H)
-            else:  # too few tokens generated yet: drop each head's lowest-scored prompt token
-                slot = self.score.argmin(-1)  # (B, H)
-            if deficit:  # a shorter row fills the free slot just before its tokens instead
-                free = (self.filled - self.kept - 1)[:, None].expand(B, H)
-                slot = torch.where((self.kept >= self.filled)[:, None], slot, free)
-                self.kept = (self.kept + 1).clamp(max=self.filled)
-                deficit -= 1
-        self._deficit = (self.kept, self.filled, deficit)
-        index = slot[:, :, None]  # (B, H, 1)
-        rows = index[..., None].expand(B, H, 1, D)
-        self.k.scatter_(2, rows, k_new)
-        self.v.scatter_(2, rows, v_new)
-        self.pos.scatter_(2, index, position)
-        self.score.scatter_(2, index, float("inf"))
+        """One new token into its slot (`_snapkv_plan.store_token`)."""
+        grow_if_full(self)
+        self.filled = store_token(self, k_new, v_new, self.seen, self.filled)
         self.seen += 1
 
     def count_tokens(self, n: int) -> None:
         self.seen += n
         self.filled = min(self.policy.budget, self.filled + n)
-        self._deficit = None  # `kept` changed in place: read again by the next eager step
-
-    def _max_deficit(self) -> int:
-        """Free slots of the emptiest row, ``max(filled - kept)`` (0 without padding): read from the
-        device once per ``kept`` tensor set elsewhere (a prompt, a turn, a crop, a reorder), then
-        kept on the host by :meth:`_store`, so a decode step never waits on the device for it."""
-        known = self._deficit
-        if known is None or known[0] is not self.kept or known[1] != self.filled:
-            known = self._deficit = (self.kept, self.filled, int((self.filled - self.kept).max()))
-        return known[2]
 
     def _index(self) -> SparseIndex:
         """Dense index over the used slots, shared by every layer of the step (same layout)."""

@@ -2,41 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from kvpress.calibration import load_artifact, register_calibrator, shipped_artifact
-from kvpress.kernels import REDUCTIONS, SparseIndex, exact_scores
+from kvpress.calibration import register_calibrator
+from kvpress.kernels import SparseIndex, exact_scores
 from kvpress.layers import DenseLayer
-from kvpress.policies._sparse import (SelectiveLayer, check_budget, range_topk_index, select_pages, static_slots,
-                                      topk_mask)
-from kvpress.policies._tidal_artifact import ARTIFACT_VERSION, artifact_name  # noqa: F401  (re-exported)
-from kvpress.registry import MAX_LAYERS, Policy, check_choice, check_int, check_tokens, register_policy
-
-CALIBRATE_COMMAND = "kvpress calibrate tidal --model MODEL"
-DEFAULT_SELECTION_LAYER = 2  # the paper's choice, used for a model without a measurement
-
-
-@functools.lru_cache(maxsize=16)
-def measured_layers(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int) -> tuple[int, int] | None:
-    """``(selection, reselection)`` measured by ``kvpress calibrate tidal`` for this model, or None.
-
-    ``reselection`` is -1 when the measurement found no re-selection layer worth its cost.
-    """
-    path = shipped_artifact(artifact_name(model_id))
-    if not path.is_file():
-        return None
-    tensors, meta = load_artifact(path, policy="tidal", version=ARTIFACT_VERSION, required=("layers",))
-    if (meta.get("num_layers"), meta.get("num_kv_heads"), meta.get("head_dim")) != (
-            str(num_layers), str(num_kv_heads), str(head_dim)):
-        return None  # same name, another model shape
-    selection, reselection = (int(x) for x in tensors["layers"].tolist())
-    if not (0 <= selection < num_layers - 1 and (reselection == -1 or selection < reselection < num_layers)):
-        return None
-    return selection, reselection
+from kvpress.policies._sparse import (SelectiveLayer, check_budget, check_selection, range_topk_index, select_pages,
+                                      static_token_split, topk_mask)
+from kvpress.policies._tidal_artifact import (ARTIFACT_VERSION, artifact_name, measured_layers,  # noqa: F401
+                                              check_layers, selection_layers)  # (re-exported: the artifact's names)
+from kvpress.registry import Policy, check_tokens, register_policy
 
 
 def selection_scores(probs: torch.Tensor, candidates: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
@@ -50,6 +27,20 @@ def selection_scores(probs: torch.Tensor, candidates: torch.Tensor, q: torch.Ten
         mass = (probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
         return (probs / mass).masked_fill(~cand, float("-inf")).amax(dim=2)
     return exact_scores(q, keys, scale=scaling, reduction=reduction, mask=candidates)
+
+
+def full_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                   hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A selection layer's exact attention of one query per head q [B, H_q, D] over keys / values
+    [B, H_kv, T, D] but the slots ``hidden`` (bool (B or 1, T), or None): the output [B, H_q, D] and
+    the probabilities (B, H_kv, G, T) fp32 that the selection reuses."""
+    B, H_q, D = q.shape
+    H_kv = keys.shape[1]
+    logits = (q.reshape(B, H_kv, H_q // H_kv, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling
+    if hidden is not None:
+        logits = logits.masked_fill(hidden[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # (B, H_kv, G, T)
+    return (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype), probs
 
 
 @register_policy
@@ -75,14 +66,12 @@ class TidalPolicy(Policy):
     disables re-selection; an explicit ``selection_layer`` uses the measured re-selection layer
     only if it was measured for that selection layer.
 
-    ``shared_selection=True`` gives every KV head of the sparse layers the same tokens: those
-    that any head of the selection layer ranks highest (its per-KV-head scores, maxed over the
-    heads). The default (False) is the paper's per-head reuse: KV head ``h`` of a later layer
-    attends what KV head ``h`` of the selection layer chose, although the two heads share only
-    an index. On SmolLM2 (3 KV heads), 32 niah_single samples at 4k, sharing keeps 62 / 72 /
-    84 / 97% of ``full``'s needles at budgets 128 / 256 / 512 / 1024 against the default's
-    19 / 34 / 53 / 75%, but at 8k and budget 256 it answers 1 of
-    ``full``'s 13 needles, as the default does.
+    ``shared_selection=True`` gives every KV head of the sparse layers the same tokens: those any
+    head of the selection layer ranks highest. The default (False) is the paper's per-head reuse:
+    KV head ``h`` of a later layer attends what KV head ``h`` of the selection layer chose, although
+    the two share only an index. On SmolLM2 (3 KV heads, 32 niah_single samples at 4k) sharing keeps
+    62 / 72 / 84 / 97% of ``full``'s needles at budgets 128 / 256 / 512 / 1024; at 8k and budget 256
+    it answers 1 of ``full``'s 13 needles, as the default does.
 
     The decode step is static (one ``torch.compile`` graph, `kvpress.plan`): the selection layer
     attends and selects over the preallocated capacity and hands the reusing layers its choice as
@@ -93,28 +82,20 @@ class TidalPolicy(Policy):
     ``budget - sink_tokens - recent_tokens`` tokens in between. The whole cache stays resident;
     prefill is plain causal attention.
 
-    Measured limit (SmolLM2-135M, 4k needles, budget 256): the layers' needs persist less across
-    layers than in the paper's 8B models. With the measured layers 1 of 4 niah_single samples is
-    answered (3 of 4 at budget 1024); letting every layer select its own top tokens instead (same
-    budget, GQA reduction, index and kernel) answers 4 of 4, so the loss is the reuse itself.
-    Over 32 niah_single samples at 4k: 19 / 34 / 53 / 75% of ``full``'s needles at budgets
-    128 / 256 / 512 / 1024, against ``exact_topk``'s 97 / 100 / 100 / 100% (every layer
-    selecting by exact scores; ``tidal``'s row in BENCHMARKS.md "Selection and eviction at budgets
-    128-1024").
-    At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13: the
-    first digits come out right and the number then breaks off or goes astray.
-
-    Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
-    ~3x (``kvpress bench --interleave``; BENCHMARKS.md "Query-aware decode on CPU" has the current run).
-    On a GPU (H100, random-weight Llama-3-8B shape, 32k, budget 1024): the
-    decode kernel reads the budget 7.8x (batch 1) / 22x (batch 8) faster than dense SDPA, but a
-    whole decode step there is host-bound (Python and ~75 µs per Triton launch per layer), so
-    end to end it is slower than ``full`` (97.3 vs 79.4 ms/token with the per-layer attention
-    timer, attention 60.1 vs 44.5 ms).
+    Measured on SmolLM2-135M (BENCHMARKS.md "Selection and eviction at budgets 128-1024" and
+    "Query-aware decode on CPU"): this model's layers share their needs less than the paper's 8B
+    models do. Over 32 niah_single samples at 4k it keeps 19 / 34 / 53 / 75% of ``full``'s needles
+    at budgets 128 / 256 / 512 / 1024, where ``exact_topk`` (every layer selecting its own tokens
+    by exact scores) keeps 97 / 100 / 100 / 100%: the loss is the reuse itself. At 8192 tokens (24
+    samples) it answers 1 needle to ``full``'s 13, with or without ``tail_chunk``: the first digits
+    come out right and the number then breaks off or goes astray. Decode on CPU (8k, budget 256)
+    runs at ~1.6x ``full``'s speed end to end, the attention part ~3x. On a GPU (H100, random-weight
+    Llama-3-8B shape, 32k, budget 1024) the kernel reads the budget 7.8x (batch 1) / 22x (batch 8)
+    faster than dense SDPA, but a decode step is host-bound (Python and ~75 µs per Triton launch
+    per layer): 97.3 vs 79.4 ms/token for ``full`` (per-layer attention timer).
 
     ``tail_chunk`` (off by default) adds the chunk-mean estimate of the tokens left out in the
-    reusing layers (see ``exact_topk``); at 8k / 256 it answers 1 of ``full``'s 13 needles:
-    the reused selection, not the tail, loses them.
+    reusing layers (see ``exact_topk``).
     """
 
     budget: int = 256
@@ -134,50 +115,18 @@ class TidalPolicy(Policy):
     croppable = True
 
     def validate(self):
-        check_tokens("budget", self.budget, 1)
-        if self.selection_layer is not None:
-            check_int("selection_layer", self.selection_layer, 0, MAX_LAYERS)
-        if self.reselection_layer not in (None, -1):
-            check_int("reselection_layer", self.reselection_layer,
-                      1 if self.selection_layer is None else self.selection_layer + 1, MAX_LAYERS)
-        check_tokens("sink_tokens", self.sink_tokens, 0)
+        check_selection(self, "score_reduction")
+        check_layers(self.selection_layer, self.reselection_layer)
         check_tokens("recent_tokens", self.recent_tokens, 1)
-        check_choice("score_reduction", self.score_reduction, REDUCTIONS)
-        check_tokens("tail_chunk", self.tail_chunk, 0)
         check_budget(self.budget, self.sink_tokens + self.recent_tokens,
                      f"sink_tokens={self.sink_tokens} + recent_tokens={self.recent_tokens}")
 
     def check_model(self, adapter):
-        if self.selection_layer is not None:
-            check_int("selection_layer", self.selection_layer, 0, adapter.num_layers - 1)
-        selection, reselection = self.layers_for(adapter, warn=False)
-        if reselection is not None:
-            check_int("reselection_layer", reselection, selection + 1, adapter.num_layers - 1)
-        for name, layer in (("selection_layer", selection), ("reselection_layer", reselection)):
-            if layer is not None and adapter.sliding_window(layer) is not None:
-                raise ValueError(f"{name}={layer} is a sliding-window layer of this model (kept as the model runs "
-                                 f"it); a selection layer must be a full-attention layer: {list(adapter.policy_layers)}")
+        check_layers(self.selection_layer, self.reselection_layer, adapter)
 
     def layers_for(self, adapter, warn: bool = True) -> tuple[int, int | None]:
         """``(selection_layer, reselection_layer)`` for ``adapter``'s model (None: no re-selection)."""
-        measured = measured_layers(adapter.model_id, adapter.num_layers, adapter.num_kv_heads, adapter.head_dim)
-        selection = self.selection_layer
-        if selection is None:
-            selection = measured[0] if measured is not None else DEFAULT_SELECTION_LAYER
-            selection = min(selection, adapter.num_layers - 2)  # a tiny model still gets a sparse layer
-            selection = _full_layer_from(adapter, selection, fallback=selection)
-        if self.reselection_layer is not None:
-            return selection, None if self.reselection_layer == -1 else self.reselection_layer
-        if measured is not None and measured[0] == selection:
-            return selection, None if measured[1] == -1 else measured[1]
-        middle = _full_layer_from(adapter, adapter.num_layers // 2, fallback=selection)
-        if middle <= selection:
-            return selection, None
-        if warn:
-            warnings.warn(f"tidal: no measured layers for {adapter.model_id!r} with selection layer {selection}; "
-                          f"re-selecting at the middle layer {middle} (measure with `{CALIBRATE_COMMAND}`)",
-                          stacklevel=3)
-        return selection, middle
+        return selection_layers(self.selection_layer, self.reselection_layer, adapter, warn)
 
     def make_layer(self, cache, layer_idx):
         selection, reselection = cache.shared.setdefault("tidal_layers", self.layers_for(cache.adapter))
@@ -192,29 +141,21 @@ class TidalPolicy(Policy):
                    recent_tokens=4)
 
 
-def _full_layer_from(adapter, layer: int, *, fallback: int) -> int:
-    """The first full-attention layer at or after ``layer`` (sliding-window layers keep the model's
-    own attention and cannot select), else ``fallback``."""
-    return next((i for i in adapter.policy_layers if i >= layer), fallback)
-
-
 class TidalLayer(SelectiveLayer):
-    """A sparse layer: selects (full attention + top-k) or reuses the latest selection."""
+    """A sparse layer: selects (full attention + top-k) or reuses the selection of the step
+    (``cache.step_shared``: per sequence length eagerly, the slots chosen in a static step)."""
 
     def __init__(self, cache, layer_idx: int, policy: TidalPolicy, selects: bool):
         super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
         self.policy = policy
         self.selects = selects
 
-    def decode_step(self, q, scaling, lengths):
+    def decode_step(self, q, scaling):
         # the selection layer's index per step (sequence length) of the current forward: one, or
         # several in a verification the core runs as steps (`PolicyCache.attend`)
         if not self.selects:
-            index = self.cache.step_shared.get("tidal_index", {}).get(self.seen)
-            if index is None:
-                raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
-                                   "layer must run first in the same forward")
-            return self.sparse_attend(q, index, scaling)
+            return self.sparse_attend(q, self._shared(self.cache.step_shared.get("tidal_index", {}).get(self.seen)),
+                                      scaling)
         out, index = self._attend_and_select(q[:, :, 0], scaling)
         if self.seen - 1 == self.forward_start or "tidal_index" not in self.cache.step_shared:
             self.cache.step_shared["tidal_index"] = {}  # a new forward: the earlier ones' steps are done
@@ -222,12 +163,14 @@ class TidalLayer(SelectiveLayer):
         return out[:, :, None]
 
     def static_select(self, q, scaling):
-        """The reusing layers attend what this step's selection layer chose (``cache.step_shared``)."""
-        visible = self.cache.step_shared.get("tidal_static")
-        if visible is None:
+        """The reusing layers attend what this step's selection layer chose."""
+        return self._shared(self.cache.step_shared.get("tidal_static"))
+
+    def _shared(self, selection):
+        if selection is None:
             raise RuntimeError(f"tidal layer {self.layer_idx} has no selection for this step: the selection "
                                "layer must run first in the same forward")
-        return visible
+        return selection
 
     def static_attend_step(self, q, scaling):
         if not self.selects:
@@ -241,26 +184,13 @@ class TidalLayer(SelectiveLayer):
         q [B, H_q, D] -> [B, H_q, D] and the chosen slots, bool (B, H_kv, C). A row the budget covers
         chooses every candidate, i.e. its reusing layers attend densely, as the eager step does."""
         p = self.policy
-        B, H_q, D = q.shape
-        keys, values = self.buffer.k, self.buffer.v  # (B, H_kv, C, D)
-        H_kv, C = keys.shape[1], keys.shape[2]
-        end = self.cache.plan.end
-        slot, rel, real = static_slots(C, end, self.row_start, q.device)
-        logits = (q.reshape(B, H_kv, H_q // H_kv, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling
-        probs = torch.softmax(logits.masked_fill(~real[:, None, None, :], float("-inf")), dim=-1)  # (B, H_kv, G, C)
-        out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
-        sink, recent = rel < p.sink_tokens, slot[None, :] >= end - p.recent_tokens
-        candidates = (real & ~sink & ~recent).expand(B, C)  # (B, C)
+        keys = self.buffer.k  # (B, H_kv, C, D)
+        real, always, candidates = static_token_split(keys.shape[2], self.cache.plan.end, self.row_start, q.shape[0],
+                                                      q.device, sinks=p.sink_tokens, recent=p.recent_tokens)
+        out, probs = full_attention(q, keys, self.buffer.v, scaling, ~real)
         scores = selection_scores(probs, candidates, q, keys, scaling, p.score_reduction)
         chosen = topk_mask(self._share(scores), p.budget - p.sink_tokens - p.recent_tokens, candidates)
-        return out, (real & (sink | recent))[:, None, :] | chosen
-
-    def _candidates(self, batch: int, device) -> torch.Tensor:
-        """bool (B, T): selectable tokens ``[row_start + sinks, seen - recent)`` of each row."""
-        p = self.policy
-        pos = torch.arange(self.seen, device=device)[None, :]  # (1, T)
-        first = p.sink_tokens if self.row_start is None else self.row_start[:, None] + p.sink_tokens
-        return ((pos >= first) & (pos < self.seen - p.recent_tokens)).expand(batch, -1)
+        return out, always[:, None, :] | chosen
 
     def _attend_and_select(self, q: torch.Tensor, scaling: float, *, hot_path: bool = True
                            ) -> tuple[torch.Tensor, SparseIndex]:
@@ -272,31 +202,27 @@ class TidalLayer(SelectiveLayer):
         layer costs about one dense layer. Other reductions score through `exact_scores`.
         """
         p = self.policy
-        B, H_q, D = q.shape
-        keys, values = self.buffer.keys, self.buffer.values  # (B, H_kv, T, D)
-        H_kv, T = keys.shape[1], keys.shape[2]
-        G = H_q // H_kv
-        logits = (q.reshape(B, H_kv, G, D).to(keys.dtype) @ keys.transpose(-1, -2)).float() * scaling  # (B, H_kv, G, T)
-        if self.row_start is not None:
-            logits = logits.masked_fill((torch.arange(T, device=q.device) < self.row_start[:, None])[:, None, None], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # (B, H_kv, G, T)
-        out = (probs.to(values.dtype) @ values).reshape(B, H_q, D).to(q.dtype)
+        B, T = q.shape[0], self.seen
+        keys, row_start = self.buffer.keys, self.row_start  # (B, H_kv, T, D)
+        pos = torch.arange(T, device=q.device)[None, :]  # (1, T)
+        out, probs = full_attention(q, keys, self.buffer.values, scaling,
+                                    None if row_start is None else pos < row_start[:, None])
         keep = p.budget - p.sink_tokens - p.recent_tokens
-        lo, hi = p.sink_tokens, self.seen - p.recent_tokens
-        if hot_path and self.row_start is None and p.score_reduction == "softmax_max" and 0 < keep <= hi - lo:
+        lo, hi = p.sink_tokens, T - p.recent_tokens
+        if hot_path and row_start is None and p.score_reduction == "softmax_max" and 0 < keep <= hi - lo:
             # hot path (no padding): every row's candidates are [lo, hi), so no masks; same
             # selection as below (tests compare), and a trusted id_range spares the kernel of
             # every reusing layer a read of the ids
             cand = probs[..., lo:hi]
             scores = (cand / cand.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)).amax(dim=2)
-            scores = self._share(scores)
-            return out, range_topk_index(scores, keep, lo, self.seen, block_size=1, sinks=p.sink_tokens,
+            return out, range_topk_index(self._share(scores), keep, lo, T, block_size=1, sinks=p.sink_tokens,
                                          dense_tail=p.recent_tokens)
-        candidates = self._candidates(B, q.device)  # (B, T)
+        first = lo if row_start is None else row_start[:, None] + lo
+        candidates = ((pos >= first) & (pos < hi)).expand(B, -1)  # (B, T)
         scores = selection_scores(probs, candidates, q, keys, scaling, p.score_reduction)
         ids, count = select_pages(self._share(scores), keep, candidates)
-        lens = torch.full((B,), self.seen, dtype=torch.int32, device=q.device)
-        starts = None if self.row_start is None else self.row_start.to(torch.int32)
+        lens = torch.full((B,), T, dtype=torch.int32, device=q.device)
+        starts = None if row_start is None else row_start.to(torch.int32)
         index = SparseIndex(1, ids.to(torch.int32), count.to(torch.int32), lens, starts, p.sink_tokens, p.recent_tokens)
         return out, index
 
@@ -305,17 +231,5 @@ class TidalLayer(SelectiveLayer):
         return scores.amax(dim=1, keepdim=True).expand_as(scores) if self.policy.shared_selection else scores
 
 
-def _configure(parser) -> None:
-    from kvpress.evals.tidal_layers import configure
-
-    configure(parser)
-
-
-def _run(args) -> int:
-    from kvpress.evals.tidal_layers import run
-
-    return run(args)
-
-
 register_calibrator("tidal", "measure TidalDecode's re-selection layer for a model (selection overlap)",
-                    _configure, _run)
+                    "kvpress.evals.tidal_layers:configure", "kvpress.evals.tidal_layers:run")

@@ -122,15 +122,15 @@ def test_label_cache_equals_recompute_after_appends(model, artifact, bits):
     cache, _ = prefill_then_decode(model, pol, random_ids(30, seed=7), steps=5)
     for layer in cache.layers:
         keys = layer.buffer.keys  # (B, H_kv, T, D)
-        expected = build_labels(keys, layer.channels)  # (B, H_kv, T, r)
-        assert layer.label_len == keys.shape[2] == 35
+        expected = build_labels(keys, layer.label_cache.channels)  # (B, H_kv, T, r)
+        assert layer.label_cache.length == keys.shape[2] == 35
         if bits == 16:
-            assert torch.equal(layer.label_view(), expected)
+            assert torch.equal(layer.label_cache.view(), expected)
         else:
-            err = (layer.label_view() - expected.float()).abs()
+            err = (layer.label_cache.view() - expected.float()).abs()
             span = expected.float().amax(-1, keepdim=True) - expected.float().amin(-1, keepdim=True)
             assert bool((err <= span / 30 + 1e-3).all())  # half a 4-bit step (+ fp16 scale rounding)
-            assert layer.label_codes.dtype == torch.uint8 and layer.labels is None
+            assert layer.label_cache.label_codes.dtype == torch.uint8 and layer.label_cache.labels is None
         named = layer.state_tensors()
         assert named["labels" if bits == 16 else "label_codes"] is not None
 
@@ -180,7 +180,7 @@ def test_attended_tokens_equal_budget(model, artifact, batch_pad):
         model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
     q = torch.randn(ids.shape[0], 4, 16)
     for layer in cache.layers:
-        index = layer.select(q, 0.25, layer.row_start)
+        index = layer.select(q, 0.25)
         index.validate(num_kv_heads=2, capacity=layer.buffer.k.shape[2])
         attended = index.num_attended()  # (B, H_kv)
         assert index.block_size == 1
@@ -201,9 +201,9 @@ def test_selection_prefers_high_label_scores(model, artifact):
     cache, _ = prefill_then_decode(model, pol, random_ids(40, seed=11), steps=1)
     layer = cache.layers[1]
     q = torch.randn(1, 4, 16)
-    index = layer.select(q, 0.25, None)
-    labels = layer.label_view()[0]  # (H_kv, T, r)
-    qc = q[0].reshape(2, 2, 16).gather(-1, layer.channels[:, None, :].expand(2, 2, 2))  # (H_kv, G, r)
+    index = layer.select(q, 0.25)
+    labels = layer.label_cache.view()[0]  # (H_kv, T, r)
+    qc = q[0].reshape(2, 2, 16).gather(-1, layer.label_cache.channels[:, None, :].expand(2, 2, 2))  # (H_kv, G, r)
     scores = (qc @ labels.transpose(-1, -2)).amax(1)  # (H_kv, T)
     mid = slice(pol.sink_tokens, layer.seen - pol.window_size)
     k = pol.budget - pol.sink_tokens - pol.window_size
@@ -233,7 +233,7 @@ def test_rerank_of_every_candidate_is_exact_top_k(model, artifact, reduction, ba
         with torch.no_grad(), kvpress.apply(model, pol):
             cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
         layer = cache.layers[1]
-        chosen[(name, kw.get("rerank"))] = layer.select(q, 0.25, layer.row_start).token_mask(layer.seen)
+        chosen[(name, kw.get("rerank"))] = layer.select(q, 0.25).token_mask(layer.seen)
     exact = chosen[("exact_topk", None)]
     assert torch.equal(chosen[("double_sparsity", 100)], exact)
     assert not torch.equal(chosen[("double_sparsity", None)], exact)  # labels alone choose otherwise here
@@ -325,9 +325,9 @@ def test_smollm2_shipped_artifact_smoke():
     res = timed_generate(model, ids, pol, max_new_tokens=3, keep_cache=True)
     assert res.tokens.shape == (1, 3)
     layer = res.cache.layers[0]
-    assert layer.channels.shape == (3, 16)  # SmolLM2: 3 KV heads, default r = min(16, 64 // 4)
+    assert layer.label_cache.channels.shape == (3, 16)  # SmolLM2: 3 KV heads, default r = min(16, 64 // 4)
     assert layer._validated  # the sparse decode path ran
-    index = layer.select(torch.randn(1, 9, 64), 0.125, None)
+    index = layer.select(torch.randn(1, 9, 64), 0.125)
     assert bool((index.num_attended() == 64).all())
     labels = 30 * 3 * layer.buffer.k.shape[2] * 16 * 4  # fp32 labels of every layer (capacity rows)
     assert res.stats.resident_bytes == kvpress.cache_stats(res.cache).resident_bytes >= res.stats.dense_bytes + labels
@@ -366,7 +366,8 @@ def test_hot_path_scores_equal_label_scores(model, artifact, reduction):
     q = torch.randn(1, 4, 16)
     lo, hi = 2, layer.seen - 4
     got = layer._candidate_scores(q, 0.25, lo, hi)
-    want = label_scores(q, layer.label_view()[:, :, lo:hi], layer.channels, scale=0.25, reduction=reduction)
+    labels = layer.label_cache
+    want = label_scores(q, labels.view()[:, :, lo:hi], labels.channels, scale=0.25, reduction=reduction)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 

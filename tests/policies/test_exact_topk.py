@@ -36,7 +36,7 @@ def test_selection_is_the_brute_force_top_k_of_exact_scores(model, reduction):
     layer = topk_layer(model, budget=budget, sink_tokens=sinks, window_size=window, group_reduction=reduction)
     k, _ = filled(layer, 157, batch=2, seed=0)
     q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
-    index = layer.select(q, 0.25, layer.lengths())
+    index = layer.select(q, 0.25)
     mask = index.token_mask(157)  # (B, H_kv, T)
     # brute force: per (row, KV head) reduce the group's scaled logits, top-k among the candidates
     logits = torch.einsum("bhgd,bhtd->bhgt", q.view(2, 2, 2, 16), k) * 0.25
@@ -80,7 +80,7 @@ def test_a_planted_key_is_attended_wherever_it_sits(model):
     q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(5))
     for pos in (0, 77, 195):  # a sink slot, the middle, just before the window
         layer.buffer.k[0, 1, pos] = 10 * q[0, 2] / q[0, 2].norm()  # query heads 2, 3 read KV head 1
-        assert bool(layer.select(q, 0.25, layer.lengths()).token_mask(200)[0, 1, pos])
+        assert bool(layer.select(q, 0.25).token_mask(200)[0, 1, pos])
         layer.buffer.k[0, 1, pos] = k[0, 1, pos]
 
 

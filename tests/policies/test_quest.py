@@ -7,7 +7,7 @@ import kvpress
 from kvpress.attention import dense_causal_attention
 from kvpress.cache import PolicyCache
 from kvpress.kernels import page_min_max
-from kvpress.policies._sparse import PageStats
+from kvpress.policies._quest_pages import PageStats
 
 from conftest import tiny_model
 from smollm2_needle import beside_full
@@ -38,9 +38,9 @@ def test_page_bounds_are_updated_incrementally_and_match_a_recompute():
     stats = PageStats(page_size=8, grow_pages=2)
     keys = torch.randn(2, 3, 61, 16, generator=g)
     row_start = torch.tensor([0, 5])
-    stats.append(keys[:, :, :37], 0, row_start)  # a prompt ending mid-page
+    stats.append(keys[:, :, :37], None, 0, row_start)  # a prompt ending mid-page
     for t in range(37, 61):  # decode appends, crossing page boundaries and capacity growth
-        stats.append(keys[:, :, t : t + 1], t, row_start)
+        stats.append(keys[:, :, t : t + 1], None, t, row_start)
     for b in range(2):
         rel = keys[b : b + 1, :, int(row_start[b]) :]  # pages count from the row's first real token
         mn, mx = page_min_max(rel, 8)
@@ -53,9 +53,9 @@ def test_unpadded_decode_appends_update_one_page_in_place_like_a_recompute():
     g = torch.Generator().manual_seed(1)
     stats = PageStats(page_size=8, grow_pages=2)
     keys = torch.randn(2, 3, 45, 16, generator=g)
-    stats.append(keys[:, :, :13], 0, None)
+    stats.append(keys[:, :, :13], None, 0, None)
     for t in range(13, 45):  # the one-token fast path, across page boundaries and growth
-        stats.append(keys[:, :, t : t + 1], t, None)
+        stats.append(keys[:, :, t : t + 1], None, t, None)
     mn, mx = page_min_max(keys, 8)
     got_min, got_max = stats.bounds(mn.shape[2])
     torch.testing.assert_close(got_min, mn, rtol=0, atol=0)
@@ -69,8 +69,7 @@ def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, re
     g = torch.Generator().manual_seed(4)
     for _ in range(3):  # decode appends keep both paths in step
         q = torch.randn(2, 4, 16, generator=g)
-        lengths = layer.lengths()
-        fast, slow = layer.select(q, 0.25, lengths), layer._select_masked(q, 0.25, lengths)
+        fast, slow = layer.select(q, 0.25), layer._select_masked(q, 0.25)
         assert fast.id_range is not None and slow.id_range is None  # the hot path really ran
         T = layer.buffer.k.shape[2]
         assert torch.equal(fast.token_mask(T), slow.token_mask(T))
@@ -86,7 +85,7 @@ def test_attended_tokens_equal_budget_and_always_on_tokens_are_kept(model, sinks
     policy = layer.policy
     prefill(layer, 101)
     q = torch.randn(1, 4, 16)
-    index = layer.select(q, 0.25, layer.lengths())
+    index = layer.select(q, 0.25)
     assert index.num_attended().tolist() == [[36, 36]]
     mask = index.token_mask(layer.buffer.k.shape[2])[0]  # (H_kv, T_cap)
     assert mask[:, :sinks].all() and mask[:, 101 - policy.dense_tail : 101].all()
@@ -97,7 +96,7 @@ def test_attended_tokens_equal_budget_and_always_on_tokens_are_kept(model, sinks
 def test_left_padded_rows_page_from_their_first_token_with_exact_budget(model):
     layer = quest_layer(model, row_start=[0, 5], budget=28)
     prefill(layer, 70, batch=2)
-    index = layer.select(torch.randn(2, 4, 16), 0.25, layer.lengths())
+    index = layer.select(torch.randn(2, 4, 16), 0.25)
     assert index.block_size == 1  # misaligned rows: pages expanded to tokens
     assert index.num_attended().tolist() == [[28, 28], [28, 28]]
     assert not index.token_mask(layer.buffer.k.shape[2])[1, :, :5].any()  # padding never attended
@@ -106,7 +105,7 @@ def test_left_padded_rows_page_from_their_first_token_with_exact_budget(model):
 def test_row_covered_by_budget_attends_everything_in_a_batch_with_longer_rows(model):
     layer = quest_layer(model, row_start=[0, 40], budget=32)
     prefill(layer, 64, batch=2)  # row 1 has 24 real tokens <= budget
-    index = layer.select(torch.randn(2, 4, 16), 0.25, layer.lengths())
+    index = layer.select(torch.randn(2, 4, 16), 0.25)
     assert index.num_attended()[1].tolist() == [24, 24]
     assert index.num_attended()[0].tolist() == [32, 32]
 
@@ -125,7 +124,7 @@ def test_sparse_decode_matches_attention_over_the_selected_tokens(model):
     k, v = prefill(layer, 60)
     q, k1, v1 = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
     out = layer.attend(q, k1, v1, 0.25)
-    index = layer.select(q[:, :, 0], 0.25, layer.lengths())
+    index = layer.select(q[:, :, 0], 0.25)
     mask = index.token_mask(61)[0]  # (H_kv, 61)
     keys, values = torch.cat([k, k1], 2)[0], torch.cat([v, v1], 2)[0]
     for h in range(4):
@@ -171,7 +170,7 @@ def test_a_page_holding_one_heads_strongest_key_is_selected(model, row_start, to
         for h in range(2):
             _plant(keys, q, b, h, token + (0 if row_start is None else row_start[b]))
     layer.ingest_prefill(keys, values)
-    index = layer.select(q, 0.25, layer.lengths())
+    index = layer.select(q, 0.25)
     mask = index.token_mask(layer.buffer.k.shape[2])  # (B, H_kv, T_cap)
     for b in range(B):
         t = token + (0 if row_start is None else row_start[b])
