@@ -159,7 +159,6 @@ def store_token(layer, k_new: torch.Tensor, v_new: torch.Tensor, position, fille
     p = layer.policy
     B, H, _, D = layer.k.shape
     leaving = position - p.window_size
-    kept = layer.kept[:, None]  # (B, 1)
     static = torch.is_tensor(filled)
     if static or filled >= p.budget:
         if static:
@@ -169,16 +168,20 @@ def store_token(layer, k_new: torch.Tensor, v_new: torch.Tensor, position, fille
             slot = (layer.pos == leaving).to(torch.int8).argmax(-1)
         else:  # too few tokens generated yet: each head's lowest-scored prompt token
             slot = layer.score.argmin(-1)
-        slot = torch.where(kept < filled, filled - kept - 1, slot)  # a shorter row: the free slot before its tokens
+        if static or layer.row_start is not None:  # a shorter (left-padded) row: the free slot before its tokens
+            kept = layer.kept[:, None]  # (B, 1)
+            slot = torch.where(kept < filled, filled - kept - 1, slot)
     if static:
         slot = torch.where(filled < p.budget, filled, slot)
         filled = (filled + 1).clamp(max=p.budget)
         layer.kept.copy_(torch.minimum(layer.kept + 1, filled))  # in place: the graph's fixed address
     else:
-        if filled < p.budget:
+        if filled < p.budget:  # growing: every row appends (and keeps one more)
             slot = torch.full((B, H), filled, dtype=torch.long, device=layer.k.device)
+            layer.kept = layer.kept + 1
+        elif layer.row_start is not None:  # a shorter row keeps one more; a full one keeps the budget
+            layer.kept = (layer.kept + 1).clamp(max=filled)
         filled = min(filled + 1, p.budget)
-        layer.kept = (layer.kept + 1).clamp(max=filled)
     index = slot[:, :, None]  # (B, H, 1)
     rows = index[..., None].expand(B, H, 1, D)
     layer.k.scatter_(2, rows, k_new.to(layer.k.dtype))

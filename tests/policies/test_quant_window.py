@@ -75,11 +75,19 @@ def test_growth_changes_no_output(llama, spec, monkeypatch):
 
 
 def test_long_prompt_window_shrinks_to_what_it_holds(llama):
-    out = generate(llama, random_ids(1000, seed=6), "zipcache:group_size=16:value_group_size=16:residual_length=100:"
-                   "flush_size=256", 1)
-    layer = out.past_key_values.layers[0]
+    spec = "zipcache:group_size=16:value_group_size=16:residual_length=100:flush_size=256"
+    ids = random_ids(1000, seed=6)
+    policy = kvpress.get_policy(spec)
+    cache = kvpress.make_cache(llama, policy)
+    with torch.no_grad(), kvpress.apply(llama, policy):
+        llama(ids, use_cache=True, **cache_kwargs(llama, cache))
+    layer = cache.layers[0]
     # 1000 tokens: 768 flushed, 232 left in a window of 256 slots (not the prompt's 1000, nor 100 + 256)
     assert (layer.n_quant, layer.win_len, layer.k_win.shape[2]) == (768, 232, 256)
+    # `generate` plans the cache for a static decode step: the window is reserved for the most it can
+    # hold between flushes, residual_length + flush_size
+    layer = generate(llama, ids, spec, 1).past_key_values.layers[0]
+    assert (layer.n_quant, layer.win_len, layer.k_win.shape[2]) == (768, 232, 356)
 
 
 @pytest.mark.parametrize("spec", ("kivi:group_size=16:residual_length=16",
