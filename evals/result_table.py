@@ -42,9 +42,9 @@ def _kept(samples: dict, full_samples: dict) -> str:
     return f"{sum(samples[i][0] == 1.0 for i in answered)} of {len(answered)}"
 
 
-def _mib(by_task: dict) -> float:
-    sizes = [b for samples in by_task.values() for (_, b) in samples.values()]
-    return sum(sizes) / len(sizes) / res.MIB
+def _mib(by_task: dict, tasks) -> float:
+    sizes = [b for task in tasks for (_, b) in by_task.get(task, {}).values()]
+    return sum(sizes) / len(sizes) / res.MIB if sizes else float("nan")
 
 
 def score_rows(records: list[dict], length: int, tasks: list[str] | None = None,
@@ -59,7 +59,7 @@ def score_rows(records: list[dict], length: int, tasks: list[str] | None = None,
     for task in tasks:
         columns += [f"{task} score (n)", "of `full` [95%]", "`full`'s answers kept"]
     columns += ["resident KV MiB", "KV / `full`"]
-    full_mib = _mib(full)
+    full_mib = _mib(full, tasks)
     rows = []
     order = sorted(table, key=lambda key: (key[0] != REFERENCE, key[0], _budget_sort(key[1])))
     for spec, budget in order:
@@ -79,7 +79,7 @@ def score_rows(records: list[dict], length: int, tasks: list[str] | None = None,
             interval = bootstrap_ratio(policy, reference, n_boot) if n_boot else None
             row.append(ratio + (f" [{percent(interval[0])}-{percent(interval[1])}]" if interval else ""))
             row.append(_kept(samples, full.get(task, {})))
-        mib = _mib(by_task)
+        mib = _mib(by_task, tasks)
         row += [f"{mib:.1f}", f"{mib / full_mib:.2f}x"]
         rows.append(row)
     return columns, rows
