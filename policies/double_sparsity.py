@@ -57,6 +57,9 @@ class DoubleSparsityPolicy(Policy):
     ``artifact=None`` uses the artifact shipped for the embedded SmolLM2; any other model needs
     ``artifact=path`` from ``kvpress calibrate double_sparsity --model M --out F.safetensors``.
     ``label_channels=None`` means ``min(16, head_dim // 4)``; allowed: ``head_dim // 16 .. head_dim // 4``.
+    16 channels suit head_dim 64 (SmolLM2) and 128 (the paper's); of Gemma 3 270M's 256 they are
+    too few: at 16k tokens and budget 1024 the default keeps 0 of ``full``'s 8 answers and
+    ``label_channels=64`` keeps 8 (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
 
     ``rerank=M`` (default 1: the labels choose, as the paper) shortlists ``M`` times the kept
     tokens by label score and chooses among them by exact ``q . k`` on their keys, read from

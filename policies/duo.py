@@ -87,7 +87,10 @@ class DuoPolicy(Policy):
         holding one; None = the artifact shipped for the embedded SmolLM2.
     sparsity : float or None
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
-        deployment knob). None = use ``threshold``.
+        deployment knob), ``round(sparsity * heads)`` of them. None = use ``threshold``. On a model
+        with few heads the rounding matters: Gemma 3 270M has 3 global KV heads, so 0.5 streams 2
+        and keeps 2 of 8 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 8 of 8 (budget 1024;
+        BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     threshold : float
         With ``sparsity=None``: heads with gate < threshold stream.
     sink_tokens, window_size : int
