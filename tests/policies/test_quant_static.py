@@ -8,7 +8,7 @@ from torch._dynamo.testing import CompileCounter
 
 import kvpress
 
-from conftest import random_ids
+from conftest import random_ids, unplanned_decode
 
 CONFIGS = {
     "kivi": ("kivi", {}),
@@ -87,24 +87,9 @@ def test_unplanned_cache_grows_by_buckets(llama, config):
     that reserves it (an unplanned cache keeps its eager sizes until then), then the new shapes
     specialised, then symbolic."""
     policy = _policy(llama, config)
-    prompt = random_ids(10, seed=6)
-
-    def run(compiled):
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        with torch.no_grad(), kvpress.apply(llama, policy):
-            cache = kvpress.make_cache(llama, policy)
-            tok = llama(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            step = torch.compile(llama.forward, fullgraph=True, backend=counter) if compiled else llama.forward
-            tokens = []
-            for i in range(150):
-                tokens.append(int(tok))
-                pos = torch.tensor([[10 + i]])
-                tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
-        return tokens, counter.frame_count, cache.layers[0]
-
-    eager, _, _ = run(False)
-    static, graphs, layer = run(True)
+    eager, _, _ = unplanned_decode(llama, policy, compiled=False)
+    static, graphs, cache = unplanned_decode(llama, policy, compiled=True)
+    layer = cache.layers[0]
     assert static == eager
     assert layer.kc.shape[2] == (256 - layer.residual_length) // layer.flush_unit * layer.flush_unit
     assert graphs <= 6

@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 import kvpress
 from kvpress.policies._zipcache_static import salient_target
 
-from conftest import random_ids
+from conftest import random_ids, unplanned_decode
 
 CONFIGS = {
     "example": {},
@@ -128,24 +128,9 @@ def test_unplanned_cache_grows_by_buckets(llama):
     the eager probes and reserves the stores, which grow from bucket to bucket (128, then 256
     tokens), and the tokens equal eager decoding's (graphs as for kivi: three per bucket)."""
     policy = _policy(llama, {})
-    prompt = random_ids(10, seed=6)
-
-    def run(compiled):
-        torch._dynamo.reset()
-        counter = CompileCounter()
-        with torch.no_grad(), kvpress.apply(llama, policy):
-            cache = kvpress.make_cache(llama, policy)
-            tok = llama(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            step = torch.compile(llama.forward, fullgraph=True, backend=counter) if compiled else llama.forward
-            tokens = []
-            for i in range(150):
-                tokens.append(int(tok))
-                pos = torch.tensor([[10 + i]])
-                tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
-        return tokens, counter.frame_count, cache.layers[0]
-
-    eager, _, _ = run(False)
-    static, graphs, layer = run(True)
+    eager, _, _ = unplanned_decode(llama, policy, compiled=False)
+    static, graphs, cache = unplanned_decode(llama, policy, compiled=True)
+    layer = cache.layers[0]
     assert static == eager
     assert layer.zs.slots == (256 - layer.residual_length) // layer.flush_unit * layer.flush_unit
     assert graphs <= 6
