@@ -99,23 +99,51 @@ def random_ids(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 250, (batch, length), generator=gen)
 
 
-def unplanned_decode(model, policy, *, compiled: bool, prompt: int = 10, steps: int = 150):
-    """Greedy decoding of ``steps`` one-token steps after a ``prompt``-token random prompt on a cache
-    never planned (``make_cache``, no ``plan_capacity``), eager or through
-    ``torch.compile(fullgraph=True)`` with a counting backend: (tokens, graphs compiled, the cache)."""
+
+def greedy_steps(model, policy, ids, steps: int, *, compiled: bool, capacity: int | None = None,
+                 eager_first: int = 0, then=None):
+    """Greedy decoding of ``steps`` one-token steps after the prompt ``ids`` under ``policy``, the
+    steps from ``eager_first`` on through ``torch.compile(fullgraph=True)`` with a counting backend
+    when ``compiled`` (the cache planned for ``capacity`` tokens when given); ``then(cache)`` runs
+    inside the policy's block afterwards. Returns (tokens, graphs compiled, cache, what ``then`` returned)."""
     import kvpress
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
     counter = CompileCounter()
-    ids = random_ids(prompt, seed=6)
     with torch.no_grad(), kvpress.apply(model, policy):
         cache = kvpress.make_cache(model, policy)
+        if capacity is not None:
+            cache.plan_capacity(capacity)
         tok = model(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        step = torch.compile(model.forward, fullgraph=True, backend=counter) if compiled else model.forward
+        compiled_step = torch.compile(model.forward, fullgraph=True, backend=counter)
         tokens = []
         for i in range(steps):
             tokens.append(int(tok))
-            pos = torch.tensor([[prompt + i]])
+            step = compiled_step if compiled and i >= eager_first else model.forward
+            pos = torch.tensor([[ids.shape[1] + i]])
             tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
-    return tokens, counter.frame_count, cache
+        extra = then(cache) if then is not None else None
+    return tokens, counter.frame_count, cache, extra
+
+
+def unplanned_decode(model, policy, *, compiled: bool, prompt: int = 10, steps: int = 150):
+    """:func:`greedy_steps` on a cache never planned after a random ``prompt``-token prompt:
+    (tokens, graphs compiled, the cache)."""
+    tokens, graphs, cache, _ = greedy_steps(model, policy, random_ids(prompt, seed=6), steps, compiled=compiled)
+    return tokens, graphs, cache
+
+
+def planned_after_prompt(model, policy, capacity: int = 300, prompt: int = 30):
+    """A cache of ``policy`` planned for ``capacity`` tokens that holds a random ``prompt``-token
+    prompt; asserts ``cache_stats`` counts at least the bytes of every state tensor, and returns it."""
+    import kvpress
+
+    with torch.no_grad(), kvpress.apply(model, policy):
+        cache = kvpress.make_cache(model, policy)
+        cache.plan_capacity(capacity)
+        model(random_ids(prompt, seed=5), past_key_values=cache, use_cache=True)
+    resident = kvpress.cache_stats(cache).resident_bytes
+    assert resident >= sum(t.numel() * t.element_size() for layer in cache.layers
+                           for t in layer.state_tensors().values() if t is not None)
+    return cache

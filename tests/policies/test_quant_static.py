@@ -4,11 +4,10 @@ settings (value rotation, 2 bits, flush_size 16); an eager forward after compile
 counts a static step leaves; and the bytes the preallocated stores hold."""
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import kvpress
 
-from conftest import random_ids, unplanned_decode
+from conftest import greedy_steps, planned_after_prompt, random_ids, unplanned_decode
 
 CONFIGS = {
     "kivi": ("kivi", {}),
@@ -29,21 +28,10 @@ def _policy(model, config):
 def _run(model, policy, prompt, compiled: bool):
     """Greedy tokens of STEPS one-token steps (compiled or eager), then the logits of an eager
     4-token forward (a new turn) and the cache."""
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    with torch.no_grad(), kvpress.apply(model, policy):
-        cache = kvpress.make_cache(model, policy)
-        cache.plan_capacity(prompt.shape[1] + STEPS + 4)
-        out = model(prompt, past_key_values=cache, use_cache=True)
-        step = torch.compile(model.forward, fullgraph=True, backend=counter) if compiled else model.forward
-        tok, tokens = out.logits[:, -1:].argmax(-1), []
-        for i in range(STEPS):
-            tokens.append(int(tok))
-            pos = torch.tensor([[prompt.shape[1] + i]])
-            tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
-        turn = random_ids(4, seed=9)
-        logits = model(turn, past_key_values=cache, use_cache=True).logits
-    return tokens, logits, cache, counter.frame_count
+    tokens, graphs, cache, logits = greedy_steps(
+        model, policy, prompt, STEPS, compiled=compiled, capacity=prompt.shape[1] + STEPS + 4,
+        then=lambda cache: model(random_ids(4, seed=9), past_key_values=cache, use_cache=True).logits)
+    return tokens, logits, cache, graphs
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -68,16 +56,9 @@ def test_planned_stores_are_counted(llama, config):
     """A planned capacity preallocates the packed store for every token the window can flush; those
     bytes are state tensors, so ``cache_stats`` counts them."""
     policy = _policy(llama, config)
-    with torch.no_grad(), kvpress.apply(llama, policy):
-        cache = kvpress.make_cache(llama, policy)
-        cache.plan_capacity(300)  # 384 slots
-        llama(random_ids(30, seed=5), past_key_values=cache, use_cache=True)
-        layer = cache.layers[0]
-        R, F = layer.residual_length, layer.flush_unit
-        assert layer.kc.shape[2] == (384 - R) // F * F and layer.k_win.shape[2] == R + F
-        resident = kvpress.cache_stats(cache).resident_bytes
-    assert resident >= sum(t.numel() * t.element_size() for layer in cache.layers
-                           for t in layer.state_tensors().values() if t is not None)
+    layer = planned_after_prompt(llama, policy, capacity=300).layers[0]  # 384 slots
+    R, F = layer.residual_length, layer.flush_unit
+    assert layer.kc.shape[2] == (384 - R) // F * F and layer.k_win.shape[2] == R + F
 
 
 @pytest.mark.parametrize("config", ["kivi", "gear"])

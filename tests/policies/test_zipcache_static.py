@@ -5,12 +5,11 @@ tokens; eager steps before compiled ones and an eager forward after them; the pr
 give back; the split table; and the bytes the preallocated stores and slots hold."""
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import kvpress
 from kvpress.policies._zipcache_static import salient_target
 
-from conftest import random_ids, unplanned_decode
+from conftest import greedy_steps, planned_after_prompt, random_ids, unplanned_decode
 
 CONFIGS = {
     "example": {},
@@ -29,25 +28,17 @@ def _run(model, policy, prompt, compiled: bool, eager_first: int = 0):
     """Greedy tokens of STEPS one-token steps (the first ``eager_first`` eager, the rest compiled
     or eager), the cache's probes as the eager path then holds them, then the logits of an eager
     4-token forward (a new turn) and the cache."""
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    with torch.no_grad(), kvpress.apply(model, policy):
-        cache = kvpress.make_cache(model, policy)
-        cache.plan_capacity(prompt.shape[1] + STEPS + 4)
-        out = model(prompt, past_key_values=cache, use_cache=True)
-        compiled_step = torch.compile(model.forward, fullgraph=True, backend=counter)
-        tok, tokens = out.logits[:, -1:].argmax(-1), []
-        for i in range(STEPS):
-            tokens.append(int(tok))
-            step = compiled_step if compiled and i >= eager_first else model.forward
-            pos = torch.tensor([[prompt.shape[1] + i]])
-            tok = step(input_ids=tok, past_key_values=cache, use_cache=True, position_ids=pos).logits.argmax(-1)
+    def then(cache):
         probes = []
         for layer in cache.layers:
             layer._from_static()
             probes.append((layer.probe_pos, layer.probe_rand, layer.probe_q.clone(), layer.hi.n, layer.lo.n))
-        logits = model(random_ids(4, seed=9), past_key_values=cache, use_cache=True).logits
-    return tokens, probes, logits, cache, counter.frame_count
+        return probes, model(random_ids(4, seed=9), past_key_values=cache, use_cache=True).logits
+
+    tokens, graphs, cache, (probes, logits) = greedy_steps(model, policy, prompt, STEPS, compiled=compiled,
+                                                           capacity=prompt.shape[1] + STEPS + 4,
+                                                           eager_first=eager_first, then=then)
+    return tokens, probes, logits, cache, graphs
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
@@ -104,23 +95,16 @@ def test_planned_stores_and_slots_are_counted(llama):
     """A planned capacity reserves each store for the most tokens it can hold while the window
     flushes, and the probe slots and split table beside them; ``cache_stats`` counts them all."""
     policy = _policy(llama, {"salient_ratio": 0.25})
-    with torch.no_grad(), kvpress.apply(llama, policy):
-        cache = kvpress.make_cache(llama, policy)
-        cache.plan_capacity(300)  # 384 slots
-        llama(random_ids(30, seed=5), past_key_values=cache, use_cache=True)
-        layer = cache.layers[0]
-        R, F = layer.residual_length, layer.flush_unit
-        packed = (384 - R) // F * F
-        steps = range(0, packed + 1, F)
-        assert layer.hi.t["kc"].shape[2] == max(salient_target(policy, n) for n in steps)
-        assert layer.lo.t["kc"].shape[2] == max(n - salient_target(policy, n) for n in steps)
-        assert layer.k_win.shape[2] == R + F
-        tensors = layer.state_tensors()
-        assert tensors["probe_slots_q"].shape[2] == policy.probe_random + policy.probe_recent
-        assert tensors["salient_counts"].shape[0] == packed // F + 2
-        resident = kvpress.cache_stats(cache).resident_bytes
-    assert resident >= sum(t.numel() * t.element_size() for layer in cache.layers
-                           for t in layer.state_tensors().values() if t is not None)
+    layer = planned_after_prompt(llama, policy, capacity=300).layers[0]  # 384 slots
+    R, F = layer.residual_length, layer.flush_unit
+    packed = (384 - R) // F * F
+    steps = range(0, packed + 1, F)
+    assert layer.hi.t["kc"].shape[2] == max(salient_target(policy, n) for n in steps)
+    assert layer.lo.t["kc"].shape[2] == max(n - salient_target(policy, n) for n in steps)
+    assert layer.k_win.shape[2] == R + F
+    tensors = layer.state_tensors()
+    assert tensors["probe_slots_q"].shape[2] == policy.probe_random + policy.probe_recent
+    assert tensors["salient_counts"].shape[0] == packed // F + 2
 
 
 def test_unplanned_cache_grows_by_buckets(llama):
