@@ -165,13 +165,41 @@ def chunked_logits(model, policy, input_ids: torch.Tensor, chunk_size: int = DEF
     -------
     Tensor [B, T - keep_from, V], float32 (and the cache when ``return_cache``).
     """
+    pieces = []
+    cache = None
+    for start, out, cache in _chunk_forwards(model, policy, input_ids, chunk_size):
+        if start + out.logits.shape[1] > keep_from:
+            pieces.append(out.logits[:, max(keep_from - start, 0):].float())
+    logits = torch.cat(pieces, dim=1)
+    return (logits, cache) if return_cache else logits
+
+
+@torch.no_grad()
+def chunked_nll(model, policy, input_ids: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """Per-token negative log-likelihood of ``input_ids`` [1, T] fed chunk by chunk through
+    ``policy``'s cache (as :func:`chunked_logits`), reduced chunk by chunk: memory holds one chunk's
+    logits (``chunk_size * vocab`` floats), never the whole sequence's (17 GB for 16k tokens of
+    Gemma 3's 262k-entry vocabulary). Returns (NLL of tokens 1..T-1 [T - 1] fp32, the cache)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"chunked_nll expects input_ids of shape [1, T]; got {tuple(input_ids.shape)}")
+    ids = input_ids.to(model.device)
+    nll, cache = [], None
+    for start, out, cache in _chunk_forwards(model, policy, ids, chunk_size):
+        targets = ids[0, start + 1 : start + 1 + out.logits.shape[1]]
+        logits = out.logits[0, : targets.shape[0]].float()
+        nll.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
+    return torch.cat(nll), cache
+
+
+def _chunk_forwards(model, policy, input_ids: torch.Tensor, chunk_size: int):
+    """Run ``input_ids`` [B, T] in ``chunk_size``-token forwards through one fresh cache of
+    ``policy``; yields (the chunk's first position, the forward's output, the cache)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     device = model.device
     input_ids = input_ids.to(device)
     batch, length = input_ids.shape
     cache = kvpress.make_cache(model, policy)
-    pieces = []
     with kvpress.apply(model, policy):
         for start in range(0, length, chunk_size):
             end = min(start + chunk_size, length)
@@ -179,7 +207,4 @@ def chunked_logits(model, policy, input_ids: torch.Tensor, chunk_size: int = DEF
             mask = torch.ones(batch, end, dtype=torch.long, device=device)
             out = model(input_ids=input_ids[:, start:end], attention_mask=mask, position_ids=positions,
                         **cache_kwargs(model, cache), use_cache=True)
-            if end > keep_from:
-                pieces.append(out.logits[:, max(keep_from - start, 0):].float())
-    logits = torch.cat(pieces, dim=1)
-    return (logits, cache) if return_cache else logits
+            yield start, out, cache

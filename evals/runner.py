@@ -32,7 +32,7 @@ import kvpress
 from kvpress.registry import parse_policy_spec
 
 from . import results as res
-from .decode import DEFAULT_CHUNK_SIZE, chunked_logits, generate_sample, shared_prefill
+from .decode import DEFAULT_CHUNK_SIZE, chunked_nll, generate_sample, shared_prefill
 from .models import check_model_name, default_device, load_eval_model
 from .tasks import build_input_ids, get_task
 
@@ -222,9 +222,9 @@ def _eos(tokenizer, model):
 def _ppl_cell(model, tokenizer, variant, length: int, chunk_size: int) -> dict:
     ids = torch.tensor([get_task("ppl").token_ids(tokenizer, length)])
     start = time.perf_counter()
-    logits, cache = chunked_logits(model, variant.policy, ids, chunk_size=chunk_size, return_cache=True)
+    nll, cache = chunked_nll(model, variant.policy, ids, chunk_size=chunk_size)
     seconds = time.perf_counter() - start
-    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:].to(logits.device))
+    nll = nll.mean()
     stats = kvpress.cache_stats(cache)
     return {"metric": "perplexity", "score": math.exp(float(nll)), "num_tokens": length, "prefill_s": seconds,
             "decode_ms_per_token": float("nan"), "new_tokens": 0, "prediction": "", "answers": [],

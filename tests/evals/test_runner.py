@@ -363,3 +363,20 @@ def test_lines_that_are_not_records_are_skipped_with_a_count(tiny, tmp_path):
 
     with pytest.warns(UserWarning, match="skipped 7 line"):
         assert "full" in format_report(load([tmp_path]), n_boot=0)
+
+
+def test_chunked_nll_is_the_cross_entropy_of_the_chunked_logits(tiny):
+    """The ppl task's NLL, reduced chunk by chunk (one chunk's logits in memory at a time), equals
+    the cross-entropy of all the chunked logits, and the cache is the same policy's."""
+    from kvpress.evals.decode import chunked_logits, chunked_nll
+
+    model, _ = tiny
+    ids = random_ids(70, seed=2)
+    policy = kvpress.get_policy("kivi", group_size=8, residual_length=8)
+    nll, cache = chunked_nll(model, policy, ids, chunk_size=16)
+    logits = chunked_logits(model, policy, ids, chunk_size=16)
+    reference = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    assert nll.shape == (69,) and cache.policy is policy
+    torch.testing.assert_close(nll, reference)
+    with pytest.raises(ValueError, match="shape \\[1, T\\]"):
+        chunked_nll(model, policy, ids.repeat(2, 1))
