@@ -85,8 +85,9 @@ class PolicyCache(Cache):
         assisted decoding keeps plain decoding's tokens.
         """
         plan = self.plan
-        if self.query_tails is not None and plan is not None and plan.kind is ForwardKind.PROMPT:
-            self.query_tails[layer.layer_idx] = (q[:, :, -QUERY_TAIL:], scaling)
+        if self.query_tails is not None and plan is not None and plan.kind is ForwardKind.PROMPT \
+                and not isinstance(layer, SlidingWindowLayer):  # a copy: a view would keep all of q alive
+            self.query_tails[layer.layer_idx] = (q[:, :, -QUERY_TAIL:].clone(), scaling)
         if plan is not None and plan.kind is ForwardKind.PIECE and layer.stages_prompt:
             return self._attend_piece(layer, q, k_new, v_new, scaling)
         if plan is None or plan.kind is not ForwardKind.VERIFY or not layer.verify_as_steps:
