@@ -105,7 +105,7 @@ def _perplexity_lines(table: dict) -> list[str]:
     lines = ["Perplexity (lower is better); `full / policy`: full's perplexity over the policy's.", "",
              "| policy | budget | task | perplexity | full / policy | resident KV MiB |", "|---" * 6 + "|"]
     for (spec, budget), by_task in sorted(table.items(), key=lambda kv: (kv[0][0] != REFERENCE, kv[0][0],
-                                                                         _budget_sort(kv[0][1]))):
+                                                                         budget_sort_key(kv[0][1]))):
         for task in tasks:
             if task in by_task:
                 value, nbytes = by_task[task]
@@ -115,18 +115,19 @@ def _perplexity_lines(table: dict) -> list[str]:
     return lines + [""]
 
 
-def _task_mean(samples: dict) -> float:
+def task_mean(samples: dict) -> float:
+    """Mean score over a cell's samples (``{index: (score, ...)}``)."""
     return _mean(score for score, _ in samples.values())
 
 
 def qualifying_tasks(table: dict, min_full: float) -> dict[str, float]:
     """Tasks where ``full`` scores at least ``min_full`` (mean over its samples), with that score."""
     full = table.get((REFERENCE, None), {})
-    means = {task: _task_mean(samples) for task, samples in full.items()}
+    means = {task: task_mean(samples) for task, samples in full.items()}
     return {task: score for task, score in means.items() if score >= min_full}
 
 
-def _paired(samples: dict, full_samples: dict) -> tuple[list[float], list[float]]:
+def paired_scores(samples: dict, full_samples: dict) -> tuple[list[float], list[float]]:
     """The cell's and full's scores on the samples both have, in sample order (so the bootstrap
     does not depend on the order the logs were read in)."""
     shared = sorted(index for index in samples if index in full_samples)
@@ -141,7 +142,7 @@ def _lowest(table: dict, tasks) -> dict[tuple, tuple]:
         measured = []
         for task in tasks:
             if task in by_task:
-                policy, reference = _paired(by_task[task], full[task])
+                policy, reference = paired_scores(by_task[task], full[task])
                 if reference and _mean(reference) > 0:
                     measured.append((_mean(policy) / _mean(reference), policy, reference))
         if measured:
@@ -226,7 +227,8 @@ def bootstrap_ratio(policy_scores, full_scores, n_boot: int = BOOTSTRAP_RESAMPLE
     return _percentile(ratios, 0.025), _percentile(ratios, 0.975)
 
 
-def _budget_sort(budget) -> float:
+def budget_sort_key(budget) -> float:
+    """Sort key of a budget column: no budget (None) first, then ascending."""
     return -1 if budget is None else budget
 
 
@@ -284,7 +286,7 @@ def format_report(records: list[dict], min_full: float = 0.5, n_boot: int = BOOT
             lines += [f"`[lo–hi]`: 95% paired bootstrap interval of that lowest task's ratio over its samples "
                       f"({n_boot} resamples, seed {seed}; none with fewer than 2 samples).", ""]
         lowest = _lowest(table, tasks)
-        budgets = sorted({b for (_, b) in lowest}, key=_budget_sort)
+        budgets = sorted({b for (_, b) in lowest}, key=budget_sort_key)
         specs = list(dict.fromkeys(s for (s, _) in table))
         lines.append("| policy | " + " | ".join("-" if b is None else str(b) for b in budgets) + " |")
         lines.append("|---" * (len(budgets) + 1) + "|")
@@ -296,9 +298,9 @@ def format_report(records: list[dict], min_full: float = 0.5, n_boot: int = BOOT
         all_tasks = list(dict.fromkeys(t for by_task in table.values() for t in by_task))
         lines += ["", "| policy | budget | " + " | ".join(all_tasks) + " | samples | resident KV MiB |",
                   "|---" * (len(all_tasks) + 4) + "|"]
-        order = sorted(table.items(), key=lambda kv: (specs.index(kv[0][0]), _budget_sort(kv[0][1])))
+        order = sorted(table.items(), key=lambda kv: (specs.index(kv[0][0]), budget_sort_key(kv[0][1])))
         for (spec, budget), by_task in order:
-            scores = [f"{_task_mean(by_task[t]):.2f}" if t in by_task else "" for t in all_tasks]
+            scores = [f"{task_mean(by_task[t]):.2f}" if t in by_task else "" for t in all_tasks]
             counts = sorted({len(samples) for samples in by_task.values()})
             mib = _mean(b for samples in by_task.values() for (_, b) in samples.values()) / res.MIB
             lines.append(f"| {spec} | {'-' if budget is None else budget} | " + " | ".join(scores)

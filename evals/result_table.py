@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 
 from . import results as res
-from .report import REFERENCE, _budget_sort, _paired, _task_mean, bootstrap_ratio, load, percent, \
-    perplexity_table, score_table
+from .report import (REFERENCE, bootstrap_ratio, budget_sort_key, load, paired_scores, percent, perplexity_table,
+                     score_table, task_mean)
 
 
 def _label(spec: str, budget) -> str:
@@ -61,7 +61,7 @@ def score_rows(records: list[dict], length: int, tasks: list[str] | None = None,
     columns += ["resident KV MiB", "KV / `full`"]
     full_mib = _mib(full, tasks)
     rows = []
-    order = sorted(table, key=lambda key: (key[0] != REFERENCE, key[0], _budget_sort(key[1])))
+    order = sorted(table, key=lambda key: (key[0] != REFERENCE, key[0], budget_sort_key(key[1])))
     for spec, budget in order:
         by_task = table[(spec, budget)]
         row = [_label(spec, budget)]
@@ -70,8 +70,8 @@ def score_rows(records: list[dict], length: int, tasks: list[str] | None = None,
             if not samples:
                 row += ["", "", ""]
                 continue
-            row.append(f"{_task_mean(samples):.3f} ({len(samples)})")
-            policy, reference = _paired(samples, full.get(task, {}))
+            row.append(f"{task_mean(samples):.3f} ({len(samples)})")
+            policy, reference = paired_scores(samples, full.get(task, {}))
             if (spec, budget) == (REFERENCE, None) or not reference or sum(reference) == 0:
                 row += ["", ""]
                 continue
@@ -92,7 +92,7 @@ def perplexity_rows(records: list[dict], length: int) -> tuple[list[str], list[l
     if full is None:
         raise ValueError(f"no `{REFERENCE}` perplexity at {length} tokens in these folders")
     rows = []
-    for spec, budget in sorted(table, key=lambda key: (key[0] != REFERENCE, key[0], _budget_sort(key[1]))):
+    for spec, budget in sorted(table, key=lambda key: (key[0] != REFERENCE, key[0], budget_sort_key(key[1]))):
         value, nbytes = table[(spec, budget)]["ppl"]
         rows.append([_label(spec, budget), f"{value:.3f}", percent(full[0] / value), f"{nbytes / res.MIB:.1f}"])
     return ["policy", "perplexity", "`full` / policy", "resident KV MiB"], rows
