@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .buffers import PromptStage
-from .cache_layer import CacheLayer
 from .compat import cache_kwargs, output_cache
 from .window_layers import SlidingWindowLayer
 from .patching import apply, make_cache
@@ -48,7 +47,7 @@ def cache_from_dense(model, policy: Policy, dense_cache, attention_mask: torch.T
     for layer, dense in zip(cache.layers, dense_cache.layers):
         if isinstance(layer, SlidingWindowLayer):  # a layer the model slides: the same window in both caches
             layer.copy_from(dense)
-        elif layer.stages_prompt and type(layer).ingest_prefill is CacheLayer.ingest_prefill:
+        elif layer.stages_prompt and layer.prompt_queries > 0:  # selects the prompt from its last queries
             _take_dense_prompt(layer, dense, (dense_cache.query_tails or {}).get(layer.layer_idx))
         else:
             layer.ingest_prefill(dense.buffer.keys.clone(), dense.buffer.values.clone())
