@@ -17,7 +17,7 @@ eager (an op's dispatch costs ~25 us of host time a call).
 Imports run one way, so the graph of this package is acyclic: leaves (`index`, `quant_format`,
 `checks`, `backend`, `_native_lib`) <- torch implementations (``torch_*``, `quant`) and ``triton_x``
 launchers <- the entry points (``x`` imports ``triton_x``, never back) <- this ``__init__``, which
-only re-exports. (Exception: `shadowkv_rebuild` and `triton_shadowkv` still import each other.)
+only re-exports.
 """
 from .decode import BACKENDS, sparse_decode, triton_available
 from .index import ALLOWED_BLOCK_SIZES, SparseIndex, select_topk, topk_ids
