@@ -60,12 +60,14 @@ def _requests(tokenizer_name: str, names: list[str], chat: bool, **metadata):
     return tokenizer, manager, out
 
 
-def _assert_kvpress_eval_prompts(tokenizer, manager, requests, prompt_format: str):
+def _assert_kvpress_eval_prompts(tokenizer, manager, requests, rendered: str, prompt_format: str = "auto"):
+    """Each request is ``kvpress eval``'s sample of the same task spec (``prompt_format`` as in the
+    metadata, which is part of the spec and so of the samples' seeds), rendered ``rendered``."""
     for name, rows in requests.items():
         spec = manager.load([name])["tasks"][name].config.dataset_kwargs["kvpress_task"]
         (sample,) = get_task(spec, prompt_format=prompt_format).generate(tokenizer, LENGTH, num_samples=1, seed=0)
         ((doc, context, ids),) = rows
-        assert doc["prompt_format"] == sample.prompt_format == prompt_format
+        assert doc["prompt_format"] == sample.prompt_format == rendered
         assert context == prompt_text(tokenizer, sample), name
         assert ids == build_input_ids(tokenizer, sample), name
         assert len(ids) == doc["num_tokens"] == sample.num_tokens, name
@@ -77,7 +79,7 @@ def test_base_model_prompts_are_kvpress_eval_plain_prompts_of_the_requested_leng
     tokenizer, manager, requests = _requests("gemma3-270m", GENERATION_YAMLS, chat=False)
     assert not tokenizer.chat_template  # a base model: "auto" is the plain format
     assert set(requests) == set(GENERATION_YAMLS)
-    _assert_kvpress_eval_prompts(tokenizer, manager, requests, "plain")
+    _assert_kvpress_eval_prompts(tokenizer, manager, requests, "plain")  # `kvpress eval` without prompt_format
     for rows in requests.values():
         ((doc, context, ids),) = rows
         assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
@@ -95,7 +97,7 @@ def test_chat_model_prompts_under_apply_chat_template_are_kvpress_eval_chat_prom
 def test_prompt_format_plain_sizes_a_chat_model_run_without_its_template():
     names = ["kvpress_niah_single", "kvpress_fwe"]
     tokenizer, manager, requests = _requests("smollm2", names, chat=False, prompt_format="plain")
-    _assert_kvpress_eval_prompts(tokenizer, manager, requests, "plain")
+    _assert_kvpress_eval_prompts(tokenizer, manager, requests, "plain", prompt_format="plain")
 
 
 def test_bad_prompt_format_and_missing_alias_package_are_clear_errors(monkeypatch, tmp_path):
