@@ -14,7 +14,10 @@ policy has no ``budget`` field), ``chunk_size`` (prefill chunk of loglikelihood 
 policy and its fields are validated before the model loads.
 
 * ``generate_until`` tasks run ``model.generate`` inside ``kvpress.apply``: the policy cache
-  holds the prompt and the generated tokens.
+  holds the prompt and the generated tokens. A kvpress task's prompt must have the length its
+  task sized it to (``ValueError`` otherwise, naming the fix): chat-format tasks need
+  ``--apply_chat_template``, plain-format ones (base models, or ``prompt_format=plain``) run
+  without it, and the task's tokenizer must be the model's.
 * ``loglikelihood`` and ``loglikelihood_rolling`` tasks run a chunked prefill through the policy
   cache (:func:`kvpress.evals.decode.chunked_logits`): each ``chunk_size``-token chunk attends
   to what the policy kept of the earlier ones, so compression changes the scored logits. (HF's
@@ -217,6 +220,12 @@ class KVPressLM(HFLM):
                             enabled=self.mixed_precision_dtype is not None):
             return chunked_logits(self.model, self.policy, inps, chunk_size=self.chunk_size)
 
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """HFLM's ``generate_until``, once every kvpress task prompt is checked against the length its
+        task sized it to (:func:`check_prompt_lengths`)."""
+        check_prompt_lengths(self, requests)
+        return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """lm-eval's batched ``generate`` with the policy cache."""
         if self.prefill_chunk_size is not None:
@@ -234,6 +243,44 @@ class KVPressLM(HFLM):
             "kvpress_chunk_size": self.chunk_size,
             "kvpress_prefill_chunk_size": self.prefill_chunk_size,
         }
+
+
+# Columns of a kvpress generation task's documents (kvpress.evals.lm_eval_tasks.harness.make_dataset).
+_SIZED_DOC_KEYS = ("num_tokens", "answer_prefix", "prompt_format")
+
+
+def check_prompt_lengths(lm: HFLM, requests) -> None:
+    """Check that every kvpress task prompt in ``requests`` encodes to the tokens its task sized.
+
+    The documents of the kvpress tasks record ``num_tokens``, the length of the input built in
+    their ``prompt_format`` with the task's tokenizer. lm-eval renders the prompt itself: with the
+    chat template under ``--apply_chat_template``, as plain text without it. The context is encoded
+    here as ``generate_until`` encodes it; requests of other tasks are not looked at.
+
+    Raises
+    ------
+    ValueError
+        When a prompt's length differs from its document's ``num_tokens``, with the way to fix it.
+    """
+    for request in requests:
+        doc = getattr(request, "doc", None)
+        if not isinstance(doc, dict) or not all(key in doc for key in _SIZED_DOC_KEYS):
+            continue
+        ids, _mask = lm.tok_batch_encode([request.args[0]])
+        num_tokens = int(ids.shape[-1])
+        if num_tokens == int(doc["num_tokens"]):
+            continue
+        if doc["prompt_format"] == "chat":
+            fix = ("run lm-eval with --apply_chat_template, or build plain prompts with "
+                   "--metadata '{\"prompt_format\": \"plain\", ...}'")
+        else:
+            fix = ("run lm-eval without --apply_chat_template, or build chat prompts with "
+                   "--metadata '{\"prompt_format\": \"chat\", ...}'")
+        raise ValueError(
+            f"{request.task_name}: lm-eval's prompt has {num_tokens} tokens but the task sized it to "
+            f"{doc['num_tokens']} in the {doc['prompt_format']} format: {fix}; the task's tokenizer must be the "
+            "model's, and --system_instruction, --num_fewshot or add_bos_token change the prompt"
+        )
 
 
 def lm_eval_main(argv: list[str]) -> int:

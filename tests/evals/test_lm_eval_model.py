@@ -117,6 +117,32 @@ def test_generation_prompt_in_pieces(tiny_dir, lms, monkeypatch):
     assert chunked.get_model_info()["kvpress_prefill_chunk_size"] == 4
 
 
+def test_generation_checks_the_length_a_kvpress_task_sized_its_prompt_to(tiny_dir, lms):
+    from lm_eval.tasks import TaskManager
+
+    from kvpress.evals.lm_eval_tasks import INCLUDE_PATH
+
+    manager = TaskManager(include_path=str(INCLUDE_PATH), include_defaults=False,
+                          metadata={"tokenizer": tiny_dir, "max_seq_lengths": [512], "num_samples": 1})
+    task = manager.load(["kvpress_niah_single"])["tasks"]["kvpress_niah_single"]
+    task.build_all_requests()  # no --apply_chat_template; the byte tokenizer has no template: plain
+    (built,) = task.instances
+    assert built.doc["prompt_format"] == "plain"
+    context, gen_kwargs = built.args[0], {**built.args[1], "max_gen_toks": 2}
+    plain = Instance("generate_until", built.doc, (context, gen_kwargs), 0, metadata=("kvpress_niah_single", 0, 1))
+    assert isinstance(lms["window"].generate_until([plain])[0], str)
+
+    sized_for_chat = {**built.doc, "prompt_format": "chat", "num_tokens": built.doc["num_tokens"] + 30}
+    chat = Instance("generate_until", sized_for_chat, (context, gen_kwargs), 0, metadata=("kvpress_niah_single", 0, 1))
+    with pytest.raises(ValueError, match=r"kvpress_niah_single: lm-eval's prompt has \d+ tokens but the task sized "
+                                         r"it to \d+ in the chat format: run lm-eval with --apply_chat_template"):
+        lms["window"].generate_until([chat])
+    shorter = Instance("generate_until", {**built.doc, "num_tokens": 7}, (context, gen_kwargs), 0,
+                       metadata=("kvpress_niah_single", 0, 1))
+    with pytest.raises(ValueError, match="run lm-eval without --apply_chat_template"):
+        lms["full"].generate_until([shorter])
+
+
 def test_lm_eval_passthrough_adds_our_include_path(monkeypatch):
     import sys
 
