@@ -8,6 +8,7 @@ import torch
 from kvpress.buffers import KVBuffer
 from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.merge import torch_merge_states
+from kvpress.kernels.rows import torch_attend_rows
 from kvpress.kernels.shadowkv_rebuild import torch_shadowkv_rebuild
 from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
 from kvpress.plan import capacity_bucket, static_address
@@ -118,23 +119,17 @@ class StaticStore:
         sel_cnt = self.selectable.sum(-1)  # (B, H)
         # chunks each (row, KV head) may add, as the eager step counts them
         allow = torch.minimum(((p.budget - self.exact_cnt - self.gen_len) // cs).clamp(min=0), sel_cnt)
-        E = self.exact_k.shape[2] - 1
-        keys = [self.exact_k[:, :, :E]]
-        values = [self.exact_v[:, :, :E]]
-        visible = [torch.arange(E, device=q.device) < self.exact_cnt[..., None]]
+        sets = [(self.exact_k, self.exact_v, self.exact_cnt, self.exact_k.shape[2] - 1)]  # (the spare slot left out)
         ids = chosen_values = None
         tokens = p.select == "tokens"
         if self.k_max:
             ids, sel_keys = self._select(q0, allow, sel_cnt, scaling)
             sel_values, fetched = self._fetch(ids, tokens)
-            keys.append(attended_keys(self, ids, fetched, sel_keys, backend="torch"))
-            values.append(sel_values)
-            visible.append(ids >= 0 if tokens else (ids >= 0).repeat_interleave(cs, dim=-1))
+            keys = attended_keys(self, ids, fetched, sel_keys, backend="torch")
+            sets.append((keys, sel_values, (ids >= 0).sum(-1) * (1 if tokens else cs), keys.shape[2]))
             chosen_values = sel_values if tokens else sel_values.view(B, H, self.k_max, cs, D)
-        keys.append(self.gen_k)
-        values.append(self.gen_v)
-        visible.append((torch.arange(G, device=q.device) < self.gen_len).expand(B, H, G))
-        out, lse = _attend(q0, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(visible, 2), scaling)
+        sets.append((self.gen_k, self.gen_v, self.gen_len.expand(B, H), G))
+        out, lse = torch_attend_rows(q0, sets, scale=scaling)
         if p.tail_chunk:
             o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, chosen_values,
                                  chunk_size=cs, tail_chunk=p.tail_chunk, scale=scaling, tokens=tokens)
@@ -291,8 +286,6 @@ class StaticStore:
         E = int(cnt.max()) if cnt.numel() else 0
         layer.exact_k = self.exact_k[:, :, :E].contiguous()
         layer.exact_v = self.exact_v[:, :, :E].contiguous()
-        slots = torch.arange(E, device=cnt.device)
-        layer.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)
         layer.exact_cnt, layer.exact_max, layer._exact_cnt_cpu = cnt.to(torch.int32), E, cnt.cpu()
         layer.n_chunks = n
         layer.row_exact, layer.has_basis = self.row_exact, self.has_basis
@@ -312,16 +305,4 @@ class StaticStore:
             layer.tail_v_sum = self.tail_v_sum[:, :, : (n + self.offset) // self.group].contiguous()
         sel_cnt = layer.selectable.sum(-1).cpu()
         layer._sel_cnt_cpu, layer.max_selectable = sel_cnt, int(sel_cnt.max()) if sel_cnt.numel() else 0
-
-
-def _attend(q0, keys, values, visible, scaling):
-    """One query per head (B, H_q, D) over keys / values (B, H_kv, N, D) where ``visible`` (B, H_kv, N):
-    fp32 out (B, H_q, D) and lse (B, H_q) for merging."""
-    B, H_q, D = q0.shape
-    H = keys.shape[1]
-    s = (q0.float().view(B, H, H_q // H, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, N)
-    s = s.masked_fill(~visible[:, :, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, G)
-    out = torch.exp(s - lse[..., None]) @ values.float()  # (B, H, G, D)
-    return out.reshape(B, H_q, D), lse.reshape(B, H_q)
 

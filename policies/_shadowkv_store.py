@@ -45,13 +45,6 @@ def to_host(values: torch.Tensor) -> torch.Tensor:
     return values.detach().to("cpu", copy=True).contiguous()
 
 
-def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
-                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device) -> torch.Tensor:
-    """Values of the selected chunks on ``device``, reusing the previous step's copies
-    (`fetch_tables` of one table)."""
-    return fetch_tables([host], chunk_idx, prev_idx, [prev_values], counters, device)[0]
-
-
 def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, prevs, counters: TransferCounters,
                  device: torch.device) -> list[torch.Tensor]:
     """The selected chunks of each host-tier table on ``device``, reusing the previous step's copies:
