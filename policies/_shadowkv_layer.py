@@ -52,15 +52,13 @@ class ShadowKVLayer(CacheLayer):
     rollback = "record"
     rollback_truncate = ("gen",)
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
-              "exact_v", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
-              "tail_v_sum", "key_weight")
+              "exact_v", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys", "tail_v_sum", "key_weight")
+    _HOST = ("v_host", "k_host", "kr_host")
     # what a forward replaces (never changes in place; `gen` only grows): recorded by reference
-    rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + (
-        "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu",
-        "_sel_cnt_cpu")
+    rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + _HOST + (
+        "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu", "_sel_cnt_cpu")
     # held by the `StaticStore` while it lives (the previous step's fetch is dropped: a static step reuses none)
-    _MOVED = ("exact_k", "exact_v", "exact_cnt", "landmarks", "selectable", "factor", "basis", "v_host",
-              "k_host", "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
+    _MOVED = tuple(n for n in _STATE if n not in ("rope_start", "key_weight", "gen_k", "gen_v")) + _HOST
     gen_k = property(lambda self: self.gen.k, lambda self, t: setattr(self.gen, "k", t))
     gen_v = property(lambda self: self.gen.v, lambda self, t: setattr(self.gen, "v", t))
     gen_len = property(lambda self: self.gen.length)
@@ -265,7 +263,7 @@ class ShadowKVLayer(CacheLayer):
 
     def host_tensors(self):
         holder = self if self._static is None else self._static
-        return {name: getattr(holder, name) for name in ("v_host", "k_host", "kr_host")}
+        return {name: getattr(holder, name) for name in self._HOST}
 
     def batch_select(self, indices: torch.Tensor) -> None:
         self._leave_static()

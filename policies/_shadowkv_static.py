@@ -55,38 +55,29 @@ class StaticStore:
 
         self.pinned = dev.type == "cuda"  # the host tables are pinned memory
 
-        def zeros(*shape, dtype=dtype, host=False):
-            if host:
-                return torch.zeros(*shape, dtype=dtype, pin_memory=self.pinned)
-            return torch.zeros(*shape, dtype=dtype, device=dev)
+        def pad(t, dim, size, *empty, dtype=dtype, host=False):  # t (None: no entries, shape `empty`), zeros after
+            if t is None:
+                t = torch.zeros(*empty, dtype=dtype, device="cpu" if host else dev)
+            return _padded(t, dim, size, host and self.pinned)
 
-        def filled(buf, t, dim):  # buf with t's entries first along dim
-            if t is not None and t.shape[dim]:
-                buf.narrow(dim, 0, t.shape[dim]).copy_(t)
-            return buf
-
-        self.gen_k = filled(zeros(B, H, G, D), None if layer.gen_k is None else layer.gen_k[:, :, :g0], 2)
-        self.gen_v = filled(zeros(B, H, G, D), None if layer.gen_v is None else layer.gen_v[:, :, :g0], 2)
+        self.gen_k = pad(None if layer.gen_k is None else layer.gen_k[:, :, :g0], 2, G, B, H, 0, D)
+        self.gen_v = pad(None if layer.gen_v is None else layer.gen_v[:, :, :g0], 2, G, B, H, 0, D)
         self.gen_len = torch.full((1,), g0, dtype=torch.long, device=dev)
         self.n_chunks = torch.full((1,), n0, dtype=torch.long, device=dev)
-        self.exact_k = filled(zeros(B, H, E + 1, D), layer.exact_k, 2)  # slot E: where masked writes go
-        self.exact_v = filled(zeros(B, H, E + 1, D), layer.exact_v, 2)
+        self.exact_k = pad(layer.exact_k, 2, E + 1)  # slot E: where masked writes go
+        self.exact_v = pad(layer.exact_v, 2, E + 1)
         self.exact_cnt = layer.exact_cnt.long().clone()
-        self.landmarks = filled(zeros(B, H, Cc, D), layer.landmarks, 2)
-        self.selectable = filled(zeros(B, H, Cc, dtype=torch.bool), layer.selectable if layer.landmarks is not None
-                                 else None, 2)
-        self.factor = filled(zeros(B, Cc * cs, R), layer.factor, 1)
-        self.basis = filled(zeros(B, R, H, D), layer.basis, 1)
-        self.v_host = filled(zeros(B, H, Cc, cs, D, host=True), layer.v_host, 2)
-        self.k_host = filled(zeros(B, H, Cc, cs, D, host=True), layer.k_host, 2) if p.fetch_keys else None
-        self.kr_host = None
-        if p.residual_bits:
-            width = D * p.residual_bits // 8 + 4 * D // p.residual_group_for(D)
-            self.kr_host = filled(zeros(B, H, Cc, cs, width, dtype=torch.uint8, host=True), layer.kr_host, 2)
-        self.tail_v_sum = None
-        if p.tail_chunk:
-            self.tail_v_sum = filled(zeros(B, H, (Cc + self.offset) // self.group, D, dtype=torch.float32),
-                                     layer.tail_v_sum, 2)
+        self.landmarks = pad(layer.landmarks, 2, Cc, B, H, 0, D)
+        self.selectable = pad(layer.selectable, 2, Cc, B, H, 0, dtype=torch.bool)
+        self.factor = pad(layer.factor, 1, Cc * cs, B, 0, R)
+        self.basis = pad(layer.basis, 1, R, B, 0, H, D)
+        self.v_host = pad(layer.v_host, 2, Cc, B, H, 0, cs, D, host=True)
+        self.k_host = pad(layer.k_host, 2, Cc, B, H, 0, cs, D, host=True) if p.fetch_keys else None
+        width = D * p.residual_bits // 8 + 4 * D // p.residual_group_for(D) if p.residual_bits else 0
+        self.kr_host = pad(layer.kr_host, 2, Cc, B, H, 0, cs, width, dtype=torch.uint8,
+                           host=True) if p.residual_bits else None
+        self.tail_v_sum = pad(layer.tail_v_sum, 2, (Cc + self.offset) // self.group, B, H, 0, D,
+                              dtype=torch.float32) if p.tail_chunk else None
         self.chunked = torch.full((1,), layer.landmarks is not None, device=dev)  # the eager layer's chunk entries
         self.row_exact = layer.row_exact.clone()
         self.has_basis = layer.has_basis.clone()
@@ -148,12 +139,7 @@ class StaticStore:
                              ("gen_k", 2, 0 if self.fold_max else extra), ("gen_v", 2, 0 if self.fold_max else extra)):
             t = getattr(self, name)
             if t is not None and n:
-                shape = list(t.shape)
-                shape[dim] += n
-                host = t.device.type == "cpu" and self.pinned
-                grown = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=host)
-                grown.narrow(dim, 0, t.shape[dim]).copy_(t)
-                setattr(self, name, grown)
+                setattr(self, name, _padded(t, dim, t.shape[dim] + n, t.device.type == "cpu" and self.pinned))
         self.k_max = min(self.policy.budget // cs, self.landmarks.shape[2])
         self.tokens = tokens
 
@@ -306,3 +292,11 @@ class StaticStore:
         sel_cnt = layer.selectable.sum(-1).cpu()
         layer._sel_cnt_cpu, layer.max_selectable = sel_cnt, int(sel_cnt.max()) if sel_cnt.numel() else 0
 
+
+def _padded(t: torch.Tensor, dim: int, size: int, pinned: bool = False) -> torch.Tensor:
+    """A new tensor of ``size`` entries along ``dim``: ``t``'s, then zeros (in pinned memory with ``pinned``)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=pinned)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
