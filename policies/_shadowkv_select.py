@@ -1,7 +1,6 @@
 """ShadowKV's chunk selection of one decode step in torch (`select_chunks`, the reference of
-`kvpress.kernels.native.shadowkv_select`: same arguments and results, plus the rebuild's
-``backend``), shared by the eager and the static step, and the ``tail_chunk`` estimate of the
-chunks a step leaves out."""
+`kvpress.kernels.native.shadowkv_select`, plus the rebuild's ``backend``; the static step uses its
+parts) and the ``tail_chunk`` estimate of the chunks a step leaves out."""
 from __future__ import annotations
 
 import torch
