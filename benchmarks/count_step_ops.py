@@ -116,8 +116,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cuda_path:
         import kvpress.kernels.backend as kernel_backend
-        import kvpress.policies._shadowkv_step as step
-        step.triton_rows_supported = lambda q, num_kv_heads, num_sets: True
         # every kernel's "auto" takes the Triton kernel a CUDA run takes (the native CPU kernels off)
         kernel_backend.AUTO_TRITON_ON_CPU = True
         kernel_backend.native_available = lambda: False

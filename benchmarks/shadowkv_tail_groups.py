@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import kvpress.policies._shadowkv_step as shadowkv_step
+import kvpress.policies._shadowkv_layer as shadowkv_step
 from kvpress.cli import main
 
 _estimate = shadowkv_step.native.shadowkv_tail

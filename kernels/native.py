@@ -21,7 +21,7 @@ bytes it reads. The C kernels of ``csrc/`` do a whole step per (row, KV head) in
   rebuilt from the low-rank factors with RoPE and re-scored exactly, the chosen chunks' ids and
   rebuilt keys (`kvpress.kernels.shadowkv_rebuild`'s math);
 - `shadowkv_tail` -- ``shadowkv:tail_chunk``'s estimate of the tokens a ``select="tokens"`` step
-  leaves out, from the chunk landmarks and group value sums (`tail_estimate_tokens`' math);
+  leaves out, from the chunk landmarks and group value sums (`tail_estimate`'s math with ``tokens``);
 - `add_residual` -- ``shadowkv:residual_bits``' correction of rebuilt keys: each key plus its
   dequantized residual row (`kvpress.policies._shadowkv_store.add_residual`'s math), one pass;
 - `attend_rows` -- exact attention over a few row sets (a prefix of rows per (row, KV head) each)

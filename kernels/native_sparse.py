@@ -129,8 +129,8 @@ def shadowkv_select(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.
                     basis: torch.Tensor, inv_freq: torch.Tensor, rope_start: torch.Tensor, allow: torch.Tensor, *,
                     k: int, shortlist: int, chunk_size: int, scale: float,
                     reduction: str, tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """ShadowKV's chunk selection of one decode step (the math of ``ShadowKVLayer._attend_selected``;
-    with ``tokens``, of ``_shadowkv_select.select_tokens``).
+    """ShadowKV's chunk selection of one decode step (the math of
+    ``kvpress.policies._shadowkv_select.select_chunks``, ``tokens`` included).
 
     Parameters
     ----------
@@ -274,8 +274,8 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
 def shadowkv_tail(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Tensor, v_sum: torch.Tensor,
                   ids: torch.Tensor | None, values: torch.Tensor | None, *, chunk_size: int, tail_chunk: int,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`kvpress.policies._shadowkv_select.tail_estimate_tokens` (its torch code is the reference)
-    in one call: fp32 CPU ``q`` (B, H_q, D), ``landmarks`` (B, H_kv, C, D), bool ``selectable``
+    """`kvpress.policies._shadowkv_select.tail_estimate` with ``tokens=True`` (the reference) in one
+    call: fp32 CPU ``q`` (B, H_q, D), ``landmarks`` (B, H_kv, C, D), bool ``selectable``
     (B, H_kv, C), ``v_sum`` (B, H_kv, N, D), the attended token ``ids`` (B, H_kv, K) (-1 empty)
     and their ``values`` (B, H_kv, K, D), or None for both. Returns fp32 out (B, H_q, D), lse (B, H_q)."""
     lib = _lib()

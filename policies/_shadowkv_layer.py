@@ -1,20 +1,25 @@
-"""The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): it holds the state and routes each
-forward -- a prompt to `ingest`, a new turn to `attend_turn` (``_shadowkv_prefill``), an eager
-decode step to `decode` (``_shadowkv_step``), a static one to its `StaticStore`
-(``_shadowkv_static``). The core stages a prompt given in pieces and takes tokens back."""
+"""The cache layer of ``shadowkv`` (`kvpress.policies.shadowkv`): it holds the state, runs the eager
+decode step and routes the other forwards -- a prompt to `ingest`, a new turn to `attend_turn`
+(``_shadowkv_prefill``), a static step to its `StaticStore` (``_shadowkv_static``). The core stages
+a prompt given in pieces and takes tokens back."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from kvpress.attention import dense_causal_attention
 from kvpress.buffers import KVBuffer
 from kvpress.cache import CacheLayer
+from kvpress.kernels import merge_states, native
+from kvpress.kernels.backend import shadowkv_step_backend
+from kvpress.kernels.rows import attend_rows
 
 from ._shadowkv_prefill import attend_turn, ingest, query_squares
+from ._shadowkv_select import select_chunks, tail_estimate
 from ._shadowkv_static import StaticStore
-from ._shadowkv_step import decode, store_step
-from ._shadowkv_store import TransferCounters
+from ._shadowkv_store import TransferCounters, attended_keys, fetch_tables
 
 
 class ShadowKVLayer(CacheLayer):
@@ -28,7 +33,7 @@ class ShadowKVLayer(CacheLayer):
 
     Device state: ``landmarks`` (B, H_kv, C, D), ``selectable`` bool (B, H_kv, C), ``factor``
     (B, T_pad, R), ``basis`` (B, R, H_kv, D), exact tokens ``exact_k``/``exact_v`` (B, H_kv, E, D)
-    with ``exact_idx``/``exact_cnt``, generated tokens ``gen`` (a `KVBuffer`; ``gen_k``/``gen_v``/
+    and their counts ``exact_cnt``, generated tokens ``gen`` (a `KVBuffer`; ``gen_k``/``gen_v``/
     ``gen_len``), the previous step's fetched chunks ``sel_idx``/``sel_values`` (``sel_keys``: their
     exact keys with ``fetch_keys``, their residual rows with ``residual_bits``), and with
     ``tail_chunk`` the value sums per group ``tail_v_sum`` (B, H_kv, N, D) fp32. Host tier:
@@ -47,15 +52,13 @@ class ShadowKVLayer(CacheLayer):
     rollback = "record"
     rollback_truncate = ("gen",)
     _STATE = ("landmarks", "selectable", "factor", "basis", "rope_start", "row_exact", "has_basis", "exact_k",
-              "exact_v", "exact_idx", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys",
-              "tail_v_sum", "key_weight")
+              "exact_v", "exact_cnt", "gen_k", "gen_v", "sel_idx", "sel_values", "sel_keys", "tail_v_sum", "key_weight")
+    _HOST = ("v_host", "k_host", "kr_host")
     # what a forward replaces (never changes in place; `gen` only grows): recorded by reference
-    rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + (
-        "v_host", "k_host", "kr_host", "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu",
-        "_sel_cnt_cpu")
+    rollback_state = tuple(n for n in _STATE if n not in ("gen_k", "gen_v")) + _HOST + (
+        "exact_max", "max_selectable", "n_chunks", "_exact_cnt_cpu", "_sel_cnt_cpu")
     # held by the `StaticStore` while it lives (the previous step's fetch is dropped: a static step reuses none)
-    _MOVED = ("exact_k", "exact_v", "exact_idx", "exact_cnt", "landmarks", "selectable", "factor", "basis", "v_host",
-              "k_host", "kr_host", "tail_v_sum", "row_exact", "has_basis", "sel_idx", "sel_values", "sel_keys")
+    _MOVED = tuple(n for n in _STATE if n not in ("rope_start", "key_weight", "gen_k", "gen_v")) + _HOST
     gen_k = property(lambda self: self.gen.k, lambda self, t: setattr(self.gen, "k", t))
     gen_v = property(lambda self: self.gen.v, lambda self, t: setattr(self.gen, "v", t))
     gen_len = property(lambda self: self.gen.length)
@@ -96,7 +99,7 @@ class ShadowKVLayer(CacheLayer):
             if not self.cache.prompt_open:
                 self._enter_static(planned=True)
             return out
-        return decode(self, q, k_new, v_new, scaling)  # (a verification arrives as such steps)
+        return self.decode(q, k_new, v_new, scaling)  # (a verification arrives as such steps)
 
     def ingest_prefill(self, k, v):
         if self.policy.svd == "query":
@@ -127,6 +130,80 @@ class ShadowKVLayer(CacheLayer):
     def _ingest(self, k, v, q_sq=None) -> None:
         ingest(self, k, v, q_sq)
         self._enter_static(planned=True)
+
+    # ------------------------------------------------------------------ eager decode
+    def store_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token per row ``k``/``v`` (B, H_kv, 1, D) as a decode step does: first, when the
+        generated tokens reach ``local_window + fold_size``, the oldest fold into the store (the device
+        fold of a `StaticStore` built for it, given back; see `ShadowKVPolicy.fold_size`)."""
+        p = self.policy
+        if p.fold_tokens and self.gen_len >= p.local_window + p.fold_tokens:
+            store = StaticStore(self, tokens=self.seen + 1)
+            store.fold()
+            store.to_layer(self)  # (the previous step's fetch stays: chunk ids are stable)
+        self.gen.append(k, v)
+        self.seen += 1
+
+    def decode(self, q, k_new, v_new, scaling):
+        """One eager decode step of the layer: store, select, fetch, attend (B, H_q, 1, D). On fp32 CPU
+        (`kvpress.kernels.backend.shadowkv_step_backend`) selection and tail are compiled calls;
+        `attend_rows` chooses its own backend (one Triton launch on CUDA)."""
+        p = self.policy
+        self.store_step(k_new, v_new)
+        q0 = q[:, :, 0].contiguous()  # (B, H_q, D)
+        # chunks each (row, KV head) may add: what its own exact tokens and the generated ones leave
+        allow = ((p.budget - self._exact_cnt_cpu - self.gen_len) // p.chunk_size).clamp(min=0)
+        allow = torch.minimum(allow, self._sel_cnt_cpu)  # (B, H) on the host
+        k_sel = int(allow.max()) if allow.numel() else 0
+        compiled = shadowkv_step_backend(q0, self.gen_k, p.backend, self.landmarks, self.factor,
+                                         self.basis) == "native"
+        sets = [(self.gen_k, self.gen_v, None, self.gen_len)]
+        if self.exact_max:
+            sets.append((self.exact_k, self.exact_v, self.exact_cnt, self.exact_max))
+        ids = values = None
+        if k_sel:
+            keys, rows, ids, values, cnt = self.selected_rows(q0, k_sel, allow.to(q0.device, non_blocking=True),
+                                                              scaling, compiled)
+            sets.append((keys, rows, cnt, keys.shape[2]))
+        out, lse = attend_rows(q0, sets, scale=scaling, backend="torch" if p.backend == "torch" else "auto")
+        out = out.to(q0.dtype)
+        if p.tail_chunk and self.max_selectable:
+            tokens = p.select == "tokens"
+            # the token tail in one compiled call on fp32 CPU (`tail_estimate` is its reference)
+            estimate = native.shadowkv_tail if compiled and tokens else partial(tail_estimate, tokens=tokens)
+            o, l = estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, values,
+                            chunk_size=p.chunk_size, tail_chunk=p.tail_chunk, scale=scaling)
+            out, lse = merge_states(out, lse, o.to(out.dtype), l, backend="native" if compiled else "auto")
+        attended = int((self._exact_cnt_cpu + allow * p.chunk_size).max()) if allow.numel() else 0
+        self.max_attended = max(self.max_attended, attended + self.gen_len)
+        return out[:, :, None]
+
+    def selected_rows(self, q0, k_sel, allow, scaling, compiled: bool = False):
+        """Top ``allow[b, h]`` (<= ``k_sel``) chunks per KV head -- or as many single tokens with
+        ``select="tokens"`` -- chosen (`select_chunks`, or with ``compiled`` `native.shadowkv_select`),
+        their values fetched from the host tier reusing the previous step's, and the keys to attend
+        them with (`attended_keys`). Returns keys and values (B, H, k_sel * cs, D), the ids, the values
+        as the tail estimate reads them and the rows in use per (row, KV head), int32 (B, H)."""
+        p = self.policy
+        B, H, _, D = self.landmarks.shape
+        cs, tokens = p.chunk_size, p.select == "tokens"
+        shortlist = max(min(k_sel * p.rerank, self.max_selectable), k_sel)
+        args = (q0, self.landmarks, self.selectable, self.factor, self.basis, self._rope_inv_freq(q0.device),
+                self.rope_start, allow)
+        kwargs = dict(k=k_sel, shortlist=shortlist, chunk_size=cs, scale=scaling, reduction=p.score_reduction,
+                      tokens=tokens)
+        select = native.shadowkv_select if compiled else partial(select_chunks, backend=p.backend)
+        ids, keys = select(*args, **kwargs)
+        as_units = (lambda t: t.view(B, H, -1, 1, t.shape[-1])) if tokens else (lambda t: t)  # noqa: E731
+        table = self.k_host if p.fetch_keys else self.kr_host
+        hosts = [as_units(t) for t in (self.v_host, table) if t is not None]  # one plan, one step
+        values, *fetched = fetch_tables(hosts, ids, self.sel_idx, [self.sel_values, self.sel_keys][: len(hosts)],
+                                        self.counters, q0.device)
+        fetched = fetched[0] if fetched else None
+        self.sel_idx, self.sel_values, self.sel_keys = ids, values, fetched
+        rows = values.reshape(B, H, k_sel * cs, D)
+        cnt = (ids >= 0).sum(-1).to(torch.int32) * (1 if tokens else cs)  # (B, H)
+        return attended_keys(self, ids, fetched, keys), rows, ids, rows if tokens else values, cnt
 
     # ------------------------------------------------------------------ static decode
     def _enter_static(self, planned: bool = False) -> None:
@@ -169,7 +246,7 @@ class ShadowKVLayer(CacheLayer):
             self._ingest(k, v, None if q_sq is None else q_sq[:, :, : k.shape[2]])
             return
         for t in range(k.shape[2]):  # as decode steps store them (folds included)
-            store_step(self, k[:, :, t : t + 1], v[:, :, t : t + 1])
+            self.store_step(k[:, :, t : t + 1], v[:, :, t : t + 1])
 
     def removable(self) -> int:
         self._leave_static()
@@ -186,7 +263,7 @@ class ShadowKVLayer(CacheLayer):
 
     def host_tensors(self):
         holder = self if self._static is None else self._static
-        return {name: getattr(holder, name) for name in ("v_host", "k_host", "kr_host")}
+        return {name: getattr(holder, name) for name in self._HOST}
 
     def batch_select(self, indices: torch.Tensor) -> None:
         self._leave_static()

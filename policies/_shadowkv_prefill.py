@@ -11,7 +11,6 @@ from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.shadowkv_rebuild import shadowkv_rebuild
 
 from ._shadowkv_select import tail_value_sums
-from ._shadowkv_step import key_table
 from ._shadowkv_store import (attended_keys, default_rank, fetch_tables, low_rank, query_pair_weights,
                               residual_table, to_host)
 
@@ -79,8 +78,6 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
     gidx = pos[..., None].expand(B, H, E, D)
     layer.exact_k = torch.gather(kp, 2, gidx).contiguous()
     layer.exact_v = torch.gather(vp, 2, gidx).contiguous()
-    slots = torch.arange(E, device=dev)
-    layer.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)  # (B, H, E)
     layer.exact_cnt = cnt.to(torch.int32)
     layer.exact_max = E
     layer._exact_cnt_cpu = cnt.cpu()  # (B, H) per-head budgets, read on the host: no sync per step
@@ -133,7 +130,7 @@ def attend_turn(layer, q, k_new, v_new, scaling):
         C, cs = layer.selectable.shape[-1], p.chunk_size
         order = torch.where(layer.selectable, torch.arange(C, device=dev), C).sort(dim=-1).values
         ids = torch.where(order < C, order, -1)[..., : layer.max_selectable].to(torch.int32)  # (B, H, K)
-        tables = [t for t in (layer.v_host, key_table(layer)) if t is not None]
+        tables = [t for t in (layer.v_host, layer.k_host if p.fetch_keys else layer.kr_host) if t is not None]
         fetched, *extra = fetch_tables(tables, ids, None, [None] * len(tables), layer.counters, dev)
         keys.append(attended_keys(layer, ids, extra[0] if extra else None))
         values.append(fetched.view(B, H, layer.max_selectable * cs, D))

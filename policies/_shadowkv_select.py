@@ -1,7 +1,6 @@
 """ShadowKV's chunk selection of one decode step in torch (`select_chunks`, the reference of
-`kvpress.kernels.native.shadowkv_select`: same arguments and results, plus the rebuild's
-``backend``), shared by the eager and the static step, and the ``tail_chunk`` estimate of the
-chunks a step leaves out."""
+`kvpress.kernels.native.shadowkv_select`, plus the rebuild's ``backend``; the static step uses its
+parts) and the ``tail_chunk`` estimate of the chunks a step leaves out."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +23,10 @@ def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
                   tokens: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Top ``allow[b, h]`` (<= ``k``) chunks per KV head: ids int32 (B, H_kv, k) ascending, -1 after,
     and their rebuilt keys (B, H_kv, k * chunk_size, D), zeros in empty slots; with ``shortlist > k``
-    re-scored on rebuilt keys (`rerank`). With ``tokens`` see `select_tokens`."""
+    re-scored on rebuilt keys (`rerank`). With ``tokens`` (``select="tokens"``) the top
+    ``allow[b, h] * chunk_size`` single tokens among the shortlist's by their rebuilt keys' exact
+    scores (the same budget without whole-chunk granularity): token ids (B, H_kv, k * chunk_size),
+    chunk ``c``'s tokens being ``c * chunk_size ...``."""
     scores = chunk_scores(q, landmarks, selectable, scale=scale, reduction=reduction)
     rebuild = lambda ids: shadowkv_rebuild(factor, basis, ids, inv_freq, rope_start,  # noqa: E731
                                            chunk_size=chunk_size, backend=backend)
@@ -35,15 +37,6 @@ def select_chunks(q: torch.Tensor, landmarks: torch.Tensor, selectable: torch.Te
     everyone = torch.full(scores.shape[:2], shortlist, dtype=torch.long, device=scores.device)
     return rerank(q, scores, rebuild, allow, everyone, k=k, shortlist=shortlist, chunk_size=chunk_size, scale=scale,
                   reduction=reduction, tokens=tokens)
-
-
-def select_tokens(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select="tokens"``: the top ``allow[b, h] * chunk_size`` single tokens per KV head among the
-    landmark shortlist's, by their rebuilt keys' exact scores (the same tokens and budget as
-    chunks, without whole-chunk granularity). Token ids int32 (B, H_kv, k * cs) ascending (chunk
-    ``c``'s tokens are ``c * cs ...``), -1 after; their rebuilt keys (B, H_kv, k * cs, D), zeros
-    in empty slots. Arguments as `select_chunks`."""
-    return select_chunks(*args, **kwargs, tokens=True)
 
 
 def rerank(q, scores, rebuild, allow, cand_allow, *, k, shortlist, chunk_size, scale, reduction, tokens):
@@ -131,7 +124,8 @@ def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.T
 
     ``ids`` (B, H, k) are the chunks attended exactly (-1 empty) and ``values`` (B, H, k, cs, D)
     their fetched values: they leave the estimate, their values subtracted from their group's
-    sum ``v_sum`` (from `tail_value_sums`). With ``tokens`` see `tail_estimate_tokens`.
+    sum ``v_sum`` (from `tail_value_sums`). With ``tokens`` ``ids`` (B, H, K) are token ids and
+    ``values`` (B, H, K, D), and each chunk counts for the tokens it has left.
     """
     B, H, C, D = landmarks.shape
     cs = chunk_size
@@ -154,9 +148,3 @@ def tail_estimate(q0: torch.Tensor, landmarks: torch.Tensor, selectable: torch.T
         v_sum = v_sum - spare[:, :, :N]
     return landmark_tail_estimate(q0, landmarks, keep, v_sum, chunk_size=cs, group=m, scale=scale, offset=off)
 
-
-def tail_estimate_tokens(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tail_estimate` when single tokens are attended (``select="tokens"``): ``ids`` (B, H, K)
-    token ids (-1 empty) and ``values`` (B, H, K, D) leave the estimate -- their values subtracted
-    from their group's sum, and each chunk counted for the tokens it has left."""
-    return tail_estimate(*args, **kwargs, tokens=True)

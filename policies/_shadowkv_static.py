@@ -8,6 +8,7 @@ import torch
 from kvpress.buffers import KVBuffer
 from kvpress.kernels import chunk_landmarks
 from kvpress.kernels.merge import torch_merge_states
+from kvpress.kernels.rows import torch_attend_rows
 from kvpress.kernels.shadowkv_rebuild import torch_shadowkv_rebuild
 from kvpress.kernels.triton_shadowkv_host import host_gather, host_scatter
 from kvpress.plan import capacity_bucket, static_address
@@ -54,38 +55,29 @@ class StaticStore:
 
         self.pinned = dev.type == "cuda"  # the host tables are pinned memory
 
-        def zeros(*shape, dtype=dtype, host=False):
-            if host:
-                return torch.zeros(*shape, dtype=dtype, pin_memory=self.pinned)
-            return torch.zeros(*shape, dtype=dtype, device=dev)
+        def pad(t, dim, size, *empty, dtype=dtype, host=False):  # t (None: no entries, shape `empty`), zeros after
+            if t is None:
+                t = torch.zeros(*empty, dtype=dtype, device="cpu" if host else dev)
+            return _padded(t, dim, size, host and self.pinned)
 
-        def filled(buf, t, dim):  # buf with t's entries first along dim
-            if t is not None and t.shape[dim]:
-                buf.narrow(dim, 0, t.shape[dim]).copy_(t)
-            return buf
-
-        self.gen_k = filled(zeros(B, H, G, D), None if layer.gen_k is None else layer.gen_k[:, :, :g0], 2)
-        self.gen_v = filled(zeros(B, H, G, D), None if layer.gen_v is None else layer.gen_v[:, :, :g0], 2)
+        self.gen_k = pad(None if layer.gen_k is None else layer.gen_k[:, :, :g0], 2, G, B, H, 0, D)
+        self.gen_v = pad(None if layer.gen_v is None else layer.gen_v[:, :, :g0], 2, G, B, H, 0, D)
         self.gen_len = torch.full((1,), g0, dtype=torch.long, device=dev)
         self.n_chunks = torch.full((1,), n0, dtype=torch.long, device=dev)
-        self.exact_k = filled(zeros(B, H, E + 1, D), layer.exact_k, 2)  # slot E: where masked writes go
-        self.exact_v = filled(zeros(B, H, E + 1, D), layer.exact_v, 2)
+        self.exact_k = pad(layer.exact_k, 2, E + 1)  # slot E: where masked writes go
+        self.exact_v = pad(layer.exact_v, 2, E + 1)
         self.exact_cnt = layer.exact_cnt.long().clone()
-        self.landmarks = filled(zeros(B, H, Cc, D), layer.landmarks, 2)
-        self.selectable = filled(zeros(B, H, Cc, dtype=torch.bool), layer.selectable if layer.landmarks is not None
-                                 else None, 2)
-        self.factor = filled(zeros(B, Cc * cs, R), layer.factor, 1)
-        self.basis = filled(zeros(B, R, H, D), layer.basis, 1)
-        self.v_host = filled(zeros(B, H, Cc, cs, D, host=True), layer.v_host, 2)
-        self.k_host = filled(zeros(B, H, Cc, cs, D, host=True), layer.k_host, 2) if p.fetch_keys else None
-        self.kr_host = None
-        if p.residual_bits:
-            width = D * p.residual_bits // 8 + 4 * D // p.residual_group_for(D)
-            self.kr_host = filled(zeros(B, H, Cc, cs, width, dtype=torch.uint8, host=True), layer.kr_host, 2)
-        self.tail_v_sum = None
-        if p.tail_chunk:
-            self.tail_v_sum = filled(zeros(B, H, (Cc + self.offset) // self.group, D, dtype=torch.float32),
-                                     layer.tail_v_sum, 2)
+        self.landmarks = pad(layer.landmarks, 2, Cc, B, H, 0, D)
+        self.selectable = pad(layer.selectable, 2, Cc, B, H, 0, dtype=torch.bool)
+        self.factor = pad(layer.factor, 1, Cc * cs, B, 0, R)
+        self.basis = pad(layer.basis, 1, R, B, 0, H, D)
+        self.v_host = pad(layer.v_host, 2, Cc, B, H, 0, cs, D, host=True)
+        self.k_host = pad(layer.k_host, 2, Cc, B, H, 0, cs, D, host=True) if p.fetch_keys else None
+        width = D * p.residual_bits // 8 + 4 * D // p.residual_group_for(D) if p.residual_bits else 0
+        self.kr_host = pad(layer.kr_host, 2, Cc, B, H, 0, cs, width, dtype=torch.uint8,
+                           host=True) if p.residual_bits else None
+        self.tail_v_sum = pad(layer.tail_v_sum, 2, (Cc + self.offset) // self.group, B, H, 0, D,
+                              dtype=torch.float32) if p.tail_chunk else None
         self.chunked = torch.full((1,), layer.landmarks is not None, device=dev)  # the eager layer's chunk entries
         self.row_exact = layer.row_exact.clone()
         self.has_basis = layer.has_basis.clone()
@@ -118,23 +110,17 @@ class StaticStore:
         sel_cnt = self.selectable.sum(-1)  # (B, H)
         # chunks each (row, KV head) may add, as the eager step counts them
         allow = torch.minimum(((p.budget - self.exact_cnt - self.gen_len) // cs).clamp(min=0), sel_cnt)
-        E = self.exact_k.shape[2] - 1
-        keys = [self.exact_k[:, :, :E]]
-        values = [self.exact_v[:, :, :E]]
-        visible = [torch.arange(E, device=q.device) < self.exact_cnt[..., None]]
+        sets = [(self.exact_k, self.exact_v, self.exact_cnt, self.exact_k.shape[2] - 1)]  # (the spare slot left out)
         ids = chosen_values = None
         tokens = p.select == "tokens"
         if self.k_max:
             ids, sel_keys = self._select(q0, allow, sel_cnt, scaling)
             sel_values, fetched = self._fetch(ids, tokens)
-            keys.append(attended_keys(self, ids, fetched, sel_keys, backend="torch"))
-            values.append(sel_values)
-            visible.append(ids >= 0 if tokens else (ids >= 0).repeat_interleave(cs, dim=-1))
+            keys = attended_keys(self, ids, fetched, sel_keys, backend="torch")
+            sets.append((keys, sel_values, (ids >= 0).sum(-1) * (1 if tokens else cs), keys.shape[2]))
             chosen_values = sel_values if tokens else sel_values.view(B, H, self.k_max, cs, D)
-        keys.append(self.gen_k)
-        values.append(self.gen_v)
-        visible.append((torch.arange(G, device=q.device) < self.gen_len).expand(B, H, G))
-        out, lse = _attend(q0, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(visible, 2), scaling)
+        sets.append((self.gen_k, self.gen_v, self.gen_len.expand(B, H), G))
+        out, lse = torch_attend_rows(q0, sets, scale=scaling)
         if p.tail_chunk:
             o, l = tail_estimate(q0, self.landmarks, self.selectable, self.tail_v_sum, ids, chosen_values,
                                  chunk_size=cs, tail_chunk=p.tail_chunk, scale=scaling, tokens=tokens)
@@ -153,12 +139,7 @@ class StaticStore:
                              ("gen_k", 2, 0 if self.fold_max else extra), ("gen_v", 2, 0 if self.fold_max else extra)):
             t = getattr(self, name)
             if t is not None and n:
-                shape = list(t.shape)
-                shape[dim] += n
-                host = t.device.type == "cpu" and self.pinned
-                grown = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=host)
-                grown.narrow(dim, 0, t.shape[dim]).copy_(t)
-                setattr(self, name, grown)
+                setattr(self, name, _padded(t, dim, t.shape[dim] + n, t.device.type == "cpu" and self.pinned))
         self.k_max = min(self.policy.budget // cs, self.landmarks.shape[2])
         self.tokens = tokens
 
@@ -291,8 +272,6 @@ class StaticStore:
         E = int(cnt.max()) if cnt.numel() else 0
         layer.exact_k = self.exact_k[:, :, :E].contiguous()
         layer.exact_v = self.exact_v[:, :, :E].contiguous()
-        slots = torch.arange(E, device=cnt.device)
-        layer.exact_idx = torch.where(slots < cnt[..., None], slots, -1).to(torch.int32)
         layer.exact_cnt, layer.exact_max, layer._exact_cnt_cpu = cnt.to(torch.int32), E, cnt.cpu()
         layer.n_chunks = n
         layer.row_exact, layer.has_basis = self.row_exact, self.has_basis
@@ -314,14 +293,10 @@ class StaticStore:
         layer._sel_cnt_cpu, layer.max_selectable = sel_cnt, int(sel_cnt.max()) if sel_cnt.numel() else 0
 
 
-def _attend(q0, keys, values, visible, scaling):
-    """One query per head (B, H_q, D) over keys / values (B, H_kv, N, D) where ``visible`` (B, H_kv, N):
-    fp32 out (B, H_q, D) and lse (B, H_q) for merging."""
-    B, H_q, D = q0.shape
-    H = keys.shape[1]
-    s = (q0.float().view(B, H, H_q // H, D) * scaling) @ keys.float().transpose(-1, -2)  # (B, H, G, N)
-    s = s.masked_fill(~visible[:, :, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, H, G)
-    out = torch.exp(s - lse[..., None]) @ values.float()  # (B, H, G, D)
-    return out.reshape(B, H_q, D), lse.reshape(B, H_q)
-
+def _padded(t: torch.Tensor, dim: int, size: int, pinned: bool = False) -> torch.Tensor:
+    """A new tensor of ``size`` entries along ``dim``: ``t``'s, then zeros (in pinned memory with ``pinned``)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    out = torch.zeros(shape, dtype=t.dtype, device=t.device, pin_memory=pinned)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out

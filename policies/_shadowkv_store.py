@@ -5,7 +5,7 @@ mostly the same chunks, so the previous step's are reused and only the missing o
 truncated SVD of the pre-RoPE keys that stays on the device (`low_rank`) and the key residual."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -30,26 +30,14 @@ class TransferCounters:
         return self.reused_chunks / self.requested_chunks if self.requested_chunks else 0.0
 
     def as_dict(self) -> dict:
-        steps = self.steps
-        return {"steps": steps, "requested_chunks": self.requested_chunks, "reused_chunks": self.reused_chunks,
+        return {"steps": self.steps, "requested_chunks": self.requested_chunks, "reused_chunks": self.reused_chunks,
                 "fetched_bytes": self.fetched_bytes, "reuse_rate": self.reuse_rate,
-                "fetched_bytes_per_step": self.fetched_bytes / steps if steps else 0.0}
+                "fetched_bytes_per_step": self.fetched_bytes / self.steps if self.steps else 0.0}
 
 
 def to_host(values: torch.Tensor) -> torch.Tensor:
     """A host-tier copy of ``values``: pinned CPU memory for CUDA tensors, a fresh CPU tensor otherwise."""
-    if values.device.type == "cuda":
-        host = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True)
-        host.copy_(values)
-        return host
-    return values.detach().to("cpu", copy=True).contiguous()
-
-
-def fetch_chunks(host: torch.Tensor, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None,
-                 prev_values: torch.Tensor | None, counters: TransferCounters, device: torch.device) -> torch.Tensor:
-    """Values of the selected chunks on ``device``, reusing the previous step's copies
-    (`fetch_tables` of one table)."""
-    return fetch_tables([host], chunk_idx, prev_idx, [prev_values], counters, device)[0]
+    return torch.empty(values.shape, dtype=values.dtype, pin_memory=values.is_cuda).copy_(values.detach())
 
 
 def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, prevs, counters: TransferCounters,
@@ -112,18 +100,10 @@ def fetch_tables(hosts, chunk_idx: torch.Tensor, prev_idx: torch.Tensor | None, 
 
 def transfer_summary(cache) -> dict:
     """Host-tier traffic summed over a ShadowKV cache's layers (fetched bytes per step, reuse rate)."""
-    total = TransferCounters()
-    for layer in cache.layers:
-        c = getattr(layer, "counters", None)
-        if isinstance(c, TransferCounters):
-            total.steps = max(total.steps, c.steps)
-            total.requested_chunks += c.requested_chunks
-            total.reused_chunks += c.reused_chunks
-            total.fetched_bytes += c.fetched_bytes
-            total.last_fetched_bytes += c.last_fetched_bytes
-    out = total.as_dict()
-    out["max_attended"] = max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)
-    return out
+    layers = [l for l in cache.layers if isinstance(getattr(l, "counters", None), TransferCounters)]
+    total = TransferCounters(*(sum(getattr(l.counters, f.name) for l in layers) for f in fields(TransferCounters)))
+    total.steps = max((l.counters.steps for l in layers), default=0)
+    return {**total.as_dict(), "max_attended": max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)}
 
 
 def default_rank(key_dim: int) -> int:

@@ -32,8 +32,7 @@ class ShadowKVPolicy(Policy):
     memory on CUDA). Each decode step scores chunks by ``q . landmark``, shortlists ``rerank``
     times what the budget allows, re-scores the shortlist on keys rebuilt from the factors (RoPE
     at their original positions), fetches the chosen chunks' values (reusing the previous step's)
-    and attends exact + chosen + generated tokens under one softmax (`kvpress.kernels.rows.attend_rows`
-    on CUDA and as a compiled call on fp32 CPU; ``sparse_decode`` + ``merge_states`` otherwise).
+    and attends exact + chosen + generated tokens under one softmax.
 
     ``budget`` counts every token a KV head attends per step, the always-exact ones included; when
     it covers the prompt nothing is factored and the policy equals ``full``. Deviations from the
@@ -47,8 +46,8 @@ class ShadowKVPolicy(Policy):
     Options (all off by default, so the default is the paper's method):
 
     - ``tail_chunk=N``: the selectable tokens a step leaves out are estimated per N-token group
-      (mean landmark as key, mean value as value; `kvpress.kernels.landmark_tail_estimate`) and
-      merged into the softmax, as in RetroInfer (arXiv 2505.02922).
+      (mean landmark as key, mean value as value) and merged into the softmax, as in RetroInfer
+      (arXiv 2505.02922).
     - ``select="tokens"``: the shortlist's tokens are chosen one by one by their rebuilt keys'
       exact scores instead of whole chunks (same attended and fetched counts).
     - ``fetch_keys=True``: the host tier also holds exact keys, fetched beside the values of the
@@ -64,12 +63,10 @@ class ShadowKVPolicy(Policy):
       values to the host), so long generations and later turns keep the budget and device bytes
       bounded; 0 keeps them all exact, as the paper does.
 
-    A prompt in several forwards is held densely until it ends, then factorised as one forward's
-    would be; a new turn attends every stored token densely (keys rebuilt, values fetched once);
-    an assisted-decoding verification runs as that many decode steps. With the cache's capacity
-    planned (``generate`` plans it) the decode step is static: `torch.compile` captures it as one
-    graph, selection and folds decided on the device and the chosen values gathered from the host
-    tier by device ids (`kvpress.policies._shadowkv_static.StaticStore`).
+    A prompt in pieces is factorised when it ends, a new turn attends every stored token densely,
+    a verification runs as decode steps. With the cache's capacity planned (``generate`` plans it)
+    the decode step is static (`kvpress.policies._shadowkv_static.StaticStore`): one graph, the
+    chosen values gathered from the host tier by device ids.
 
     On SmolLM2-135M at budget 256, ``rerank=32:tail_chunk=64:select=tokens:residual_bits=2`` (the
     ``shadowkv-offload`` preset) keeps 28 of ``full``'s 29 8k niah_single needles and 100.3% of its

@@ -1,6 +1,7 @@
 """The compiled CPU kernels (`kvpress.kernels.native`) against the torch references."""
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -252,7 +253,9 @@ def test_shadowkv_tail_equals_tail_estimate_tokens(B, H, G, C, D, cs, tail, K, e
     """ShadowKV's tail estimate for single attended tokens: compiled = torch, with groups not
     aligned to the start (offset), chunks not selectable, a chunk all of whose tokens are
     attended, empty slots, and no attended tokens at all."""
-    from kvpress.policies._shadowkv_select import tail_estimate_tokens
+    from kvpress.policies._shadowkv_select import tail_estimate
+
+    tail_estimate_tokens = partial(tail_estimate, tokens=True)
 
     g = torch.Generator().manual_seed(C * D + K)
     m = tail // cs

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvpress.kernels import REDUCTIONS, SparseIndex, merge_states, native, reference_sparse_decode, torch_shadowkv_rebuild
-from kvpress.policies._shadowkv_select import select_chunks, select_tokens
+from kvpress.policies._shadowkv_select import select_chunks
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here (no C compiler?)")
 
@@ -42,8 +42,8 @@ def test_token_select_equals_the_torch_path(reduction, shortlist):
     allow = torch.tensor([[5, 3], [0, 5]], dtype=torch.int32)
     kw = dict(k=5, shortlist=shortlist, scale=0.3, reduction=reduction)
     ids, keys = native.shadowkv_select(q, lm, sel, factor, basis, inv_freq, rs, allow, chunk_size=8, tokens=True, **kw)
-    ref_ids, ref_keys = select_tokens(q, lm, sel, factor, basis, inv_freq, rs, allow, chunk_size=8, backend="torch",
-                                      **kw)
+    ref_ids, ref_keys = select_chunks(q, lm, sel, factor, basis, inv_freq, rs, allow, chunk_size=8, backend="torch",
+                                      tokens=True, **kw)
     assert ids.shape == (2, 2, 40) and torch.equal(ids, ref_ids)
     assert (ids[0, 1, 24:] == -1).all() and (ids[0, 1, :24] >= 0).all()  # allow 3: 24 tokens
     assert (ids[1, 0] == -1).all() and (keys[1, 0] == 0).all()

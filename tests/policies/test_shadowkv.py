@@ -1,14 +1,15 @@
 """ShadowKV policy: errors, honest device / host accounting, transfers, low-rank rebuild, budget."""
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 import kvpress
-from kvpress.policies._shadowkv_step import attend_selected, key_table
-from kvpress.policies._shadowkv_store import TransferCounters, fetch_chunks, to_host
+from kvpress.kernels import attend_rows
+from kvpress.policies._shadowkv_store import TransferCounters, fetch_tables, to_host
 from kvpress.policies.shadowkv import transfer_summary
 from kvpress.prefill import cache_from_dense, dense_prefill
 from kvpress.stats import tensor_bytes
@@ -17,6 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import random_ids, tiny_model  # noqa: E402
 from shadowkv_helpers import PROMPT, model, small_policy as policy  # noqa: E402,F401  (model: the fixture)
 from smollm2_needle import needle_run  # noqa: E402
+
+
+def attend_selected(layer, q0, k_sel, allow, scaling):
+    """The chosen chunks (or tokens) alone attended in torch: ``(out, lse, ids, values)``."""
+    keys, rows, ids, values, cnt = layer.selected_rows(q0, k_sel, allow, scaling)
+    return (*attend_rows(q0, [(keys, rows, cnt, keys.shape[2])], scale=scaling, backend="torch"), ids, values)
 
 
 def generate(model, pol, ids, new=6):
@@ -86,7 +93,7 @@ def test_fetch_reuses_previous_chunks_and_returns_host_values():
     host = to_host(torch.randn(2, 3, 10, 8, 4))
     counters = TransferCounters()
     ids = torch.tensor([[0, 4, -1], [1, 2, 3], [9, 8, 7]], dtype=torch.int32).expand(2, 3, 3).contiguous()
-    first = fetch_chunks(host, ids, None, None, counters, torch.device("cpu"))
+    first, = fetch_tables([host], ids, None, [None], counters, torch.device("cpu"))
     for b in range(2):
         for h in range(3):
             for s, c in enumerate(ids[b, h].tolist()):
@@ -94,7 +101,7 @@ def test_fetch_reuses_previous_chunks_and_returns_host_values():
                 assert torch.equal(first[b, h, s], expect)
     chunk_bytes = 8 * 4 * 4
     assert counters.fetched_bytes == 2 * 8 * chunk_bytes
-    again = fetch_chunks(host, ids.flip(-1).contiguous(), ids, first, counters, torch.device("cpu"))
+    again, = fetch_tables([host], ids.flip(-1).contiguous(), ids, [first], counters, torch.device("cpu"))
     assert torch.equal(again, first.flip(2))
     assert counters.last_fetched_bytes == 0 and counters.reuse_rate == pytest.approx(0.5)
 
@@ -209,7 +216,8 @@ def test_cuda_pinned_host_tier_and_triton_path_match_torch_path(extra):
         outs[backend] = out.sequences
         layer = out.past_key_values.layers[0]
         assert layer.v_host.device.type == "cpu" and layer.v_host.is_pinned()
-        assert not extra or (key_table(layer).is_pinned() and layer.sel_keys.is_cuda)
+        assert not extra or ((layer.k_host if layer.policy.fetch_keys else layer.kr_host).is_pinned()
+                             and layer.sel_keys.is_cuda)
         assert layer.factor.is_cuda and layer.counters.fetched_bytes > 0
     assert torch.equal(outs["torch"], outs["triton"])
 
@@ -301,7 +309,7 @@ def test_tail_is_the_landmark_estimate_of_the_chunks_left_out(model, tail_chunk)
     ids_sel = torch.full((B, H, 3), -1, dtype=torch.int32)
     ids_sel[0, 0, :2] = selectable[0][[1, -1]].int()  # two chunks for head 0, one (of another group) for head 1
     ids_sel[0, 1, :1] = selectable[1][2].int()
-    values = fetch_chunks(layer.v_host, ids_sel, None, None, TransferCounters(), torch.device("cpu"))
+    values, = fetch_tables([layer.v_host], ids_sel, None, [None], TransferCounters(), torch.device("cpu"))
     out, lse = tail_estimate(q0, layer.landmarks, layer.selectable, layer.tail_v_sum, ids_sel, values,
                              chunk_size=layer.policy.chunk_size, tail_chunk=layer.policy.tail_chunk, scale=0.25)
 
@@ -473,10 +481,12 @@ def test_fetch_keys_attends_the_exact_keys_of_what_the_low_rank_keys_select(mode
 
 
 def test_token_tail_subtracts_the_attended_tokens():
-    """`tail_estimate_tokens`: attending whole chunks' tokens gives `tail_estimate` of those
+    """`tail_estimate` of single tokens: attending whole chunks' tokens gives `tail_estimate` of those
     chunks; with a query of zeros the estimate is the mean value of every selectable token left
     out (a chunk partly attended counts for the tokens it has left)."""
-    from kvpress.policies._shadowkv_select import tail_estimate, tail_estimate_tokens, tail_value_sums
+    from kvpress.policies._shadowkv_select import tail_estimate, tail_value_sums
+
+    tail_estimate_tokens = partial(tail_estimate, tokens=True)
 
     gen = torch.Generator().manual_seed(0)
     B, H, C, cs, D = 1, 2, 12, 8, 4
@@ -506,7 +516,7 @@ def test_token_tail_subtracts_the_attended_tokens():
 
 
 def _token_tail_by_loops(q, landmarks, selectable, v, ids, *, cs, tail_chunk, scale):
-    """`tail_estimate_tokens` written token by token: group ``g`` of ``tail_chunk // cs`` chunks
+    """`tail_estimate` of single tokens written token by token: group ``g`` of ``tail_chunk // cs`` chunks
     (aligned to the end) stands for its selectable tokens not in ``ids``, with key the mean of
     its chunks' landmarks weighted by the tokens each has left and value those tokens' mean."""
     B, H, C, D = landmarks.shape
@@ -542,7 +552,9 @@ def test_token_tail_keeps_a_group_mean_key_when_under_a_chunk_is_left(compiled):
     for their unattended tokens) keeps the mean of its landmarks as its key (not divided by one
     chunk, which would shrink it), in the torch code and the compiled twin."""
     from kvpress.kernels import native
-    from kvpress.policies._shadowkv_select import tail_estimate_tokens, tail_value_sums
+    from kvpress.policies._shadowkv_select import tail_estimate, tail_value_sums
+
+    tail_estimate_tokens = partial(tail_estimate, tokens=True)
 
     if compiled and not native.available():
         pytest.skip("native library not built")
