@@ -27,6 +27,7 @@ from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 from kvpress.kernels.backend import fused_quant_backend, quant_step_backend
+from kvpress.kernels.merge import merge_states
 from kvpress.kernels.rows import attend_rows
 from kvpress.plan import ForwardKind
 
@@ -282,6 +283,26 @@ class QuantWindowLayer(CacheLayer):
         `kvpress.kernels.backend.fused_quant_backend` decides from the shapes and ``decode_backend``
         (``"triton"``, forced, raises naming why it cannot)."""
         return fused_quant_backend(q, k_new.shape[1], n_quant=self.n_quant, decode_backend=decode_backend) == "triton"
+
+    def _fused_decode(self, q, k_new, v_new, scaling):
+        """A GPU decode step: the window (`window_rows`) and the packed store's parts (`_fused_parts`)
+        merged by log-sum-exp, then the usual bookkeeping (probes, flush)."""
+        B, H_q = q.shape[:2]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        parts = self._fused_parts(q[:, :, 0], scaling)
+        out, lse = self.window_rows(q[:, :, 0], scaling)
+        for o, l in parts:
+            out, lse = merge_states(out, lse, o, l)
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.to(q.dtype)[:, :, None]
+
+    def _fused_parts(self, q0: torch.Tensor, scaling: float) -> list:
+        """The packed store's parts of a fused step for one query per head ``q0`` (B, H_q, D), the
+        new token already in the window: ``[(out fp32 (B, H_q, D), lse (B, H_q))]``."""
+        raise NotImplementedError
 
     def window_decode(self, qg: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step's queries ``qg`` fp32 (B, H, G, D) over the full-precision window (the

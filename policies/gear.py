@@ -374,9 +374,7 @@ class GearLayer(KiviCodesLayer):
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
-            col = self._sink_columns(q.shape[0], q.device)[0][:, None, None]
-            col = col.expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
-            s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
+            s = s.scatter_add(-1, self._sink_index(s)[0], q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
 
     def _quant_output(self, prob):
@@ -407,9 +405,7 @@ class GearLayer(KiviCodesLayer):
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sv is not None:
-            col = self._sink_columns(prob.shape[0], prob.device)[0][:, None, None]
-            col = col.expand(-1, prob.shape[1], prob.shape[2], -1)  # (B, H, M, S)
-            out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
+            out = out + prob.gather(-1, self._sink_index(prob)[0]) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out
 
     def _quant_tensors(self):
