@@ -23,30 +23,26 @@ CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of 
 @register_policy
 @dataclass(frozen=True)
 class GearPolicy(Policy):
-    """GEAR: KIVI-style ``bits``-bit codes, plus a rank-``rank`` approximation of the quantization
-    error per KV head (power iteration), plus a sparse set of entries kept exactly: outliers and
-    the attention-sink tokens.
+    """GEAR: KIVI's codes + a low-rank approximation of their error + sparse entries kept exactly.
 
     Kang et al., "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless Generative
-    Inference of LLM", arXiv 2403.05527. For every flushed chunk (the prompt, then every
-    ``flush_size`` decoded tokens) and KV head: in each quantization group (``group_size``
-    tokens of one key channel, ``group_size`` channels of one value token) the
-    ``outliers_per_group`` entries furthest from the group median are taken out (replaced by the
-    median, so they do not stretch the group's range), the rest is quantized as in KIVI, the
-    residual ``X - dequant`` is approximated as ``L @ R.T`` (``L`` (n, rank), ``R`` (D, rank),
-    fp16) by ``power_iterations`` steps of subspace iteration, and each outlier stores
-    ``X - dequant - L R^T`` at its position (uint8 offset inside its group, fp16 value: 24 bits).
+    Inference of LLM", arXiv 2403.05527. For every flushed chunk (the prompt, then every ``flush_size``
+    (64) decoded tokens; the ``residual_length`` (128) latest stay in full precision) and KV head: each
+    quantization group (``group_size`` (32) tokens of a key channel or channels of a value token) loses
+    its ``outliers_per_group`` (1) entries furthest from the median (replaced by it), the rest is
+    quantized to ``bits`` (2) as in KIVI, the residual is approximated as ``L @ R.T`` of rank ``rank``
+    (1; fp16) by ``power_iterations`` (3) of subspace iteration, and each outlier stores what is left at
+    its position (uint8 offset, fp16 value). Beyond the paper the exact part also holds each row's first
+    ``sink_tokens`` (4) real tokens (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, arXiv
+    2401.18079): keys replaced by the group median before quantizing, rows kept as fp16 corrections.
+    Attention applies every part without materialising keys or values (codes through
+    ``kvpress.kernels.quant``, low rank as ``(q R) L^T``, outliers and sinks by scatter-add). No token
+    budget (``with_budget`` raises). ``backend`` ("auto": native CPU kernels when built; "torch").
 
-    Beyond the paper, the sparse exact part also holds the first ``sink_tokens`` real tokens of
-    each row whole (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, Hooper et al.,
-    arXiv 2401.18079, keeps the first token in fp16 for the same reason): their keys are replaced
-    by the group median before quantizing and their rows stored as fp16 corrections (``sk`` /
-    ``sv``, ~0.01 bit an element at 8k). On SmolLM2 they matter more than the paper's parts: the
-    first token takes 30-90% of the attention of many heads, so a 2-bit error on its key shifts
-    every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34 dB with the
-    sink exact; ``python -m kvpress.evals.bench_quant attn``). SmolLM2 long-text perplexity (full
-    29.12 at 4k, 30.28 at 8k; ``kvpress eval --model smollm2 --tasks ppl --lengths 4096,8192``)
-    and bits per element at 8k (``python -m kvpress.evals.bench_quant bits --length 8192``)::
+    On SmolLM2 the sinks matter more than the paper's parts: the first token takes 30-90% of many heads'
+    attention (layer 12's attention-output SQNR: 7 dB with kivi-2, 34 dB with the sink exact;
+    ``python -m kvpress.evals.bench_quant attn``). Perplexity (full 29.12 at 4k, 30.28 at 8k; ``kvpress
+    eval --model smollm2 --tasks ppl --lengths 4096,8192``), bits at 8k (``bench_quant bits``)::
 
         kivi-2 group 64 / 32 / 16            2.88 / 3.31 / 4.28 bits   4k 34.32 / 31.54 / 30.43
         gear default (g32, 1 outlier, rank 1, 4 sinks)     4.41 bits   4k 29.76   8k 31.34
@@ -56,32 +52,16 @@ class GearPolicy(Policy):
         sinks on kivi-2 g16's codes (group 16, no outliers, no rank)  4.38 bits   4k 29.83
         (kivi-2 g16 at 8k: 32.23; kivi-2 34.16)
 
-    So the paper's parts pay about what halving kivi's group pays per bit (outliers + rank on
-    top of the sinks: +1.03 bit for -0.60; group 32 -> 16 on top of the sinks: +1.0 bit for
-    -0.53, so gear's edge over a kivi given the same sinks is 0.07 at equal bits); rank 1 is
-    the weakest part (per-channel key errors are nearly white across channels, so one direction
-    captures little: +0.4 dB attention SQNR for 0.28 bit). The sinks do not help exact recall:
-    needles at 4k over 8 samples, niah_single 4/8 and niah_multikey 3/8 (full 8/8 and 5/8,
-    kivi-2 2/8 and 1/8, kivi-2 g16 at 4.28 bits 4/8 and 1/8; gear's first 4 samples score as
-    without sinks), the misses mostly digits garbled in the copy (``758`` for ``7508010``).
-    Attention applies every part without materialising keys or values: packed codes through
-    ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, outliers and sinks by
-    scatter-add. No token budget (``with_budget`` raises). On CPU the packed codes are read by
-    the compiled kernels of `kvpress.kernels.native` (``backend="auto"``; ``"torch"`` the
-    reference path), and a decode step is one call of `native.quant_attend` with the low-rank,
-    outlier and sink corrections applied inside it: 1.09x ``full``'s decode speed at 8k on one
-    thread, 1.11x on two, where the torch path runs at 0.37x / 0.34x (BENCHMARKS "Quantized decode
-    on CPU, SmolLM2 at 8k"). On a GPU the torch path runs (there is no fused kernel for these
-    corrections), its long reads cut into passes: 0.31x ``full``'s decode speed at 32k on an H200
-    (random Llama-3-8B shapes; 123.7 against 38.3 ms/token), host-bound on its many small launches
-    (BENCHMARKS "End-to-end decode on an H200 at 32k (random Llama-3-8B-shaped weights, bf16,
-    batch 1, budget 1024)").
-
-    A compiled decode step (``torch.compile``, transformers' compiled ``generate``: the cache is
-    ``is_compileable``) takes a static path instead: stores preallocated to the planned capacity,
-    the whole store dequantized in torch every step (masked past the packed tokens) with the
-    window under one softmax, and the flush committed by a device mask, so flushing steps and the
-    others are one graph; a left-padded batch flushes row by row the same way (not timed yet).
+    The paper's parts pay about what halving kivi's group pays per bit (on top of the sinks, +1.03 bit
+    for -0.60 against +1.0 for -0.53); rank 1 is the weakest (+0.4 dB attention SQNR for 0.28 bit: key
+    errors are nearly white across channels). The sinks do not help exact recall (4k, 8 samples:
+    niah_single 4/8, niah_multikey 3/8, against full 8/8 and 5/8, kivi-2 2/8 and 1/8), the misses mostly
+    digits garbled in the copy. A CPU decode step is one `native.quant_attend` call with every correction
+    inside: 1.09x / 1.11x ``full``'s speed at 8k on one / two threads, the torch path 0.37x / 0.34x
+    (BENCHMARKS "Quantized decode on CPU, SmolLM2 at 8k"). A GPU runs the torch path (no fused kernel for
+    the corrections): 0.31x ``full``'s speed at 32k on an H200 (123.7 against 38.3 ms/token), host-bound
+    on small launches (BENCHMARKS "End-to-end decode on an H200 at 32k"). A compiled step takes the
+    static path (`_quant_static`; this layer's store in `_gear_static`).
     """
 
     bits: int = 2

@@ -16,20 +16,6 @@ from kvpress.policies._tidal_artifact import (ARTIFACT_VERSION, artifact_name, m
 from kvpress.registry import Policy, check_tokens, register_policy
 
 
-def selection_scores(probs: torch.Tensor, candidates: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor,
-                     scaling: float, reduction: str) -> torch.Tensor:
-    """Selection scores (B, H_kv, T) of the T keys ``keys`` (B, H_kv, T, D) whose attention ``probs``
-    (B, H_kv, G, T) just ran: ``softmax_max`` renormalises the probabilities over the ``candidates``
-    (bool (B, T); None: all T) and takes the max over the GQA group, so ``q . k`` is computed once per
-    step; other reductions score through `exact_scores`. Non-candidates are ``-inf``."""
-    if reduction != "softmax_max":
-        return exact_scores(q, keys, scale=scaling, reduction=reduction, mask=candidates)
-    cand = None if candidates is None else candidates[:, None, None, :]
-    mass = (probs if cand is None else probs * cand).sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    scores = probs / mass
-    return (scores if cand is None else scores.masked_fill(~cand, float("-inf"))).amax(dim=2)
-
-
 def full_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                    hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A selection layer's exact attention of one query per head q [B, H_q, D] over keys / values
@@ -51,36 +37,32 @@ class TidalPolicy(Policy):
 
     Yang et al., "TidalDecode: Fast and Accurate LLM Decoding with Position Persistent Sparse
     Attention", arXiv 2410.05076. Layers before the selection layer attend densely. At each decode
-    step the selection layer runs full attention and keeps the top tokens per KV head (its own
-    probabilities renormalised over the candidates, GQA group reduced by ``score_reduction``,
-    default softmax-then-max); the later layers attend only those tokens (``sparse_decode``; a
-    static step as masks over the capacity, `kvpress.plan`), except the re-selection layer, which
-    selects again for the layers after it. The whole cache stays resident; prefill is causal.
+    step the selection layer runs full attention and keeps the top tokens per KV head by its own
+    probabilities (GQA group reduced by ``score_reduction``, default softmax-then-max); the later
+    layers attend only those (``sparse_decode``; a static step as masks over the capacity), except the
+    re-selection layer, which selects again for the layers after it. The whole cache stays resident.
 
     ``budget`` (256): tokens per KV head in the sparse layers: ``sink_tokens`` (0) first tokens,
-    ``recent_tokens`` (1, the current token at least) most recent and the top rest in between.
+    ``recent_tokens`` (1, the current token at least) latest and the top rest in between.
     ``selection_layer`` / ``reselection_layer`` (None: the pair ``kvpress calibrate tidal`` measured
-    for the model and shipped in ``policies/artifacts/``, the one whose selections best keep the
-    sparse layers' attention mass, geometric mean over heads, e.g. layers 3 and 15 on SmolLM2-135M;
-    an unmeasured model takes the paper's layer 2 and its middle layer, with a warning).
-    ``reselection_layer=-1`` disables re-selection; an explicit ``selection_layer`` takes the
-    measured re-selection layer only if it was measured for that selection layer.
-    ``shared_selection`` (False: the paper's per-head reuse, KV head ``h`` of a later layer attends
-    what KV head ``h`` of the selection layer chose) gives every KV head the tokens any head ranks
-    highest. ``tail_chunk`` (0) adds the chunk-mean estimate of the tokens left out (see ``exact_topk``).
+    and shipped for the model, the one whose selections best keep the sparse layers' attention mass,
+    geometric mean over heads: layers 3 and 15 on SmolLM2-135M; unmeasured, the paper's layer 2 and the
+    middle layer, with a warning; ``reselection_layer=-1``: none; an explicit ``selection_layer`` takes
+    the measured re-selection layer only if measured for it). ``shared_selection`` (False: the paper's
+    per-head reuse) gives every KV head the tokens any head ranks highest. ``tail_chunk`` (0) adds the
+    chunk-mean estimate of the tokens left out (see ``exact_topk``).
 
     Measured on SmolLM2-135M (BENCHMARKS.md "Selection and eviction at budgets 128-1024" and
     "Query-aware decode on CPU"), whose layers share their needs less than the paper's 8B models:
     at 4k (32 niah_single samples) it keeps 19 / 34 / 53 / 75% of ``full``'s needles at budgets
-    128 / 256 / 512 / 1024 where ``exact_topk`` keeps 97 / 100 / 100 / 100% (the loss is the reuse
-    itself), and ``shared_selection`` 62 / 72 / 84 / 97%. At 8k (24 samples) it answers 1 of
-    ``full``'s 13 needles, shared or not, with or without ``tail_chunk`` (the first digits right,
-    then the number breaks off). CPU decode (8k, budget 256): ~1.6x ``full``'s speed, attention ~3x.
-    On an H100 (random Llama-3-8B shape, 32k, budget 1024) the kernel reads the budget 7.8x / 22x
-    faster than dense SDPA at batch 1 / 8, but a step is host-bound (~75 µs per Triton launch per
-    layer): 97.3 vs 79.4 ms/token for ``full``. On Gemma 3 270M (its 3 global layers: 5 selects, 11
-    selects again, 17 reuses) it answers 8 of ``full``'s 8 at 16k tokens and budget 1024, as
-    ``exact_topk`` does (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
+    128 / 256 / 512 / 1024 where ``exact_topk`` keeps 97 / 100 / 100 / 100% (the loss is the reuse),
+    ``shared_selection`` 62 / 72 / 84 / 97%. At 8k (24 samples) it answers 1 of ``full``'s 13, shared
+    or not, with or without ``tail_chunk`` (the first digits right, then the number breaks off). CPU
+    decode (8k, budget 256): ~1.6x ``full``'s speed, attention ~3x. On an H100 (random Llama-3-8B
+    shape, 32k, budget 1024) the kernel reads the budget 7.8x / 22x faster than SDPA at batch 1 / 8,
+    but a step is host-bound (~75 µs a Triton launch): 97.3 vs 79.4 ms/token for ``full``. On Gemma 3
+    270M (its 3 global layers: 5 selects, 11 selects again, 17 reuses) it answers 8 of ``full``'s 8 at
+    16k tokens and budget 1024, as ``exact_topk`` does (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     """
 
     budget: int = 256
@@ -127,9 +109,8 @@ class TidalPolicy(Policy):
 
 
 class TidalLayer(SelectiveLayer):
-    """A sparse layer: selects (full attention + top-k) or reuses the step's selection from
-    ``cache.step_shared``: eagerly an index per sequence length (one per step of a verification the
-    core runs as steps), in a static step the mask of the chosen slots."""
+    """A sparse layer: selects (full attention + top-k) or reuses the step's selection (``cache.step_shared``:
+    an index per sequence length eagerly, a verification running as steps; a mask in a static step)."""
 
     def __init__(self, cache, layer_idx: int, policy: TidalPolicy, selects: bool):
         super().__init__(cache, layer_idx, policy.budget, policy.tail_chunk)
@@ -166,7 +147,7 @@ class TidalLayer(SelectiveLayer):
         real, always, candidates = static_token_split(keys.shape[2], self.cache.plan.end, self.row_start, q.shape[0],
                                                       q.device, sinks=p.sink_tokens, recent=p.recent_tokens)
         out, probs = full_attention(q[:, :, 0], keys, self.buffer.v, scaling, ~real)
-        scores = self._share(selection_scores(probs, candidates, q[:, :, 0], keys, scaling, p.score_reduction))
+        scores = self._scores(probs, candidates, q[:, :, 0], keys, scaling)
         chosen = topk_mask(scores, p.budget - p.sink_tokens - p.recent_tokens, candidates)
         self.cache.step_shared["tidal_static"] = always[:, None, :] | chosen
         return out[:, :, None]
@@ -179,17 +160,27 @@ class TidalLayer(SelectiveLayer):
         out, probs = full_attention(q, keys, self.buffer.values, scaling, hidden)
 
         def scores_for(lo, hi, mask):
-            return self._share(selection_scores(probs[..., lo:hi], mask, q, keys[:, :, lo:hi], scaling,
-                                                p.score_reduction))
+            return self._scores(probs[..., lo:hi], mask, q, keys[:, :, lo:hi], scaling)
 
         return out, token_topk_index(scores_for, q.shape[0], self.seen, row_start, q.device,
                                      keep=p.budget - p.sink_tokens - p.recent_tokens, sinks=p.sink_tokens,
                                      window=p.recent_tokens)
 
-    def _share(self, scores: torch.Tensor) -> torch.Tensor:
-        """``shared_selection``: every KV head gets the best score any head gave a token ``(B, H_kv, T)``."""
-        return scores.amax(dim=1, keepdim=True).expand_as(scores) if self.policy.shared_selection else scores
-
+    def _scores(self, probs: torch.Tensor, candidates: torch.Tensor | None, q: torch.Tensor, keys: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+        """Selection scores (B, H_kv, T) of keys (B, H_kv, T, D) whose attention ``probs`` (B, H_kv, G, T)
+        just ran, ``-inf`` off the ``candidates`` (bool (B, T); None: all). ``softmax_max`` renormalises
+        these probabilities over the candidates, max over the GQA group (``q . k`` runs once a step); other
+        reductions score through `exact_scores`. ``shared_selection``: each token's best over the KV heads."""
+        p = self.policy
+        if p.score_reduction != "softmax_max":
+            scores = exact_scores(q, keys, scale=scaling, reduction=p.score_reduction, mask=candidates)
+        else:
+            cand = None if candidates is None else candidates[:, None, None, :]
+            mass = (probs if cand is None else probs * cand).sum(-1, keepdim=True)
+            scores = probs / mass.clamp(min=torch.finfo(torch.float32).tiny)
+            scores = (scores if cand is None else scores.masked_fill(~cand, float("-inf"))).amax(dim=2)
+        return scores.amax(dim=1, keepdim=True).expand_as(scores) if p.shared_selection else scores
 
 register_calibrator("tidal", "measure TidalDecode's re-selection layer for a model (selection overlap)",
                     "kvpress.evals.tidal_layers:configure", "kvpress.evals.tidal_layers:run")
