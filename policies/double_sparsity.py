@@ -167,10 +167,8 @@ class DoubleSparsityLayer(SelectiveLayer):
         keep = p.budget - p.sink_tokens - p.window_size
         # equal scores rank the earlier token first, as the native selection does (a query without
         # signal in the label channels -- or at all -- ties every candidate)
-        if p.rerank > 1:  # exact scores of the shortlist (`_rerank`)
-            top, cand = top_entries(s, min(keep * p.rerank, C), lowest_first=True)
-            exact = self._shortlist_scores(q0, scaling, cand, ~torch.isfinite(top))
-            s = torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
+        if p.rerank > 1:  # exact scores of the shortlist
+            s = self._rerank(q0, scaling, s, 0, keep * p.rerank, lowest_first=True)
         return always[:, None, :] | topk_mask(s, keep, candidates, lowest_first=True)
 
     def select(self, q0: torch.Tensor, scaling: float) -> SparseIndex:
@@ -227,13 +225,15 @@ class DoubleSparsityLayer(SelectiveLayer):
             q0, self.label_cache.channels.shape[0], self.label_cache.labels, self.buffer.k,
             self.policy.backend) == "native")
 
-    def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
+    def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int,
+                lowest_first: bool = False) -> torch.Tensor:
         """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.
 
         ``s`` (B, H_kv, n) scores tokens ``lo .. lo + n - 1`` (``-inf`` for non-candidates);
-        the shortlist is scored by `_shortlist_scores`.
+        the shortlist is scored by `_shortlist_scores`; ``lowest_first``: ties as `top_entries` breaks them.
         """
-        top, cand = torch.topk(s, min(m, s.shape[-1]), dim=-1, sorted=False)  # (B, H, m)
+        m = min(m, s.shape[-1])
+        top, cand = top_entries(s, m, lowest_first=True) if lowest_first else torch.topk(s, m, dim=-1, sorted=False)
         exact = self._shortlist_scores(q0, scaling, cand + lo, ~torch.isfinite(top))
         return torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
 
@@ -294,9 +294,6 @@ class DoubleSparsityLayer(SelectiveLayer):
         return s.view(B, H, hi - lo)
 
 
-register_calibrator(
-    "double_sparsity",
-    "rank each head's key channels by their q.k contribution on offline prose (Double Sparsity)",
-    calib.configure_cli,
-    calib.run_cli,
-)
+register_calibrator("double_sparsity",
+                    "rank each head's key channels by their q.k contribution on offline prose (Double Sparsity)",
+                    calib.configure_cli, calib.run_cli)

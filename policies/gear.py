@@ -236,7 +236,8 @@ class GearLayer(KiviCodesLayer):
         if kl is not None:
             nc = len(self.chunk_starts)
             self.kl, self.vl = append_tokens(self.kl, start, kl), append_tokens(self.vl, start, vl)
-            self.kr, self.vr = append_tokens(self.kr, nc, kr[:, :, None], 16), append_tokens(self.vr, nc, vr[:, :, None], 16)
+            self.kr = append_tokens(self.kr, nc, kr[:, :, None], 16)
+            self.vr = append_tokens(self.vr, nc, vr[:, :, None], 16)
             if self.krb is not None:  # the same factors for each flush block of the chunk (static steps)
                 b0, blocks = start // self.flush_unit, k.shape[2] // self.flush_unit
                 self.krb = append_tokens(self.krb, b0, kr[:, :, None].expand(-1, -1, blocks, -1, -1), 16)
@@ -308,27 +309,21 @@ class GearLayer(KiviCodesLayer):
         return super()._attend(q, k_new, v_new, scaling)
 
     def _dequantize_into(self, k_out, v_out):
-        p, n, g = self.p, self.n_quant, self.p.group_size
-        k, v = self._dequantized(*self._views())
-        k_out.copy_(k)
-        v_out.copy_(v)
+        p, n = self.p, self.n_quant
+        k, v = self._dequantized(*self._views())  # (B, H, N, D) fp32
         if p.rank:  # each flushed chunk's error factors: left (B, H, t, r) @ right (B, H, D, r)^T
             for c, (a, b) in enumerate(zip(self.chunk_starts, self.chunk_starts[1:] + [n])):
-                k_out[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
-                v_out[:, :, a:b] += self.vl[:, :, a:b].float() @ self.vr[:, :, c].float().transpose(-1, -2)
-        B, H, _, D = k_out.shape
-        if p.outliers_per_group:  # exact corrections at each outlier's (token, channel)
-            rows = (torch.arange(B, device=k_out.device)[:, None, None], torch.arange(H, device=k_out.device)[None, :, None])
-            tok, chan = outlier_positions(self.ko[:, :, : n // g].long(), g, True)  # (B, H, O) each
-            k_out.index_put_((*rows, tok, chan), self.kx[:, :, : n // g].float().flatten(2), accumulate=True)
-            off = self.vo[:, :, :n].long().unflatten(3, (D // g, p.outliers_per_group))
-            tok, chan = outlier_positions(off, g, False)
-            v_out.index_put_((*rows, tok, chan), self.vx[:, :, :n].float().flatten(2), accumulate=True)
+                k[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
+                v[:, :, a:b] += self.vl[:, :, a:b].float() @ self.vr[:, :, c].float().transpose(-1, -2)
+        if p.outliers_per_group:
+            k, v = _gear_static.add_outliers(self, k, v, n)
         if self.sk is not None:  # what the parts above miss on the sinks (zero until flushed)
-            col = self._sink_columns(B, k_out.device)[0]
-            idx = col[:, None, :, None].expand(-1, H, -1, D)  # (B, H, S, D)
-            k_out.scatter_add_(2, idx, self.sk.float())
-            v_out.scatter_add_(2, idx, self.sv.float())
+            col = self._sink_columns(k.shape[0], k.device)[0]
+            idx = col[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, H, S, D)
+            k.scatter_add_(2, idx, self.sk.float())
+            v.scatter_add_(2, idx, self.sv.float())
+        k_out.copy_(k)
+        v_out.copy_(v)
         return True
 
     def _quant_scores(self, qg, scaling):
