@@ -11,6 +11,7 @@ from kvpress.kernels.quant import (READ_BACKENDS, channel_quant_scores, check_qu
                                    quantize_per_token, token_quant_values)
 from kvpress.registry import Policy, check_choice, check_int, check_tokens, register_policy
 
+from ._quant import attend_masked
 from ._quant_codes import KiviCodesLayer
 from ._quant_storage import fill_with_group_median
 
@@ -207,11 +208,9 @@ class KiviLayer(KiviCodesLayer):
             pos = self.sink_positions(self.sink_tokens, B, q0.device)
             flushed = pos < self.n_quant
             starts = pos[:, 0] + flushed.sum(1)
-            s = q0.float().view(B, H, H_q // H, D) @ self.sk.float().transpose(-1, -2) * scaling  # (B, H, G, S)
-            s = s.masked_fill(~flushed[:, None, None], float("-inf"))
-            lse = s.logsumexp(-1)  # (B, H, G); -inf for a row with no sink flushed yet
-            parts.append(((torch.nan_to_num((s - lse[..., None]).exp()) @ self.sv.float()).view(B, H_q, D),
-                          lse.view(B, H_q)))
+            out, lse = attend_masked(q0.float().view(B, H, H_q // H, D), self.sk, self.sv, ~flushed[:, None, None],
+                                     scaling)  # lse -inf for a row with no sink flushed yet
+            parts.append((out.view(B, H_q, D), lse.view(B, H_q)))
         out, lse = quant_decode(q0, *self._views()[0], *self._views()[1], bits=self.bits, group_size=self.group_size,
                                 seq_starts=starts, scale=scaling, backend=self.decode_backend,
                                 value_group_size=self.value_group)
