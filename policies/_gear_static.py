@@ -1,8 +1,8 @@
 """``gear``'s static decode store, as functions of a `kvpress.policies.gear.GearLayer` (its store
 hooks for `kvpress.policies._quant_static`: GEAR's codes, block factors ``krb`` / ``vrb``,
 outliers and sinks; `sync_chunks`, which brings the eager chunk list up to the blocks static steps
-flushed), and the helpers they share with the eager paths: the power iteration's start matrix and
-the positions of the stored outliers."""
+flushed), and the helpers they share with the eager paths: the power iteration's start matrix, the
+positions of the stored outliers and their corrections added to dequantized keys and values."""
 from __future__ import annotations
 
 import torch
@@ -37,6 +37,19 @@ def outlier_positions(offset: torch.Tensor, group_size: int, per_channel: bool, 
         tok = torch.arange(group_start, group_start + n, device=offset.device).view(1, 1, n, 1, 1).expand_as(offset)
         chan = torch.arange(ngd, device=offset.device).view(1, 1, 1, ngd, 1) * group_size + offset
     return tok.reshape(B, H, -1), chan.reshape(B, H, -1)
+
+
+def add_outliers(layer, k: torch.Tensor, v: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k / v fp32 (B, H, N, D) plus the exact corrections of the outliers of the first ``n`` packed
+    tokens (None: the whole store, zero past the packed tokens) at each outlier's (token, channel)."""
+    g, m = layer.p.group_size, layer.p.outliers_per_group
+    B, H, _, D = k.shape
+    groups = None if n is None else n // g
+    rows = (torch.arange(B, device=k.device)[:, None, None], torch.arange(H, device=k.device)[None, :, None])
+    tok, chan = outlier_positions(layer.ko[:, :, :groups].long(), g, True)  # (B, H, O) each
+    k = k.index_put((*rows, tok, chan), layer.kx[:, :, :groups].float().flatten(2), accumulate=True)
+    tok, chan = outlier_positions(layer.vo[:, :, :n].long().unflatten(3, (D // g, m)), g, False)
+    return k, v.index_put((*rows, tok, chan), layer.vx[:, :, :n].float().flatten(2), accumulate=True)
 
 
 def store_slots(layer) -> int:
@@ -89,18 +102,14 @@ def reserve_store(layer, like_k, like_v, slots) -> None:
 
 def static_packed(layer, n) -> list:
     """``GearLayer._static_packed``: codes, factors, outliers and sinks dequantized over the store."""
-    p, g, F = layer.p, layer.p.group_size, layer.flush_unit
+    p, F = layer.p, layer.flush_unit
     k, v = layer._dequantized_store()  # (B, H, C, D)
     B, H, C, D = k.shape
     if p.rank:  # each block's left factors (F tokens) against its right factors
         k = k + (layer.kl.float().view(B, H, C // F, F, p.rank) @ layer.krb.float().transpose(-1, -2)).view(k.shape)
         v = v + (layer.vl.float().view(B, H, C // F, F, p.rank) @ layer.vrb.float().transpose(-1, -2)).view(v.shape)
-    if p.outliers_per_group:  # exact corrections at each outlier's (token, channel); zero past n
-        rows = (torch.arange(B, device=k.device)[:, None, None], torch.arange(H, device=k.device)[None, :, None])
-        tok, chan = outlier_positions(layer.ko.long(), g, True)  # (B, H, O) each
-        k = k.index_put((*rows, tok, chan), layer.kx.float().flatten(2), accumulate=True)
-        tok, chan = outlier_positions(layer.vo.long().unflatten(3, (D // g, p.outliers_per_group)), g, False)
-        v = v.index_put((*rows, tok, chan), layer.vx.float().flatten(2), accumulate=True)
+    if p.outliers_per_group:  # zero past n
+        k, v = add_outliers(layer, k, v)
     if layer.sk is not None:  # sink corrections (zero until flushed; a static step's layer has no padding)
         S = min(p.sink_tokens, C)
         k = torch.cat([k[:, :, :S] + layer.sk[:, :, :S].float(), k[:, :, S:]], 2)

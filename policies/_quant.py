@@ -27,6 +27,7 @@ from kvpress.attention import dense_causal_attention
 from kvpress.cache import CacheLayer
 from kvpress.kernels import native
 from kvpress.kernels.backend import fused_quant_backend, quant_step_backend
+from kvpress.kernels.merge import merge_states
 from kvpress.kernels.rows import attend_rows
 from kvpress.plan import ForwardKind
 
@@ -42,6 +43,18 @@ from ._rotation import value_basis
 # quantizers on the 2-core CPU at 8k, at 8 only for gear (`python -m kvpress.evals.bench_quant_forward`).
 # See `QuantWindowLayer.attend`.
 DEQUANT_MIN_QUERIES = 16
+
+
+def attend_masked(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``qg`` fp32 (B, H, G, D) over ``k`` / ``v`` (B, H, n, D) but the keys ``hidden`` (bool,
+    broadcastable to (B, H, G, n)): fp32 output (B, H, G, D), zero where every key is hidden, and
+    log-sum-exp (B, H, G), -inf there (a part of a decode step, merged by `merge_states`)."""
+    s = qg @ k.float().transpose(-1, -2) * scaling  # (B, H, G, n)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = s.logsumexp(-1)
+    return torch.nan_to_num((s - lse[..., None]).exp()) @ v.float(), lse
 
 
 class QuantWindowLayer(CacheLayer):
@@ -283,28 +296,38 @@ class QuantWindowLayer(CacheLayer):
         (``"triton"``, forced, raises naming why it cannot)."""
         return fused_quant_backend(q, k_new.shape[1], n_quant=self.n_quant, decode_backend=decode_backend) == "triton"
 
-    def window_decode(self, qg: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step's queries ``qg`` fp32 (B, H, G, D) over the full-precision window (the
-        new token included, left padding masked): fp32 output (B, H, G, D) and log-sum-exp (B, H, G)."""
-        s = qg @ self.k_win[:, :, : self.win_len].float().transpose(-1, -2) * scaling  # (B, H, G, W)
-        rs = self.row_start
-        if rs is not None:
-            k_pos = self.n_quant + torch.arange(self.win_len, device=qg.device)
-            s = s.masked_fill((k_pos[None, :] < rs[:, None])[:, None, None], float("-inf"))
-        lse = s.logsumexp(-1)
-        return (s - lse[..., None]).exp() @ self.v_win[:, :, : self.win_len].float(), lse
+    def _fused_decode(self, q, k_new, v_new, scaling):
+        """A GPU decode step: the window (`window_rows`) and the packed store's parts (`_fused_parts`)
+        merged by log-sum-exp, then the usual bookkeeping (probes, flush)."""
+        B, H_q = q.shape[:2]
+        q_start = self.seen
+        self._append(k_new, v_new)
+        self.seen += 1
+        parts = self._fused_parts(q[:, :, 0], scaling)
+        out, lse = self.window_rows(q[:, :, 0], scaling)
+        for o, l in parts:
+            out, lse = merge_states(out, lse, o, l)
+        self._after_attend(q, lse.view(B, H_q, 1), q_start, scaling)
+        self._maybe_flush()
+        return out.to(q.dtype)[:, :, None]
+
+    def _fused_parts(self, q0: torch.Tensor, scaling: float) -> list:
+        """The packed store's parts of a fused step for one query per head ``q0`` (B, H_q, D), the
+        new token already in the window: ``[(out fp32 (B, H_q, D), lse (B, H_q))]``."""
+        raise NotImplementedError
 
     def window_rows(self, q0: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The window part of a fused (GPU) decode step for one query per head ``q0`` (B, H_q, D):
-        fp32 output (B, H_q, D) and log-sum-exp (B, H_q). One `attend_rows` call -- one launch on
-        CUDA, reading the window in its own dtype -- when no row's window holds left padding (every
-        row's start already flushed, known on the host); else `window_decode`'s masked torch math
-        (about ten launches, with fp32 copies of the window)."""
+        """The window part of a fused (GPU) decode step for one query per head ``q0`` (B, H_q, D), the
+        new token included: fp32 output (B, H_q, D) and log-sum-exp (B, H_q). One `attend_rows` call (one
+        launch on CUDA, the window in its own dtype) when no row's window holds left padding (every
+        row's start flushed, known on the host); else `attend_masked` (about ten launches, fp32 copies)."""
         if self.cache.max_row_start <= self.n_quant:
             return attend_rows(q0, [(self.k_win, self.v_win, None, self.win_len)], scale=scaling)
         B, H_q, D = q0.shape
-        H = self.k_win.shape[1]
-        out, lse = self.window_decode(q0.float().view(B, H, H_q // H, D), scaling)
+        H, W = self.k_win.shape[1], self.win_len
+        hidden = (self.n_quant + torch.arange(W, device=q0.device) < self.row_start[:, None])[:, None, None]
+        out, lse = attend_masked(q0.float().view(B, H, H_q // H, D), self.k_win[:, :, :W], self.v_win[:, :, :W],
+                                 hidden, scaling)
         return out.view(B, H_q, D), lse.view(B, H_q)
 
     # ------------------------------------------------------------------ native CPU decode

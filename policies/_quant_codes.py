@@ -140,6 +140,12 @@ class KiviCodesLayer(QuantWindowLayer):
         pos = self.sink_positions(self.sink_tokens, batch, device)
         return pos.clamp(max=self.n_quant - 1), pos < self.n_quant
 
+    def _sink_index(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_sink_columns` for scores or probabilities ``x`` (B, H, M, N): the columns (B, H, M, S)
+        and whether each is flushed (B, 1, 1, S)."""
+        col, flushed = self._sink_columns(x.shape[0], x.device)
+        return col[:, None, None].expand(-1, x.shape[1], x.shape[2], -1), flushed[:, None, None]
+
     def _flush_state(self):
         return None if self.sk is None else (self.sk.clone(), self.sv.clone())
 

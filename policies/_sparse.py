@@ -280,10 +280,11 @@ def token_topk_index(scores_for, batch: int, seq_len: int, row_start: torch.Tens
     when ``mask`` is None (the unpadded hot path: one candidate range for every row, no masks,
     `range_topk_index`), else of all ``seq_len`` tokens with ``mask`` (B, T) marking each row's
     candidates ``[row_start + sinks, seq_len - window)`` (left padding, or rows shorter than the
-    budget). Used by ``double_sparsity`` (label scores) and ``exact_topk`` (exact scores).
+    budget). Used by ``double_sparsity`` (label scores), ``exact_topk`` (exact scores) and ``tidal``
+    (its selection layer's probabilities).
     """
     lo, hi = sinks, seq_len - window  # candidates: between the sinks and the window
-    if row_start is None and hi - lo >= keep:
+    if row_start is None and 0 < keep <= hi - lo:
         return range_topk_index(scores_for(lo, hi, None), keep, lo, seq_len, block_size=1, sinks=sinks,
                                 dense_tail=window)
     start = torch.zeros(batch, dtype=torch.long, device=device) if row_start is None else row_start

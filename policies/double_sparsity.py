@@ -26,65 +26,38 @@ LABEL_BITS = (4, 16)
 class DoubleSparsityPolicy(Policy):
     """Double Sparsity: score every token on ``r`` calibrated key channels, attend the top ones exactly.
 
-    Yang et al., "Post-Training Sparse Attention with Double Sparsity", arXiv 2408.07092.
-    Offline calibration ranks the channels of each KV head by their contribution to q . k
-    (``kvpress calibrate double_sparsity``); at run time a *label cache* keeps those top
-    ``label_channels`` channels of every post-RoPE key ([B, H_kv, T, r], real stored bytes,
-    appended on every decode step). A decode step scores all tokens with
-    ``q[..., channels] . labels`` and attends exactly (``kvpress.kernels.sparse_decode``,
-    token-level index) to ``budget`` tokens per KV head: ``sink_tokens`` first tokens +
-    ``window_size`` most recent (current token included) + the best-scoring rest.
+    Yang et al., "Post-Training Sparse Attention with Double Sparsity", arXiv 2408.07092. Offline
+    calibration (``kvpress calibrate double_sparsity``) ranks each KV head's key channels by the variance
+    their score term carries across keys (``mean q_c^2 * var k_c``, `_double_sparsity_calib`: ranking by
+    magnitude lost needle digits on SmolLM2); a *label cache* keeps those top ``label_channels`` channels
+    of every post-RoPE key ([B, H_kv, T, r], appended every step). A decode step scores all tokens by
+    ``q[..., channels] . labels`` and attends exactly (``sparse_decode``) ``budget`` (256) tokens per KV
+    head: ``sink_tokens`` (4) first, ``window_size`` (32) latest and the best-scoring rest. The dense
+    cache stays resident; prefill is causal; ``budget`` covering every token is exactly ``full``. The
+    decode step is static (one ``torch.compile`` graph, masks over the capacity, ties to the earlier token).
 
-    GQA: the label channels belong to the KV head, so every query head of a group uses its KV
-    head's channels; the group's per-head scores are combined with ``group_reduction``
-    (default ``"max"``: a token's best raw label score over the group's query heads, the nearest
-    single selection to the paper's per-head top-k on raw label scores; ``"softmax_max"``
-    normalises each head first, ``"mean"`` averages).
+    ``group_reduction`` ("max": a token's best raw label score over the GQA group, nearest to the
+    paper's per-head top-k; "softmax_max" normalises each head first, "mean" averages). ``label_bits``
+    (16: the model dtype; 4: codes with a per-token fp16 scale and zero, the paper's 4-bit labels).
+    ``artifact`` (None: the one shipped for the model; else a ``kvpress calibrate double_sparsity
+    --model M --out F.safetensors`` file). ``label_channels`` (None: ``min(16, head_dim // 4)``;
+    allowed ``head_dim // 16 .. head_dim // 4``): 16 suit head_dim 64 (SmolLM2) and 128 (the paper's);
+    of Gemma 3 270M's 256 they are too few: at 16k and budget 1024 the default keeps 0 of ``full``'s 8
+    answers, ``label_channels=64`` keeps 8 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"). ``rerank``
+    (1: the labels choose, as the paper) shortlists ``M`` times the kept tokens by label score and
+    chooses among them by exact ``q . k`` (a shortlist of every candidate is ``exact_topk``'s
+    selection). ``tail_chunk`` (0) adds the chunk-mean estimate of the tokens left out (see
+    ``exact_topk``): with label-chosen tokens alone it hurts as often as it helps, with a re-ranked
+    shortlist it keeps the needles. ``backend`` ("auto": on fp32 CPU without padding, selection and
+    attention as two compiled calls per layer, `kvpress.kernels.native`; "torch": the reference).
 
-    Prefill is full causal attention; the dense K/V cache stays resident (selection, not
-    eviction). When ``budget`` covers every real token the step is plain dense attention, so
-    outputs equal ``full``. The decode step is static (one ``torch.compile`` graph, `kvpress.plan`):
-    labels, scores, shortlist and top-k over the preallocated capacity as masks, pure torch,
-    equal scores ranking the earlier token first (as the native CPU selection).
-    ``label_bits=4`` stores labels as 4-bit codes with a per-token fp16 scale and zero point (the
-    paper's 4-bit label cache); 16 keeps them in the model dtype.
-
-    Channels are ranked offline by the variance their score term carries across keys
-    (``mean q_c^2 * var k_c``, see ``kvpress.policies._double_sparsity_calib``); a channel whose
-    key part is the same for every token adds a constant to every score and ranks nothing
-    (ranking by magnitude, ``mean |q_c||k_c|``, lost digits of needles on SmolLM2).
-
-    ``artifact=None`` uses the artifact shipped for the embedded SmolLM2; any other model needs
-    ``artifact=path`` from ``kvpress calibrate double_sparsity --model M --out F.safetensors``.
-    ``label_channels=None`` means ``min(16, head_dim // 4)``; allowed: ``head_dim // 16 .. head_dim // 4``.
-    16 channels suit head_dim 64 (SmolLM2) and 128 (the paper's); of Gemma 3 270M's 256 they are
-    too few: at 16k tokens and budget 1024 the default keeps 0 of ``full``'s 8 answers and
-    ``label_channels=64`` keeps 8 (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
-
-    ``rerank=M`` (default 1: the labels choose, as the paper) shortlists ``M`` times the kept
-    tokens by label score and chooses among them by exact ``q . k`` on their keys, read from
-    the resident cache (``M * keep * head_dim`` elements per KV head and step beside the labels'
-    ``T * r``), reduced over the GQA group as the labels are; a shortlist of every candidate is
-    ``exact_topk``'s selection (tested). ``tail_chunk=N`` (off by default) adds an estimate of
-    the tokens left out, from running N-token chunk means (`kvpress.kernels.tail_estimate`, see
-    ``exact_topk``). With label-chosen tokens alone the estimate hurts as often as it helps; with
-    a re-ranked shortlist it is what keeps the needles.
-
-    On CPU with fp32 and no padding (``backend="auto"``), a decode step's selection (label scores,
-    shortlist, exact re-rank, top-k) and its attention with the tail estimate run as two compiled
-    calls per layer (`kvpress.kernels.native`; ``backend="torch"`` keeps the torch path, the
-    reference it is tested against).
-
-    Measured on SmolLM2-135M at budget 256 (BENCHMARKS.md, "`double_sparsity` at budget 256 with
-    its shortlist re-ranked on exact keys" and "Query-aware decode on CPU"):
-    ``rerank=8:tail_chunk=64`` (the ``double-sparsity-256`` preset) keeps all 29 of ``full``'s 8k
-    niah_single needles, 100% of its 4k niah_single and 97.5% of its 4k niah_multivalue score, and
-    decodes at 1.60x ``full``'s speed on one CPU thread (the default, 1.88x, loses needles at 8k,
-    where 256 exactly attended tokens without an estimate of the rest are too few). On a GPU (H100, random-weight
-    Llama-3-8B shape, 32k, budget 1024) the decode kernel reads the budget 7.8x (batch 1) / 22x
-    (batch 8) faster than dense SDPA, but a whole decode step is host-bound (label scoring, top-k
-    and kernel launches per layer), so end to end it is slower than ``full``. Defaults stay the
-    paper's method.
+    Measured on SmolLM2-135M at budget 256 (BENCHMARKS.md "`double_sparsity` at budget 256 with its
+    shortlist re-ranked on exact keys" and "Query-aware decode on CPU"): ``rerank=8:tail_chunk=64``
+    (the ``double-sparsity-256`` preset) keeps all 29 of ``full``'s 8k niah_single needles, 100% of its
+    4k niah_single and 97.5% of its 4k niah_multivalue score, at 1.60x ``full``'s decode speed on one CPU
+    thread; the default (1.88x) loses needles at 8k. On an H100 (random Llama-3-8B shape, 32k, budget
+    1024) the kernel reads the budget 7.8x / 22x faster than dense SDPA at batch 1 / 8, but a step is
+    host-bound (scoring, top-k, launches), slower than ``full`` end to end. Defaults stay the paper's.
     """
 
     budget: int = 256
@@ -194,10 +167,8 @@ class DoubleSparsityLayer(SelectiveLayer):
         keep = p.budget - p.sink_tokens - p.window_size
         # equal scores rank the earlier token first, as the native selection does (a query without
         # signal in the label channels -- or at all -- ties every candidate)
-        if p.rerank > 1:  # exact scores of the shortlist (`_rerank`)
-            top, cand = top_entries(s, min(keep * p.rerank, C), lowest_first=True)
-            exact = self._shortlist_scores(q0, scaling, cand, ~torch.isfinite(top))
-            s = torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
+        if p.rerank > 1:  # exact scores of the shortlist
+            s = self._rerank(q0, scaling, s, 0, keep * p.rerank, lowest_first=True)
         return always[:, None, :] | topk_mask(s, keep, candidates, lowest_first=True)
 
     def select(self, q0: torch.Tensor, scaling: float) -> SparseIndex:
@@ -254,13 +225,15 @@ class DoubleSparsityLayer(SelectiveLayer):
             q0, self.label_cache.channels.shape[0], self.label_cache.labels, self.buffer.k,
             self.policy.backend) == "native")
 
-    def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int) -> torch.Tensor:
+    def _rerank(self, q0: torch.Tensor, scaling: float, s: torch.Tensor, lo: int, m: int,
+                lowest_first: bool = False) -> torch.Tensor:
         """Exact scores of the ``m`` best label-scored candidates per KV head, ``-inf`` for the rest.
 
         ``s`` (B, H_kv, n) scores tokens ``lo .. lo + n - 1`` (``-inf`` for non-candidates);
-        the shortlist is scored by `_shortlist_scores`.
+        the shortlist is scored by `_shortlist_scores`; ``lowest_first``: ties as `top_entries` breaks them.
         """
-        top, cand = torch.topk(s, min(m, s.shape[-1]), dim=-1, sorted=False)  # (B, H, m)
+        m = min(m, s.shape[-1])
+        top, cand = top_entries(s, m, lowest_first=True) if lowest_first else torch.topk(s, m, dim=-1, sorted=False)
         exact = self._shortlist_scores(q0, scaling, cand + lo, ~torch.isfinite(top))
         return torch.full_like(s, float("-inf")).scatter_(2, cand, exact)
 
@@ -321,9 +294,6 @@ class DoubleSparsityLayer(SelectiveLayer):
         return s.view(B, H, hi - lo)
 
 
-register_calibrator(
-    "double_sparsity",
-    "rank each head's key channels by their q.k contribution on offline prose (Double Sparsity)",
-    calib.configure_cli,
-    calib.run_cli,
-)
+register_calibrator("double_sparsity",
+                    "rank each head's key channels by their q.k contribution on offline prose (Double Sparsity)",
+                    calib.configure_cli, calib.run_cli)

@@ -1,55 +1,4 @@
-"""``duo``: DuoAttention — full KV for retrieval heads, sinks + recent window for streaming heads.
-
-Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
-Heads", arXiv 2410.10819.
-
-Only some KV heads ("retrieval heads") need the whole context; the others ("streaming heads")
-attend to the first tokens (attention sinks) and a recent window. A gate per (layer, KV head),
-calibrated offline on synthetic passkey retrieval, ranks the heads; at run time a target
-``sparsity`` (fraction of streaming heads) or a ``threshold`` splits them. Storage is split per
-head: each layer keeps a dense buffer [B, H_ret, T, D] for its retrieval heads and a bounded
-sinks + window buffer [B, H_str, <= S + W, D] for its streaming heads, so a streaming head's
-memory stays constant at every length (``cache_stats`` lists both buffers). A decode step runs
-both groups through ``kvpress.kernels.sparse_decode`` (the Triton split-K kernel on CUDA):
-retrieval heads over their whole buffer, streaming heads over their visible slots; the groups
-are disjoint query heads of one output, so nothing needs merging. A compiled decode step
-(``torch.compile``; transformers' compiled ``generate``) attends both groups through masked SDPA
-over fixed shapes instead (``DuoLayer``).
-
-Gates come from (in order): the ``gates`` override (tests), ``artifact`` — a kvpress artifact
-(``kvpress calibrate duo``), an upstream pattern file ``full_attention_heads.tsv`` (layers x KV
-heads, tab separated, as published in github.com/mit-han-lab/duo-attention under
-``attn_patterns/<model>/<run>/``) or the directory holding it — or, by default, the artifact
-shipped for the model (``policies/artifacts/duo-smollm2.safetensors``, ``duo-gemma3-270m.safetensors``;
-`kvpress.policies._duo_gates`). The calibration, far shorter than the paper's, its settings and the
-variants tried are described in ``_duo_calibrate``, which made the shipped artifacts.
-
-Prefill. The paper deploys DuoAttention with chunked pre-filling, and the upstream code runs
-its needle and LongBench evaluations that way (chunks of 32000 tokens, sinks 64 + recent 256):
-a streaming head's queries see the sinks, the recent window kept from earlier chunks and their
-own chunk. ``prefill="chunked"`` (the default, chunks of ``prefill_chunk_size`` = 2048 tokens)
-does that inside one forward; ``"streaming"`` is the stricter pattern of the calibration (sinks +
-window at every position); ``"dense"`` lets the streaming heads see the whole prompt. All three
-keep the same tokens afterwards, so resident KV and decode are identical.
-
-Measured on SmolLM2-135M with 50% retrieval heads (BENCHMARKS.md, "`duo` (50% retrieval heads):
-prefill chunk size" and "`duo` at 8k on samples not used to choose its chunk size"): with
-2048-token chunks it keeps 27 of ``full``'s 29 8k niah_single needles over samples 0-47 (and one
-``full`` misses) and 25 of 27 over samples 48-95, which were not used to choose the chunk size;
-at 4k, 100% of ``full`` on niah_single and 102.8% on niah_multivalue; resident KV is 0.52 / 0.51
-of ``full``'s at 4k / 8k. 1024-token chunks keep 24 of the 29. The needles lost are the ones
-``full`` itself writes with the smallest margin between the right digit and the next
-(``python -m kvpress.evals.margins``): the chunked prefill's approximation tips them. Random
-heads of the same count answer far fewer (``duo:random_heads_seed=S``), so the calibration
-matters. The calibration and the variants tried are described in ``_duo_calibrate``.
-
-``tail_chunk=N`` (off by default) lets streaming heads keep fp32 key / value sums of the tokens
-their window evicts, per N-token chunk, and attend each chunk as one mean key standing for its
-tokens (the estimate ``exact_topk`` gains from at 8k). For ``duo`` it loses more needles than it
-wins back: the gates chose heads that work *without* the middle of the context, and a blurred
-chunk mean of it is input they were never calibrated for. Kept as an option for experiments,
-not a recommendation.
-"""
+"""``duo``: DuoAttention — full KV for retrieval heads, sinks + recent window for streaming heads."""
 
 from __future__ import annotations
 
@@ -64,7 +13,7 @@ from kvpress.calibration import register_calibrator
 from kvpress.layers import SinkWindowLayer
 from kvpress.policies._duo_calibrate import configure_parser, run_from_args
 from kvpress.policies._duo_gates import check_gates, load_gates, read_upstream_pattern  # noqa: F401  (re-exported)
-from kvpress.registry import MAX_SEED, Policy, check_int, check_tokens, register_policy
+from kvpress.registry import MAX_SEED, Policy, check_choice, check_int, check_tokens, register_policy
 
 # Growth step of the retrieval heads' buffer: small, so slack stays ~1% of a 4k cache.
 _GROW = 32
@@ -77,54 +26,64 @@ class DuoPolicy(Policy):
     """DuoAttention: retrieval heads keep every token, streaming heads keep sinks + a window.
 
     Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
-    Heads", arXiv 2410.10819. Per-(layer, KV head) gates calibrated on passkey retrieval choose
-    which heads need the full context; the others keep ``sink_tokens + window_size`` tokens.
+    Heads", arXiv 2410.10819. A gate per (layer, KV head), calibrated offline on passkey retrieval,
+    ranks the heads; ``sparsity`` or ``threshold`` makes the lowest ones streaming. Each layer keeps a
+    dense buffer [B, H_ret, T, D] for its retrieval heads and a bounded sinks + window buffer [B, H_str,
+    <= S + W, D] for its streaming heads (``cache_stats`` lists both). A decode step runs both groups
+    through ``kvpress.kernels.sparse_decode`` (disjoint query heads of one output: nothing to merge); a
+    compiled step attends them through masked SDPA over fixed shapes. Gates come from ``gates``, else
+    ``artifact``, else the artifact shipped for the model (``policies/artifacts/duo-smollm2.safetensors``,
+    ``duo-gemma3-270m.safetensors``; `_duo_gates`), made by ``_duo_calibrate``, which describes the
+    calibration (far shorter than the paper's) and the variants tried.
+
+    Measured on SmolLM2-135M with 50% retrieval heads (BENCHMARKS.md "`duo` (50% retrieval heads):
+    prefill chunk size" and "`duo` at 8k on samples not used to choose its chunk size"): with 2048-token
+    chunks it keeps 27 of ``full``'s 29 8k niah_single needles over samples 0-47 (and one ``full``
+    misses), 25 of 27 over samples 48-95, not used to choose the chunk size; at 4k 100% of ``full`` on
+    niah_single and 102.8% on niah_multivalue, with 0.52 / 0.51 of its resident KV at 4k / 8k.
+    1024-token chunks keep 24 of the 29. The needles lost are those ``full`` writes with the smallest
+    margin (``python -m kvpress.evals.margins``): the chunked prefill tips them. Random heads of the
+    same count answer far fewer (``random_heads_seed``): the calibration matters.
 
     Attributes
     ----------
     artifact : str or None
-        kvpress ``.safetensors`` artifact, upstream ``full_attention_heads.tsv``, or a directory
-        holding one; None = the artifact shipped for the embedded SmolLM2.
+        kvpress ``.safetensors`` artifact (``kvpress calibrate duo``), upstream
+        ``full_attention_heads.tsv`` (layers x KV heads, tab separated, as published in
+        github.com/mit-han-lab/duo-attention under ``attn_patterns/<model>/<run>/``) or a directory
+        holding one; None = the artifact shipped for the model.
     sparsity : float or None
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
-        deployment knob), ``round(sparsity * heads)`` of them. None = use ``threshold``. On a model
-        with few heads the rounding matters: Gemma 3 270M has 3 global KV heads, so 0.5 streams 2
-        and keeps 2 of 8 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 8 of 8 (budget 1024;
-        BENCHMARKS.md "Gemma 3 270M at 16k tokens").
+        deployment knob), ``round(sparsity * heads)`` of them; default 0.5. None = use ``threshold``.
+        On a model with few heads the rounding matters: Gemma 3 270M has 3 global KV heads, so 0.5
+        streams 2 and keeps 2 of 8 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 8 of 8
+        (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     threshold : float
-        With ``sparsity=None``: heads with gate < threshold stream.
+        With ``sparsity=None``: heads with gate < threshold (0.5) stream.
     sink_tokens, window_size : int
-        What a streaming head keeps (its per-step budget is their sum).
+        What a streaming head keeps (16 + 240; its per-step budget is their sum).
     random_heads_seed : int or None
-        Ablation: stream the same *number* of heads as the gates ask for, chosen at random with
-        this seed (shows that calibration matters). With ``sparsity`` set and no ``artifact`` it
-        reads no gates at all, so it runs on any model (speed runs on random weights).
+        Ablation: stream the same *number* of heads, chosen at random with this seed. With
+        ``sparsity`` set and no ``artifact`` it reads no gates, so it runs on any model.
     gates : tuple of tuples or None
         In-memory gates [layers][KV heads] (tests, experiments); overrides ``artifact``.
     prefill : {"streaming", "chunked", "dense"}
-        How streaming heads attend during a prompt forward; decode memory and decode attention
-        are the same in every mode (streaming heads keep sinks + window). ``"chunked"`` (the
-        default): the paper's chunked pre-filling, as the upstream implementation deploys it:
-        the prompt is cut into chunks of ``prefill_chunk_size`` tokens and a streaming head's
-        queries see sinks + the window before their chunk + their chunk's earlier tokens (cost
-        O(T * (sinks + window + chunk)) for those heads). ``"streaming"``: sinks + window at
-        every position -- the pattern the gates are calibrated with, linear prefill cost.
-        ``"dense"``: every head attends to the whole prompt
-        (``"chunked"`` with one chunk; prefill costs what ``full``'s does, and a runner may share
-        one dense prefill with this policy).
+        How streaming heads attend during a prompt forward; every mode keeps the same tokens after
+        it, so decode memory and attention are the same. ``"chunked"`` (the default): the paper's
+        chunked pre-filling, as upstream deploys it (chunks of 32000, sinks 64 + recent 256): a
+        streaming head's queries see sinks + the window before their chunk + their chunk's earlier
+        tokens. ``"streaming"``: sinks + window at every position, the pattern the gates are
+        calibrated with. ``"dense"``: the whole prompt (one chunk; a runner may share a dense prefill).
     prefill_chunk_size : int
-        Chunk of ``prefill="chunked"``, counted from each row's first real token, so a left-padded
-        row is cut where its prompt alone would be (rows whose padding differs modulo the chunk run
-        as separate groups of rows during the prompt).
+        Chunk of ``prefill="chunked"`` (2048), counted from each row's first real token (rows whose
+        padding differs modulo the chunk run as separate groups during the prompt).
     tail_chunk : int
-        0 (the default, the paper): a streaming head forgets what leaves its window. ``N > 0``:
-        it also keeps fp32 key / value sums of the tokens it evicted, per ``N``-token chunk, and
-        its queries see each chunk as one mean key standing for its tokens (an estimate of the
-        evicted attention mass; RetroInfer, arXiv 2505.02922). Streaming heads then grow by
-        ``1/N`` of an fp32 head (``2/N`` of a 16-bit one) per token. Needs
-        ``prefill="chunked"`` or ``"dense"``. Measured worse than off at 8k on SmolLM2 (module
-        docstring): an experiment knob. Its decode step is not static (the cache is not
-        compileable: ``generate`` decodes eagerly).
+        0 (the default, the paper): a streaming head forgets what leaves its window. ``N > 0``: it
+        also keeps fp32 key / value sums of what it evicted per ``N``-token chunk, attended as one mean
+        key per chunk (RetroInfer, arXiv 2505.02922; the estimate ``exact_topk`` gains from at 8k);
+        needs ``prefill="chunked"`` or ``"dense"``, and its decode step is not static. It loses more
+        needles than it wins back at 8k on SmolLM2 (the gates chose heads that work *without* the
+        middle of the context): an experiment knob.
     """
 
     artifact: str | None = None
@@ -151,8 +110,7 @@ class DuoPolicy(Policy):
         check_tokens("window_size", self.window_size, 1)
         check_tokens("prefill_chunk_size", self.prefill_chunk_size, 1)
         check_tokens("tail_chunk", self.tail_chunk, 0)
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill={self.prefill!r} is not supported; allowed: {', '.join(PREFILL_MODES)}")
+        check_choice("prefill", self.prefill, PREFILL_MODES)
         if self.tail_chunk and self.prefill == "streaming":
             raise ValueError('tail_chunk needs prefill="chunked" or "dense" (the per-token streaming prefill '
                              "evicts inside the forward)")
@@ -234,22 +192,12 @@ def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float,
 
 
 class DuoLayer(CacheLayer):
-    """One decoder layer's split storage.
-
-    Retrieval KV heads: dense K/V buffers [B, H_ret, capacity, D] (``retrieval_k/v``).
-    Streaming KV heads: a :class:`SinkWindowLayer` over the head subset, K/V
-    [B, H_str, <= S + W, D] plus positions [B, <= S + W] (``streaming_k/v/pos``).
-    Query head q reads KV head q // G (GQA), so each group follows its KV head.
-
-    Croppable: with streaming heads by recording (the retrieval buffer's length and the streaming
-    heads' slots, copied by the core before each forward once past recording is on), else by
-    truncating the retrieval buffer.
-
-    Static decode (``plan.static``, a compiled step): the retrieval heads write at the plan's device
-    position into a buffer sized to ``cache.capacity`` and attend over all of it with the slots past
-    ``plan.end`` masked; the streaming heads take the static step of their ``SinkWindowLayer``
-    (not with ``tail_chunk``: the tail estimate's decode is not static).
-    """
+    """One decoder layer's split storage: the retrieval KV heads' dense K/V [B, H_ret, capacity, D]
+    (``retrieval_k/v``) and a :class:`SinkWindowLayer` over the streaming heads, K/V [B, H_str, <= S + W, D]
+    and positions (``streaming_k/v/pos``); query head q reads KV head q // G. Crops record (the
+    retrieval buffer's length, the streaming heads' slots), or truncate with no streaming head. A static
+    step writes the retrieval heads at the plan's device position and attends their whole capacity
+    masked past ``plan.end``; the streaming heads take their layer's static step (none with ``tail_chunk``)."""
 
     def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
                  prefill: str = "streaming", prefill_chunk: int | None = None, tail_chunk: int = 0):
@@ -401,9 +349,5 @@ class DuoLayer(CacheLayer):
         return total
 
 
-register_calibrator(
-    "duo",
-    "train DuoAttention's per-(layer, KV head) gates on synthetic passkey retrieval",
-    configure_parser,
-    run_from_args,
-)
+register_calibrator("duo", "train DuoAttention's per-(layer, KV head) gates on synthetic passkey retrieval",
+                    configure_parser, run_from_args)

@@ -23,30 +23,26 @@ CUDA_OUTLIER_CHUNK = 32768  # the same on a GPU: each pass is a few launches of 
 @register_policy
 @dataclass(frozen=True)
 class GearPolicy(Policy):
-    """GEAR: KIVI-style ``bits``-bit codes, plus a rank-``rank`` approximation of the quantization
-    error per KV head (power iteration), plus a sparse set of entries kept exactly: outliers and
-    the attention-sink tokens.
+    """GEAR: KIVI's codes + a low-rank approximation of their error + sparse entries kept exactly.
 
     Kang et al., "GEAR: An Efficient KV Cache Compression Recipe for Near-Lossless Generative
-    Inference of LLM", arXiv 2403.05527. For every flushed chunk (the prompt, then every
-    ``flush_size`` decoded tokens) and KV head: in each quantization group (``group_size``
-    tokens of one key channel, ``group_size`` channels of one value token) the
-    ``outliers_per_group`` entries furthest from the group median are taken out (replaced by the
-    median, so they do not stretch the group's range), the rest is quantized as in KIVI, the
-    residual ``X - dequant`` is approximated as ``L @ R.T`` (``L`` (n, rank), ``R`` (D, rank),
-    fp16) by ``power_iterations`` steps of subspace iteration, and each outlier stores
-    ``X - dequant - L R^T`` at its position (uint8 offset inside its group, fp16 value: 24 bits).
+    Inference of LLM", arXiv 2403.05527. For every flushed chunk (the prompt, then every ``flush_size``
+    (64) decoded tokens; the ``residual_length`` (128) latest stay in full precision) and KV head: each
+    quantization group (``group_size`` (32) tokens of a key channel or channels of a value token) loses
+    its ``outliers_per_group`` (1) entries furthest from the median (replaced by it), the rest is
+    quantized to ``bits`` (2) as in KIVI, the residual is approximated as ``L @ R.T`` of rank ``rank``
+    (1; fp16) by ``power_iterations`` (3) of subspace iteration, and each outlier stores what is left at
+    its position (uint8 offset, fp16 value). Beyond the paper the exact part also holds each row's first
+    ``sink_tokens`` (4) real tokens (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, arXiv
+    2401.18079): keys replaced by the group median before quantizing, rows kept as fp16 corrections.
+    Attention applies every part without materialising keys or values (codes through
+    ``kvpress.kernels.quant``, low rank as ``(q R) L^T``, outliers and sinks by scatter-add). No token
+    budget (``with_budget`` raises). ``backend`` ("auto": native CPU kernels when built; "torch").
 
-    Beyond the paper, the sparse exact part also holds the first ``sink_tokens`` real tokens of
-    each row whole (attention sinks, Xiao et al., arXiv 2309.17453; KVQuant, Hooper et al.,
-    arXiv 2401.18079, keeps the first token in fp16 for the same reason): their keys are replaced
-    by the group median before quantizing and their rows stored as fp16 corrections (``sk`` /
-    ``sv``, ~0.01 bit an element at 8k). On SmolLM2 they matter more than the paper's parts: the
-    first token takes 30-90% of the attention of many heads, so a 2-bit error on its key shifts
-    every weight of the row (attention-output SQNR of layer 12: 7 dB with kivi-2, 34 dB with the
-    sink exact; ``python -m kvpress.evals.bench_quant attn``). SmolLM2 long-text perplexity (full
-    29.12 at 4k, 30.28 at 8k; ``kvpress eval --model smollm2 --tasks ppl --lengths 4096,8192``)
-    and bits per element at 8k (``python -m kvpress.evals.bench_quant bits --length 8192``)::
+    On SmolLM2 the sinks matter more than the paper's parts: the first token takes 30-90% of many heads'
+    attention (layer 12's attention-output SQNR: 7 dB with kivi-2, 34 dB with the sink exact;
+    ``python -m kvpress.evals.bench_quant attn``). Perplexity (full 29.12 at 4k, 30.28 at 8k; ``kvpress
+    eval --model smollm2 --tasks ppl --lengths 4096,8192``), bits at 8k (``bench_quant bits``)::
 
         kivi-2 group 64 / 32 / 16            2.88 / 3.31 / 4.28 bits   4k 34.32 / 31.54 / 30.43
         gear default (g32, 1 outlier, rank 1, 4 sinks)     4.41 bits   4k 29.76   8k 31.34
@@ -56,32 +52,16 @@ class GearPolicy(Policy):
         sinks on kivi-2 g16's codes (group 16, no outliers, no rank)  4.38 bits   4k 29.83
         (kivi-2 g16 at 8k: 32.23; kivi-2 34.16)
 
-    So the paper's parts pay about what halving kivi's group pays per bit (outliers + rank on
-    top of the sinks: +1.03 bit for -0.60; group 32 -> 16 on top of the sinks: +1.0 bit for
-    -0.53, so gear's edge over a kivi given the same sinks is 0.07 at equal bits); rank 1 is
-    the weakest part (per-channel key errors are nearly white across channels, so one direction
-    captures little: +0.4 dB attention SQNR for 0.28 bit). The sinks do not help exact recall:
-    needles at 4k over 8 samples, niah_single 4/8 and niah_multikey 3/8 (full 8/8 and 5/8,
-    kivi-2 2/8 and 1/8, kivi-2 g16 at 4.28 bits 4/8 and 1/8; gear's first 4 samples score as
-    without sinks), the misses mostly digits garbled in the copy (``758`` for ``7508010``).
-    Attention applies every part without materialising keys or values: packed codes through
-    ``kvpress.kernels.quant``, the low-rank part as ``(q R) L^T``, outliers and sinks by
-    scatter-add. No token budget (``with_budget`` raises). On CPU the packed codes are read by
-    the compiled kernels of `kvpress.kernels.native` (``backend="auto"``; ``"torch"`` the
-    reference path), and a decode step is one call of `native.quant_attend` with the low-rank,
-    outlier and sink corrections applied inside it: 1.09x ``full``'s decode speed at 8k on one
-    thread, 1.11x on two, where the torch path runs at 0.37x / 0.34x (BENCHMARKS "Quantized decode
-    on CPU, SmolLM2 at 8k"). On a GPU the torch path runs (there is no fused kernel for these
-    corrections), its long reads cut into passes: 0.31x ``full``'s decode speed at 32k on an H200
-    (random Llama-3-8B shapes; 123.7 against 38.3 ms/token), host-bound on its many small launches
-    (BENCHMARKS "End-to-end decode on an H200 at 32k (random Llama-3-8B-shaped weights, bf16,
-    batch 1, budget 1024)").
-
-    A compiled decode step (``torch.compile``, transformers' compiled ``generate``: the cache is
-    ``is_compileable``) takes a static path instead: stores preallocated to the planned capacity,
-    the whole store dequantized in torch every step (masked past the packed tokens) with the
-    window under one softmax, and the flush committed by a device mask, so flushing steps and the
-    others are one graph; a left-padded batch flushes row by row the same way (not timed yet).
+    The paper's parts pay about what halving kivi's group pays per bit (on top of the sinks, +1.03 bit
+    for -0.60 against +1.0 for -0.53); rank 1 is the weakest (+0.4 dB attention SQNR for 0.28 bit: key
+    errors are nearly white across channels). The sinks do not help exact recall (4k, 8 samples:
+    niah_single 4/8, niah_multikey 3/8, against full 8/8 and 5/8, kivi-2 2/8 and 1/8), the misses mostly
+    digits garbled in the copy. A CPU decode step is one `native.quant_attend` call with every correction
+    inside: 1.09x / 1.11x ``full``'s speed at 8k on one / two threads, the torch path 0.37x / 0.34x
+    (BENCHMARKS "Quantized decode on CPU, SmolLM2 at 8k"). A GPU runs the torch path (no fused kernel for
+    the corrections): 0.31x ``full``'s speed at 32k on an H200 (123.7 against 38.3 ms/token), host-bound
+    on small launches (BENCHMARKS "End-to-end decode on an H200 at 32k"). A compiled step takes the
+    static path (`_quant_static`; this layer's store in `_gear_static`).
     """
 
     bits: int = 2
@@ -256,7 +236,8 @@ class GearLayer(KiviCodesLayer):
         if kl is not None:
             nc = len(self.chunk_starts)
             self.kl, self.vl = append_tokens(self.kl, start, kl), append_tokens(self.vl, start, vl)
-            self.kr, self.vr = append_tokens(self.kr, nc, kr[:, :, None], 16), append_tokens(self.vr, nc, vr[:, :, None], 16)
+            self.kr = append_tokens(self.kr, nc, kr[:, :, None], 16)
+            self.vr = append_tokens(self.vr, nc, vr[:, :, None], 16)
             if self.krb is not None:  # the same factors for each flush block of the chunk (static steps)
                 b0, blocks = start // self.flush_unit, k.shape[2] // self.flush_unit
                 self.krb = append_tokens(self.krb, b0, kr[:, :, None].expand(-1, -1, blocks, -1, -1), 16)
@@ -328,27 +309,21 @@ class GearLayer(KiviCodesLayer):
         return super()._attend(q, k_new, v_new, scaling)
 
     def _dequantize_into(self, k_out, v_out):
-        p, n, g = self.p, self.n_quant, self.p.group_size
-        k, v = self._dequantized(*self._views())
-        k_out.copy_(k)
-        v_out.copy_(v)
+        p, n = self.p, self.n_quant
+        k, v = self._dequantized(*self._views())  # (B, H, N, D) fp32
         if p.rank:  # each flushed chunk's error factors: left (B, H, t, r) @ right (B, H, D, r)^T
             for c, (a, b) in enumerate(zip(self.chunk_starts, self.chunk_starts[1:] + [n])):
-                k_out[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
-                v_out[:, :, a:b] += self.vl[:, :, a:b].float() @ self.vr[:, :, c].float().transpose(-1, -2)
-        B, H, _, D = k_out.shape
-        if p.outliers_per_group:  # exact corrections at each outlier's (token, channel)
-            rows = (torch.arange(B, device=k_out.device)[:, None, None], torch.arange(H, device=k_out.device)[None, :, None])
-            tok, chan = outlier_positions(self.ko[:, :, : n // g].long(), g, True)  # (B, H, O) each
-            k_out.index_put_((*rows, tok, chan), self.kx[:, :, : n // g].float().flatten(2), accumulate=True)
-            off = self.vo[:, :, :n].long().unflatten(3, (D // g, p.outliers_per_group))
-            tok, chan = outlier_positions(off, g, False)
-            v_out.index_put_((*rows, tok, chan), self.vx[:, :, :n].float().flatten(2), accumulate=True)
+                k[:, :, a:b] += self.kl[:, :, a:b].float() @ self.kr[:, :, c].float().transpose(-1, -2)
+                v[:, :, a:b] += self.vl[:, :, a:b].float() @ self.vr[:, :, c].float().transpose(-1, -2)
+        if p.outliers_per_group:
+            k, v = _gear_static.add_outliers(self, k, v, n)
         if self.sk is not None:  # what the parts above miss on the sinks (zero until flushed)
-            col = self._sink_columns(B, k_out.device)[0]
-            idx = col[:, None, :, None].expand(-1, H, -1, D)  # (B, H, S, D)
-            k_out.scatter_add_(2, idx, self.sk.float())
-            v_out.scatter_add_(2, idx, self.sv.float())
+            col = self._sink_columns(k.shape[0], k.device)[0]
+            idx = col[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, H, S, D)
+            k.scatter_add_(2, idx, self.sk.float())
+            v.scatter_add_(2, idx, self.sv.float())
+        k_out.copy_(k)
+        v_out.copy_(v)
         return True
 
     def _quant_scores(self, qg, scaling):
@@ -374,9 +349,7 @@ class GearLayer(KiviCodesLayer):
                 contrib = q.gather(-1, chan[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 s = s.scatter_add(-1, tok[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sk is not None:  # sink rows not flushed yet have a zero correction: any in-range column will do
-            col = self._sink_columns(q.shape[0], q.device)[0][:, None, None]
-            col = col.expand(-1, q.shape[1], q.shape[2], -1)  # (B, H, M, S)
-            s = s.scatter_add(-1, col, q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
+            s = s.scatter_add(-1, self._sink_index(s)[0], q @ self.sk.float().transpose(-1, -2))  # (B, H, M, S)
         return self.mask_padding_scores(s)
 
     def _quant_output(self, prob):
@@ -407,9 +380,7 @@ class GearLayer(KiviCodesLayer):
                 contrib = prob.gather(-1, tok[:, :, None].expand(-1, -1, M, -1)) * corr[:, :, None]  # (B, H, M, O)
                 out = out.scatter_add(-1, chan[:, :, None].expand(-1, -1, M, -1), contrib)
         if self.sv is not None:
-            col = self._sink_columns(prob.shape[0], prob.device)[0][:, None, None]
-            col = col.expand(-1, prob.shape[1], prob.shape[2], -1)  # (B, H, M, S)
-            out = out + prob.gather(-1, col) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
+            out = out + prob.gather(-1, self._sink_index(prob)[0]) @ self.sv.float()  # (B, H, M, S) @ (B, H, S, D)
         return out
 
     def _quant_tensors(self):

@@ -17,69 +17,48 @@ from kvpress.policies._sparse import check_budget
 from kvpress.registry import Policy, check_tokens, register_policy
 
 
-
 @register_policy
 @dataclass(frozen=True)
 class SnapKVPolicy(Policy):
     """SnapKV: each KV head keeps the prompt tokens its last queries attend to; the rest is freed.
 
     Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv 2404.14469.
-    Prefill is exact causal attention (so a shared dense prefill, which keeps each layer's last 64
-    queries, serves ``window_size`` up to 64). Then the last ``window_size`` prompt queries (the
+    Prefill is exact causal attention (a shared dense prefill keeps each layer's last 64 queries, so
+    it serves ``window_size`` up to 64). Then the last ``window_size`` (32) prompt queries (the
     observation window) score every earlier token by their summed attention, max-pooled over
-    ``kernel_size`` neighbouring positions (keeps whole phrases, not isolated tokens) and
-    averaged over each KV head's query group. ``kernel_size`` defaults to 21, three times the
-    paper's 7: tokenizers that split numbers into single digits (SmolLM2, Llama-3) spread a
-    7-digit value over 7+ tokens after the key phrase the window attends to. A +-3 pool kept only
-    its first digits (SmolLM2 at 4k: needle answers cut to 4 digits even at budget 1024); +-7 (15)
-    still dropped the last digit at budget 256: on 4k niah_single (32 samples) 15 keeps 9 / 22 /
-    75% of ``full``'s needles at budgets 128 / 256 / 1024, 21 keeps 72 / 84 / 100% (BENCHMARKS.md
-    "Selection and eviction at budgets 128-1024"). Every KV head keeps the window plus its own top
-    ``budget - window_size`` tokens; the other keys and values are dropped, so resident bytes
-    shrink to ``budget`` tokens per head.
+    ``kernel_size`` (21) neighbouring positions and averaged over each KV head's query group; every KV
+    head keeps the window plus its own top ``budget - window_size`` tokens (``budget`` 256), and the
+    other keys and values are dropped. ``kernel_size`` is three times the paper's 7 because tokenizers
+    that split numbers into digits (SmolLM2, Llama-3) spread a 7-digit value over 7+ tokens: on 4k
+    niah_single (32 samples) 15 keeps 9 / 22 / 75% of ``full``'s needles at budgets 128 / 256 / 1024,
+    21 keeps 72 / 84 / 100% (BENCHMARKS.md "Selection and eviction at budgets 128-1024"). A value
+    longer than the pool is cut: on Gemma 3 270M at 16k and budget 1024 it answers 4 of 4 7-digit
+    needles and 0 of 4 UUIDs, keeping each UUID's first characters (BENCHMARKS.md "Gemma 3 270M at 16k
+    tokens").
 
-    Decode (our choice; the paper lets the cache grow): the budget is a hard cap. Once a row
-    holds ``budget`` tokens, each new token replaces, per KV head, the lowest-scored kept prompt
-    token until ``window_size`` tokens have been generated, then the generated token leaving
-    the ``window_size`` most recent ones. The observation window itself is never evicted: a
-    needle right before the question must survive while the model copies it out. Attention over
-    the kept tokens runs through ``kvpress.kernels.sparse_decode``; a compiled decode step
-    (``torch.compile``) chooses the same slot on the device and attends through masked SDPA.
+    Decode (our choice; the paper lets the cache grow): the budget is a hard cap. Once a row holds
+    ``budget`` tokens, each new token replaces, per KV head, the lowest-scored kept prompt token until
+    ``window_size`` tokens have been generated, then the generated token leaving the ``window_size``
+    latest; the observation window is never evicted. Attention runs through
+    ``kvpress.kernels.sparse_decode``; a compiled step chooses the same slot on the device and
+    attends through masked SDPA.
 
-    A new turn (a forward of several tokens after the prompt, past recording off: a chat's next
-    message, a document's next question, a perplexity evaluation's next chunk) is selected as a
-    prompt is, by its own last queries (``reselect_turns``, default on; the paper compresses one
-    prompt): its queries attend exactly over the kept tokens and the turn's, then its last
-    ``window_size`` queries score the kept tokens and the turn's together (pooled over neighbouring
-    positions, evicted ones counting 0) and each KV head keeps its top ``budget`` with the turn's
-    window; later decode steps evict by these scores. A first turn's token the first selection
-    dropped stays lost: the question that needed it came too late. With a 3k-token first turn and a
-    1024-token second turn on SmolLM2 (budget 256, ``python -m kvpress.evals.two_turns``) this
-    answers 6 of 8 needles placed in the second turn (0 of 8 without; 3 of 8 with the older
-    15-token pool, whose misses dropped the value's last digit) and, as before, none of the first
-    turn's. A turn shorter than the window is scored by its few queries (the older window tokens
-    stay); ``reselect_turns=False`` keeps the previous behaviour below.
+    A new turn (several tokens after the prompt, past recording off) is selected as a prompt is, by its
+    own last queries (``reselect_turns``, default True; the paper compresses one prompt): they score the
+    kept tokens and the turn's together (evicted ones counting 0), each KV head keeps its top ``budget``
+    with the turn's window, and decode evicts by these scores. A first turn's token the first selection
+    dropped stays lost. With a 3k-token first turn and a 1024-token second turn on SmolLM2 (budget 256,
+    ``python -m kvpress.evals.two_turns``) it answers 6 of 8 needles placed in the second turn (0 of 8
+    without, 3 of 8 with the 15-token pool) and none of the first turn's.
 
-    A verification (assisted decoding records the past), or with ``reselect_turns=False`` any
-    forward of several tokens after the prompt, equals as many decode steps: which slot each
-    token takes does not depend on the queries, so the steps' slots are planned first and the
-    queries attend at once, each over the keys its step would see (a 256-token turn after a
-    4085-token prompt on SmolLM2, two threads: 0.77 s, 0.61x ``full``'s; as one decode step per
-    token 3.7 s, 2.7x; ``python -m kvpress.evals.bench_turn``). Left-padded
-    rows filling their free slots are planned too; more evictions by score than a row has scored
-    prompt tokens (a budget barely above ``window_size``) falls back to one step per token. There
-    the turn's tokens pass through the window as generated ones do (only its last ``window_size``
-    stay): on the two-turn eval above it answers none of the 8 needles of either turn.
-
-    A prompt in several forwards (``generate(prefill_chunk_size=N)``, `PolicyCache.prompt`) is
-    held densely (and its last ``window_size`` queries) until it ends, then selected as one
-    forward's would be: chunking bounds the prompt's activations, not this layer's prompt copy.
-    A new turn in pieces likewise.
-
-    A value longer than the pool is cut: on Gemma 3 270M at 16k tokens and budget 1024 it answers
-    4 of 4 7-digit needles and 0 of 4 UUID needles, keeping the first characters of each UUID and
-    losing the rest (``2fb3d6ea-8b8111...`` for ``2fb3d6ea-8b81-4748-...``; BENCHMARKS.md "Gemma 3
-    270M at 16k tokens").
+    A verification (assisted decoding), or with ``reselect_turns=False`` any forward of several tokens
+    after the prompt, equals as many decode steps: each token's slot does not depend on the queries, so
+    the slots are planned first and the queries attend at once (a 256-token turn after a 4085-token
+    prompt on SmolLM2: 0.77 s, 0.61x ``full``'s time, against 3.7 s as one step per token; ``python -m
+    kvpress.evals.bench_turn``); more evictions by score than a row has scored prompt tokens falls back
+    to one step per token. The turn's tokens then pass through the window as generated ones do: the
+    two-turn eval answers none of either turn's 8 needles. A prompt in several forwards (or a new turn)
+    is held densely with its last ``window_size`` queries until it ends, then selected as one forward's.
     """
 
     budget: int = 256

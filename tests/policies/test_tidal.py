@@ -106,7 +106,8 @@ def test_unpadded_hot_path_selects_what_the_masked_path_selects(model, sinks, re
     layer.seen += 1
     q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(6))
     out_fast, fast = layer._attend_and_select(q, 0.25)
-    out_slow, slow = layer._attend_and_select(q, 0.25, hot_path=False)
+    cache.set_left_padding(torch.zeros(1, dtype=torch.long))  # no row padded, but the masked path runs
+    out_slow, slow = layer._attend_and_select(q, 0.25)
     assert fast.id_range == (sinks, 91 - recent - 1) and slow.id_range is None  # the hot path really ran
     torch.testing.assert_close(out_fast, out_slow, rtol=0, atol=0)
     assert torch.equal(fast.token_mask(91), slow.token_mask(91))
