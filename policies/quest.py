@@ -44,10 +44,12 @@ class QuestPolicy(Policy):
     128 / 256 / 512 / 1024, where ``exact_topk`` (the same budgets filled by exact token scores)
     keeps 97 / 100 / 100 / 100%. With 8-token pages (``page_size=8``, a tighter bound) 13 of 32
     at budget 256 (41%; BENCHMARKS.md "Selection and eviction at budgets 128-1024").
-    At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13. On Gemma 3 270M (its
-    3 global layers; 16k tokens, budget 1024, samples 0-3 of niah_single and its UUID variant) it
-    answers 7 of ``full``'s 8 where ``exact_topk`` answers 8: again the bound, on a model whose
-    ``full`` answers at 16k (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
+    At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13. On Gemma 3 270M (Quest acts on
+    its global layers 5, 11 and 17; the others slide over 512 tokens) at 16k tokens and budget 1024 it answers
+    11 of ``full``'s 16 needles over samples 0-7 of niah_single and its UUID variant, where ``exact_topk``
+    answers 16 of 16 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"): the budget suffices, Quest's choice of
+    pages is what loses them. ``benchmarks/quest_page_bounds.py`` measures where the bound ranks the
+    needle's page against exact attention, per layer and KV head.
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
     ~3x (``kvpress bench --interleave``; BENCHMARKS.md "Query-aware decode on CPU" has the current run).
