@@ -56,7 +56,7 @@ class DuoPolicy(Policy):
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
         deployment knob), ``round(sparsity * heads)`` of them; default 0.5. None = use ``threshold``.
         On a model with few heads the rounding matters: Gemma 3 270M has 3 global KV heads, so 0.5
-        streams 2 and keeps 2 of 8 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 8 of 8
+        streams 2 and keeps 2 of 16 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 16 of 16
         (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     threshold : float
         With ``sparsity=None``: heads with gate < threshold (0.5) stream.
