@@ -189,12 +189,13 @@ class KiviLayer(KiviCodesLayer):
         # one native call over the packed tokens, the exact sinks and the window (`native.quant_attend`) once
         # every row's sinks are flushed; before that the reads still go native through `_quant_scores` / `_output`
         sinks_flushed = self.sk is None or self.n_quant >= self.cache.max_row_start + self.sink_tokens
-        if self.n_quant and sinks_flushed and self.native_step_ok(q, k_new, self.policy.backend, [self._views()]):
+        views = self._views() if self.n_quant and sinks_flushed else None
+        if views is not None and self.native_step_ok(q, k_new, self.policy.backend, [views]):
             starts, exact = self.row_start, None
             if self.sk is not None:  # the packed part starts after each row's sinks, which attend exactly
                 starts = self.sink_positions(self.sink_tokens, q.shape[0], q.device)[:, 0] + self.sink_tokens
                 exact = (self.sk, self.sv)
-            seg = native.PackedSegment(*self._views(), self.bits, self.group_size, self.value_group, starts=starts)
+            seg = native.PackedSegment(*views, self.bits, self.group_size, self.value_group, starts=starts)
             return self.native_decode(q, k_new, v_new, scaling, [seg], exact=exact)
         return super()._attend(q, k_new, v_new, scaling)
 
@@ -211,7 +212,7 @@ class KiviLayer(KiviCodesLayer):
             out, lse = attend_masked(q0.float().view(B, H, H_q // H, D), self.sk, self.sv, ~flushed[:, None, None],
                                      scaling)  # lse -inf for a row with no sink flushed yet
             parts.append((out.view(B, H_q, D), lse.view(B, H_q)))
-        out, lse = quant_decode(q0, *self._views()[0], *self._views()[1], bits=self.bits, group_size=self.group_size,
-                                seq_starts=starts, scale=scaling, backend=self.decode_backend,
-                                value_group_size=self.value_group)
+        keys, values = self._views()
+        out, lse = quant_decode(q0, *keys, *values, bits=self.bits, group_size=self.group_size, seq_starts=starts,
+                                scale=scaling, backend=self.decode_backend, value_group_size=self.value_group)
         return [(out.float(), lse), *parts]

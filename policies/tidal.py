@@ -183,5 +183,6 @@ class TidalLayer(SelectiveLayer):
             scores = (scores if cand is None else scores.masked_fill(~cand, float("-inf"))).amax(dim=2)
         return scores.amax(dim=1, keepdim=True).expand_as(scores) if p.shared_selection else scores
 
+
 register_calibrator("tidal", "measure TidalDecode's re-selection layer for a model (selection overlap)",
                     "kvpress.evals.tidal_layers:configure", "kvpress.evals.tidal_layers:run")
