@@ -26,8 +26,11 @@ that would start too late is skipped and says so):
 ``bench``     ``kvpress bench`` at 32k: end-to-end decode ms/token and resident bytes of the
               quantizers, the sparse policies, ``duo`` (a random 50% split: no gates for random
               weights; speed does not depend on which heads) and the eviction baselines against full
-``compiled``  ``bench_compiled`` at 32k: ``generate``'s compiled decode (CUDA graphs) of the policies
-              with a static decode step against their eager decode and transformers' ``StaticCache``
+``compiled``  ``bench_compiled`` at 32k, batch 1: ``full``'s compiled decode under ``apply`` (transformers'
+              default on CUDA: inductor + CUDA graphs) against its eager decode and transformers'
+              ``StaticCache`` + ``torch.compile``; kernels per layer-step from a profile
+``compiled8`` the same at 32k, batch 8 (the KV cache dominates), budget 1024: each policy's compiled
+              decode against compiled ``full``, most wanted policies first, until its time limit
 ``prefill``   ``bench_prefill``: the sliding-window layers' prefill (SDPA over query chunks against
               the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk;
               then ``bench_chunked_prefill`` at 32k: peak memory of generate with the prompt in one
@@ -56,12 +59,15 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled")
+STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled", "compiled8")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
 LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
-          "prefill": 300, "compiled": 420}
+          "prefill": 300, "compiled": 200, "compiled8": 240}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
-GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
+GPU_MODEL = "random-llama3-8b-32l"
+# compiled8's policies, most wanted first (it starts none after its --time-limit)
+COMPILED8_POLICIES = ("full,quest,kivi:bits=4,duo:random_heads_seed=0,streaming,tidal,zipcache,double_sparsity,"
+                      "shadowkv,exact_topk,gear,snapkv,window")  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
 
 
 def _calibrate_ds(model: str, artifact: Path, dev: str, smoke: bool) -> list[str]:
@@ -133,11 +139,22 @@ def _commands(stage: str, work: Path, smoke: bool) -> list[list[str]]:
                       "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
                       "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",
                       "--out", str(work / "bench")]]
-    if stage == "compiled":  # the static decode step through transformers' compiled generate (CUDA graphs)
-        sizes = ["--length", "256", "--new-tokens", "4", "--iters", "1", "--backend", "eager"] if smoke else \
-            ["--length", length, "--new-tokens", "64", "--iters", "3", "--dtype", "bfloat16", "--mode", "reduce-overhead"]
-        return [py + ["kvpress.evals.bench_compiled", "--model", model, "--device", dev, *sizes,
-                      "--out", str(work / "compiled.json")]]
+    if stage in ("compiled", "compiled8"):
+        # generate's compiled decode (transformers' default on CUDA: inductor, CUDA graphs) under apply:
+        # batch 1 against its eager decode and transformers' StaticCache + torch.compile; then batch 8,
+        # where the KV cache dominates, each policy against compiled `full`, in priority order until
+        # --time-limit (one shared dense prefill for the policies whose prefill is plain attention)
+        b8 = stage == "compiled8"
+        if smoke:
+            sizes = ["--length", "256", "--new-tokens", "8", "--backend", "eager", "--batch", "2" if b8 else "1"]
+        else:
+            sizes = ["--length", length, "--new-tokens", "32" if b8 else "40", "--profile-steps", "2",
+                     "--batch", "8" if b8 else "1"]
+        policies = COMPILED8_POLICIES if b8 else "full"
+        extra = ["--budget", "96" if smoke else "1024", "--no-eager", "--no-static-baseline",
+                 "--time-limit", "20" if smoke else "120"] if b8 else ["--no-share-prefill"]  # b1: generate as users call it
+        return [py + ["kvpress.evals.bench_compiled", "--model", model, "--device", dev, *sizes, "--policies", policies,
+                      *extra, "--out", str(work / f"{stage}.json")]]
     if stage == "prefill":  # the sliding-window layers' prefill routes (Gemma 3 / hybrid Qwen)
         sizes = ["--lengths", "512", "--windows", "64", "--chunks", "64,256", "--warmup", "0", "--iters", "1"] \
             if smoke else ["--lengths", "8192,32768", "--windows", "1024,4096", "--chunks", "128,512,1024,4096"]

@@ -91,6 +91,11 @@ class CacheLayer(CacheLayerMixin):
         :attr:`kvpress.plan.ForwardPlan.defer_counts`)."""
         self.seen += n
 
+    def before_static_step(self) -> None:
+        """Called outside a compiled decode step, before it: a layer that builds its fixed-shape
+        state lazily builds it here, since state made while dynamo traces would be part of the graph
+        (after a shared prefill, ``generate``'s first decode step runs eagerly and the next compiled)."""
+
     def count_static_step(self) -> None:
         """A static decode step stored one token: count it now, or mark it for the caller."""
         if self.cache.plan.defer_counts:

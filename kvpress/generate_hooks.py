@@ -85,6 +85,7 @@ def _compiled_call_counts_on_host(get_compiled_call):
             cache = c_kwargs.get("cache", c_kwargs.get("past_key_values"))
             if not isinstance(cache, PolicyCache):
                 return compiled(*c_args, **c_kwargs)
+            cache.before_static_step()
             cache.defer_counts = True
             try:
                 return compiled(*c_args, **c_kwargs)

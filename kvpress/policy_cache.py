@@ -313,6 +313,12 @@ class PolicyCache(Cache):
         self._end = torch.zeros(1, dtype=torch.long, device=device)
         static_address(self._start, self._end)
 
+    def before_static_step(self) -> None:
+        """Every layer's :meth:`CacheLayer.before_static_step` (the caller of a compiled decode step
+        runs this before it)."""
+        for layer in self.layers:
+            layer.before_static_step()
+
     def count_deferred(self) -> None:
         """Count the token each layer's static step stored with its host counts deferred (the caller
         of a compiled decode step runs this after it; see ``ForwardPlan.defer_counts``)."""

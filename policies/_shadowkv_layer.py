@@ -216,6 +216,9 @@ class ShadowKVLayer(CacheLayer):
                 setattr(self, name, None)
             self.gen = KVBuffer(64)
 
+    def before_static_step(self) -> None:
+        self._enter_static(planned=True)  # an eager step left it (e.g. generate's first after a shared prefill)
+
     def _leave_static(self) -> None:
         """The eager paths need the state as attributes again (host counts read once)."""
         if self._static is not None:

@@ -148,3 +148,32 @@ def test_generate_takes_transformers_compiled_decode(models, name):
         compiled = model.generate(ids, attention_mask=mask, max_new_tokens=60, do_sample=False, compile_config=config)
     assert torch.equal(compiled, eager)
     assert 1 <= len(graphs) <= 2 and not any(graphs), graphs
+
+
+@pytest.mark.parametrize("name", sorted(n for n in set(list_policies()) - set(NOT_YET_STATIC)
+                                        if policy_class(n)().prefills_densely()))
+def test_compiled_generate_from_a_shared_dense_prefill(models, name):
+    """``generate`` handed a cache built from a shared dense prefill (``cache_from_dense``): its first
+    step runs eagerly (transformers compiles only the steps after it), the rest compiled. A layer
+    whose fixed-shape state an eager step gave back builds it again before the compiled call
+    (``before_static_step``), not while dynamo traces: tokens equal eager generation's."""
+    from transformers import CompileConfig
+
+    from kvpress.prefill import cache_from_dense, dense_prefill
+
+    model = models["llama"]
+    policy = policy_class(name).example(get_adapter(model))
+    ids = random_ids(40, seed=3)
+    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits, dense = dense_prefill(model, ids)
+        ids = torch.cat([ids, logits.argmax(-1)[:, None]], 1)
+        runs = []
+        for kw in ({"disable_compile": True}, {"compile_config": config}):
+            with kvpress.apply(model, policy):
+                cache = cache_from_dense(model, policy, dense, capacity=ids.shape[1] + 30)
+                runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                           max_new_tokens=30, do_sample=False, **kw))
+    assert torch.equal(runs[0], runs[1])

@@ -2,23 +2,30 @@
 
 import json
 
+import pytest
+
 from kvpress.evals.bench_compiled import main
 
 
 def test_compiled_generate_matches_eager_and_writes_rows(tmp_path, capsys):
     out = tmp_path / "compiled.json"
-    assert main(["--length", "24", "--new-tokens", "3", "--iters", "1", "--backend", "eager", "--policies",
-                 "full,kivi,zipcache", "--out", str(out)]) == 0
-    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["full"]["tokens_equal"] is True and rows["full"]["compiled_ms"] is not None
-    assert rows["kivi"]["tokens_equal"] is True and rows["kivi"]["compiled_ms"] is not None
-    assert rows["zipcache"]["tokens_equal"] is True and rows["zipcache"]["compiled_ms"] is not None
-    assert "transformers StaticCache" in capsys.readouterr().out
+    assert main(["--length", "40", "--new-tokens", "6", "--backend", "eager", "--budget", "24", "--policies",
+                 "full,kivi,zipcache,shadowkv", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in data["rows"]}
+    for name in ("full", "kivi", "zipcache", "shadowkv"):
+        assert rows[name]["tokens_equal"] is True and rows[name]["compiled_ms"] > 0, rows[name]
+        assert rows[name]["vs_full"] > 0 and rows[name]["resident_mib"] > 0
+    # one dense prefill serves the policies whose prefill is plain attention; zipcache prefills itself
+    assert rows["shadowkv"]["shared_prefill"] is True and rows["zipcache"]["shared_prefill"] is False
+    assert rows["transformers StaticCache"]["compiled_ms"] > 0 and data["config"]["budget"] == 24
+    assert "shared dense prefill" in capsys.readouterr().out
 
 
-def test_bad_sizes_are_refused(capsys):
-    import pytest
-
+@pytest.mark.parametrize("args, message", [(["--new-tokens", "4"], "--new-tokens must be >= "),
+                                           (["--skip-steps", "0"], "--skip-steps must be >= 1"),
+                                           (["--policies", "full,quest:page_size=0"], "allowed: [1, 8, 16")])
+def test_bad_sizes_are_refused(capsys, args, message):
     with pytest.raises(SystemExit):
-        main(["--new-tokens", "1"])
-    assert "--new-tokens must be >= 2" in capsys.readouterr().err
+        main(args)
+    assert message in capsys.readouterr().err
