@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .plan import static_address
+
 
 ROLLBACKS = (None, "truncate", "record")  # the ways a layer can declare to take tokens back (`CacheLayer.rollback`)
 
@@ -92,9 +94,13 @@ class CacheLayer(CacheLayerMixin):
         self.seen += n
 
     def before_static_step(self) -> None:
-        """Called outside a compiled decode step, before it: a layer that builds its fixed-shape
-        state lazily builds it here, since state made while dynamo traces would be part of the graph
-        (after a shared prefill, ``generate``'s first decode step runs eagerly and the next compiled)."""
+        """Called outside a compiled decode step, before it (after an eager forward): the state a
+        static step updates in place is tagged as living at a fixed address (`static_address`), else
+        a CUDA graph of the step is skipped (inductor: "mutated inputs"); eager forwards may have
+        replaced those tensors. A layer that builds its fixed-shape state lazily builds it here
+        first, since state made while dynamo traces would be part of the graph (after a shared
+        prefill, ``generate``'s first decode step runs eagerly and the next compiled)."""
+        static_address(*(t for t in self.state_tensors().values() if isinstance(t, torch.Tensor)))
 
     def count_static_step(self) -> None:
         """A static decode step stored one token: count it now, or mark it for the caller."""

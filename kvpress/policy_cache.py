@@ -57,6 +57,7 @@ class PolicyCache(Cache):
         self.capacity: int | None = None  # tokens to preallocate for (`plan_capacity`), None: grow in buckets
         self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
         self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
+        self._static_marked = False  # `before_static_step` ran since the last eager forward
         # `dense_prefill`'s: {layer index: (last QUERY_TAIL queries, scaling)} of the prompt forward
         self.query_tails: dict[int, tuple[torch.Tensor, float]] | None = None
         self._end: torch.Tensor | None = None
@@ -271,6 +272,8 @@ class PolicyCache(Cache):
         checked for shape only, and its device positions advance in place, so the step can be
         captured as one graph.
         """
+        if not torch.compiler.is_compiling():
+            self._static_marked = False  # an eager forward may replace state tensors
         seen = self.get_seq_length()
         recording = new_tokens > 1 and seen > 0 and any(layer.record_past for layer in self.layers)
         kind = classify(seen=seen, new_tokens=new_tokens, prompt_open=self.prompt_open, recording=recording)
@@ -314,10 +317,13 @@ class PolicyCache(Cache):
         static_address(self._start, self._end)
 
     def before_static_step(self) -> None:
-        """Every layer's :meth:`CacheLayer.before_static_step` (the caller of a compiled decode step
-        runs this before it)."""
+        """Every layer's :meth:`CacheLayer.before_static_step`, once after each eager forward (the
+        caller of a compiled decode step runs this before it)."""
+        if self._static_marked:
+            return
         for layer in self.layers:
             layer.before_static_step()
+        self._static_marked = True
 
     def count_deferred(self) -> None:
         """Count the token each layer's static step stored with its host counts deferred (the caller

@@ -87,7 +87,7 @@ def reserve_static(layer, like_k: torch.Tensor, like_v: torch.Tensor, tokens: in
     if layer.k_win is None or layer.k_win.shape[2] < window:
         layer.k_win = resized(layer.k_win, layer.win_len, window, like=like_k)
         layer.v_win = resized(layer.v_win, layer.win_len, window, like=like_v)
-        static_address(layer.k_win, layer.v_win)
+    static_address(layer.k_win, layer.v_win)  # (also a window the prompt already sized)
     if layer._store_slots() != packed and packed >= layer.n_quant:  # (a cache outgrowing its plan grows eagerly)
         layer._reserve_store(like_k, like_v, packed)
 

@@ -218,6 +218,7 @@ class ShadowKVLayer(CacheLayer):
 
     def before_static_step(self) -> None:
         self._enter_static(planned=True)  # an eager step left it (e.g. generate's first after a shared prefill)
+        super().before_static_step()
 
     def _leave_static(self) -> None:
         """The eager paths need the state as attributes again (host counts read once)."""
