@@ -54,10 +54,11 @@ class DuoPolicy(Policy):
         holding one; None = the artifact shipped for the model.
     sparsity : float or None
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
-        deployment knob), ``round(sparsity * heads)`` of them; default 0.5. None = use ``threshold``.
-        On a model with few heads the rounding matters: Gemma 3 270M has 3 global KV heads, so 0.5
-        streams 2 and keeps 2 of 16 of ``full``'s answers at 16k, 0.34 streams 1 and keeps 16 of 16
-        (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens").
+        deployment knob), ``floor(sparsity * heads)`` of them: at most that fraction streams; default
+        0.5. None = use ``threshold``. On a model with few heads the rounding matters: Gemma 3 270M
+        has 3 global KV heads, and streaming 1 of them keeps 24 of ``full``'s 24 answers at 16k where
+        streaming 2 keeps 2 (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens": ``duo`` there
+        streamed 2, ``duo:sparsity=0.34`` streams 1, as 0.5 now does).
     threshold : float
         With ``sparsity=None``: heads with gate < threshold (0.5) stream.
     sink_tokens, window_size : int
@@ -173,13 +174,13 @@ def split_heads(gates: torch.Tensor, sparsity: float | None, threshold: float,
                 random_seed: int | None = None) -> torch.Tensor:
     """Turn gates [L, H] into a retrieval mask (bool [L, H], True = full KV).
 
-    With ``sparsity`` the ``round(sparsity * L * H)`` lowest gates stream (ties by index, so the
+    With ``sparsity`` the ``floor(sparsity * L * H)`` lowest gates stream (ties by index, so the
     split is deterministic); otherwise gates below ``threshold`` stream. ``random_seed`` keeps the
     count but picks the streaming heads uniformly at random (the ablation).
     """
     flat = gates.reshape(-1).to(torch.float32)
     if sparsity is not None:
-        num_stream = int(round(sparsity * flat.numel()))
+        num_stream = math.floor(sparsity * flat.numel() + 1e-9)  # at most that fraction (1e-9: 0.3 * 10)
     else:
         num_stream = int((flat < threshold).sum())
     if random_seed is not None:
