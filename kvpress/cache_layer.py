@@ -49,6 +49,10 @@ class CacheLayer(CacheLayerMixin):
     # whole prompt to :meth:`take_prompt` when it ends
     stages_prompt = False
     prompt_queries = 0
+    # host integers (attribute paths) that advance every decode step: a compiled step reads them as
+    # symbols from its first trace (`PolicyCache.dynamic_sources`), so it compiles one graph, not a
+    # specialised one first and a general one at the second step
+    step_ints: tuple[str, ...] = ("seen",)
 
     def __init__(self, cache, layer_idx: int):  # cache: the PolicyCache of the generation
         super().__init__()
@@ -92,6 +96,10 @@ class CacheLayer(CacheLayerMixin):
         """Advance the host counts by ``n`` stored tokens (a static step's, maybe deferred: see
         :attr:`kvpress.plan.ForwardPlan.defer_counts`)."""
         self.seen += n
+
+    def step_int_paths(self) -> tuple[str, ...]:
+        """:attr:`step_ints` of this layer and of the layers it delegates to (attribute paths)."""
+        return self.step_ints
 
     def before_static_step(self) -> None:
         """Called outside a compiled decode step, before it (after an eager forward): the state a

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import torch
 from transformers.cache_utils import Cache
 
 from .cache import PolicyCache
@@ -76,7 +77,9 @@ def _compiled_call_counts_on_host(get_compiled_call):
     """transformers' compiled forward (``generate``'s decode on a compileable cache), called with a
     policy cache's host token counts deferred to after each call: the compiled step then reads no
     host integer that changes every step (one graph; no per-step input a CUDA graph would re-record
-    for), and the counts are advanced here, outside the graph."""
+    for), and the counts are advanced here, outside the graph. Before the call the cache's state is
+    tagged static (`PolicyCache.before_static_step`) and the integers its layers advance are named
+    dynamic to dynamo (`PolicyCache.dynamic_sources`), so the first trace is the only one."""
 
     def wrapped(*args, **kwargs):
         compiled = get_compiled_call(*args, **kwargs)
@@ -87,11 +90,18 @@ def _compiled_call_counts_on_host(get_compiled_call):
                 return compiled(*c_args, **c_kwargs)
             cache.before_static_step()
             cache.defer_counts = True
+            config = torch.compiler.config
+            user_sources = getattr(config, "dynamic_sources", None)  # (torch >= 2.7)
+            if user_sources is not None:
+                config.dynamic_sources = ",".join(s for s in (user_sources, cache.dynamic_sources()) if s)
             try:
                 return compiled(*c_args, **c_kwargs)
             finally:
+                if user_sources is not None:
+                    config.dynamic_sources = user_sources
                 cache.defer_counts = False
                 cache.count_deferred()
+                cache.step_shared.clear()  # (a step's cross-layer scratch: each step finds it empty)
 
         return call
 

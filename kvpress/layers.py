@@ -19,6 +19,7 @@ class DenseLayer(CacheLayer):
     core truncates the buffer; subclasses rebuild their metadata in :meth:`after_truncate`).
     """
 
+    step_ints = ("seen", "buffer.length")
     rollback = "truncate"
     rollback_state = ("buffer",)
 

@@ -58,6 +58,7 @@ class PolicyCache(Cache):
         self._start: torch.Tensor | None = None  # device copies of the plan's positions, advanced in place
         self.defer_counts = False  # static steps leave host counts to `count_deferred` (a compiled caller)
         self._static_marked = False  # `before_static_step` ran since the last eager forward
+        self._dynamic_sources: str | None = None
         # `dense_prefill`'s: {layer index: (last QUERY_TAIL queries, scaling)} of the prompt forward
         self.query_tails: dict[int, tuple[torch.Tensor, float]] | None = None
         self._end: torch.Tensor | None = None
@@ -316,6 +317,16 @@ class PolicyCache(Cache):
         self._end = torch.zeros(1, dtype=torch.long, device=device)
         static_address(self._start, self._end)
 
+    def dynamic_sources(self) -> str:
+        """The sources (dynamo's names, comma-separated) of every layer's :attr:`CacheLayer.step_ints`
+        as a compiled ``generate`` call passes the cache (``cache`` or ``past_key_values``), for
+        ``torch.compiler.config.dynamic_sources``; made again by :meth:`before_static_step`."""
+        if self._dynamic_sources is None:
+            self._dynamic_sources = ",".join(
+                f"L['kwargs']['{arg}'].layers[{i}].{name}" for arg in ("cache", "past_key_values")
+                for i, layer in enumerate(self.layers) for name in layer.step_int_paths())
+        return self._dynamic_sources
+
     def before_static_step(self) -> None:
         """Every layer's :meth:`CacheLayer.before_static_step`, once after each eager forward (the
         caller of a compiled decode step runs this before it)."""
@@ -323,6 +334,7 @@ class PolicyCache(Cache):
             return
         for layer in self.layers:
             layer.before_static_step()
+        self._dynamic_sources = None  # (an eager forward may have split a layer by rows)
         self._static_marked = True
 
     def count_deferred(self) -> None:

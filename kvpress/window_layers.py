@@ -154,6 +154,8 @@ class SinkWindowLayer(CacheLayer):
     def _slot(self) -> torch.Tensor:
         """long ``(slots,)``: ``0 .. slots - 1`` for the current storage."""
         slots, device = self.k.shape[2], self.k.device
+        if torch.compiler.is_compiling():  # (a cache made while tracing would change the next step's guards)
+            return torch.arange(slots, device=device)
         cached = getattr(self, "_slot_ids", None)
         if cached is None or cached.shape[0] != slots or cached.device != device:
             cached = self._slot_ids = torch.arange(slots, device=device)

@@ -102,6 +102,12 @@ class QuantWindowLayer(CacheLayer):
         # flushes are counted from its own first real token, as in its batch-1 run
         self.by_row: RowSplit | None = None
 
+    def step_int_paths(self) -> tuple[str, ...]:
+        if self.by_row is None:
+            return self.step_ints
+        return self.step_ints + tuple(f"by_row.layers[{j}].{name}" for j, row in enumerate(self.by_row.layers)
+                                      if row is not None for name in row.step_int_paths())
+
     def _row_layer(self, cache) -> "QuantWindowLayer":
         """A fresh layer of this policy on ``cache`` (a row of a padded batch, `RowSplit`)."""
         raise NotImplementedError

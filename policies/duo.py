@@ -200,6 +200,8 @@ class DuoLayer(CacheLayer):
     step writes the retrieval heads at the plan's device position and attends their whole capacity
     masked past ``plan.end``; the streaming heads take their layer's static step (none with ``tail_chunk``)."""
 
+    step_ints = ("seen", "dense.length", "stream.seen")
+
     def __init__(self, cache, layer_idx: int, retrieval: torch.Tensor, sinks: int, window: int,
                  prefill: str = "streaming", prefill_chunk: int | None = None, tail_chunk: int = 0):
         super().__init__(cache, layer_idx)
