@@ -162,6 +162,7 @@ def run(model, input_ids: torch.Tensor, policies: list[str], *, new_tokens: int,
         on_row=None) -> list[dict]:
     """One row per policy (and one for the ``StaticCache`` baseline); see the module docstring."""
     import kvpress
+    from kvpress.compat import cache_kwargs
     from kvpress.prefill import cache_from_dense, dense_prefill
 
     device = input_ids.device
@@ -227,7 +228,7 @@ def run(model, input_ids: torch.Tensor, policies: list[str], *, new_tokens: int,
                     return _generate(model, input_ids, new_tokens, **kw)
                 capacity = shared_ids.shape[1] + new_tokens
                 cache = cache_from_dense(model, policy, dense, capacity=capacity)
-                return _generate(model, shared_ids, new_tokens, past_key_values=cache, **kw)
+                return _generate(model, shared_ids, new_tokens, **cache_kwargs(model, cache), **kw)
 
             with kvpress.apply(model, policy):
                 compileable = kvpress.make_cache(model, policy).is_compileable

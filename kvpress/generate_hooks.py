@@ -89,6 +89,7 @@ def _compiled_call_counts_on_host(get_compiled_call):
             if not isinstance(cache, PolicyCache):
                 return compiled(*c_args, **c_kwargs)
             cache.before_static_step()
+            cache.step_shared.clear()  # a step's cross-layer scratch: each compiled step finds it empty
             cache.defer_counts = True
             config = torch.compiler.config
             user_sources = getattr(config, "dynamic_sources", None)  # (torch >= 2.7)
@@ -101,7 +102,7 @@ def _compiled_call_counts_on_host(get_compiled_call):
                     config.dynamic_sources = user_sources
                 cache.defer_counts = False
                 cache.count_deferred()
-                cache.step_shared.clear()  # (a step's cross-layer scratch: each step finds it empty)
+                cache.step_shared.clear()
 
         return call
 

@@ -160,12 +160,19 @@ def test_compiled_generate_from_a_shared_dense_prefill(models, name):
     (``before_static_step``), not while dynamo traces: tokens equal eager generation's."""
     from transformers import CompileConfig
 
+    from kvpress.compat import cache_kwargs
     from kvpress.prefill import cache_from_dense, dense_prefill
 
     model = models["llama"]
     policy = policy_class(name).example(get_adapter(model))
     ids = random_ids(40, seed=3)
-    config = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
     config._compile_all_devices = True
     torch._dynamo.reset()
     with torch.no_grad():
@@ -175,9 +182,10 @@ def test_compiled_generate_from_a_shared_dense_prefill(models, name):
         for kw in ({"disable_compile": True}, {"compile_config": config}):
             with kvpress.apply(model, policy):
                 cache = cache_from_dense(model, policy, dense, capacity=ids.shape[1] + 30)
-                runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                runs.append(model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                                            max_new_tokens=30, do_sample=False, **kw))
     assert torch.equal(runs[0], runs[1])
+    assert len(graphs) == 1  # (the eager first step leaves no state the compiled steps' guards see change)
 
 
 def _mutation_checker(found: list):
