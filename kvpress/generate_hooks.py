@@ -117,6 +117,11 @@ def _generate_ends_recording(session, generate):
         given = [kwargs.get(key) for key in ("cache", "past_key_values")]
         try:
             return generate(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError as exc:
+            if str(exc).startswith("kvpress:"):
+                raise
+            cache = next((c for c in given if isinstance(c, PolicyCache)), session.current_cache)
+            raise _out_of_memory(session, cache, exc) from exc
         finally:
             used = {id(c): c for c in given + [session.current_cache] if isinstance(c, PolicyCache)}
             for cache in used.values():
@@ -176,6 +181,55 @@ def position_limit(config) -> int | None:
         if params.get("rope_type", params.get("type")) != "default" and isinstance(factor, (int, float)):
             limit = max(limit, int(factor * (params.get("original_max_position_embeddings") or limit)))
     return limit
+
+
+GIB = 2**30
+
+
+def check_cache_fits(cache: PolicyCache, batch: int, device, free_bytes: int | None = None) -> None:
+    """Refuse, before the prompt's forward, a planned cache that cannot fit: for a policy that keeps
+    every token on the device (:func:`kvpress.stats.planned_dense_bytes`), the bytes its cache
+    needs against the device's free memory (on CUDA; ``free_bytes`` given: those). Raises
+    ``torch.cuda.OutOfMemoryError`` naming both; a compressing policy's bytes are not known here."""
+    from .stats import planned_dense_bytes
+
+    needed = planned_dense_bytes(cache, batch)
+    if needed is None:
+        return
+    total = None
+    if free_bytes is None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return
+        free_bytes, total = torch.cuda.mem_get_info(device)
+        free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if needed > free_bytes:
+        of = f" of {total / GIB:.2f} GiB" if total else ""
+        raise torch.cuda.OutOfMemoryError(
+            f"kvpress: {cache.policy.name}'s cache needs at least {needed / GIB:.2f} GiB for {batch} x "
+            f"{cache.capacity} tokens (keys and values of every token it plans for), and {free_bytes / GIB:.2f} "
+            f"GiB{of} is free on {device}; use a smaller batch or max_new_tokens, or a policy that keeps less "
+            "(a quantizer, an eviction policy or shadowkv's host tier)")
+
+
+def _out_of_memory(session, cache, exc: BaseException) -> torch.cuda.OutOfMemoryError:
+    """The device ran out of memory inside ``generate``: the same error, naming the policy, its
+    cache's size when it failed and the device's memory."""
+    from .stats import cache_stats
+
+    where = ""
+    if isinstance(cache, PolicyCache):
+        held = cache_stats(cache)
+        where = (f" with its cache holding {held.resident_bytes / GIB:.2f} GiB on the device for {held.tokens} "
+                 f"tokens ({cache.capacity or 'no'} planned)")
+    memory = ""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        memory = f"; {free / GIB:.2f} GiB of {total / GIB:.2f} GiB free now"
+    return torch.cuda.OutOfMemoryError(
+        f"kvpress: out of device memory in generate under {session.policy.name}{where}{memory}. A smaller batch, "
+        f"max_new_tokens or prompt pieces (prefill_chunk_size) need less; so does a policy that keeps less. "
+        f"The error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
 
 
 def _check_position_limit(limit: int | None, seen: int, new_tokens: int) -> None:

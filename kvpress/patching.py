@@ -40,7 +40,7 @@ from .attention import dense_causal_attention, sliding_causal_attention
 from .compat import cache_keyword
 from .cache import PolicyCache, left_padding
 from .generate_hooks import (_check_position_limit, _compiled_call_counts_on_host, _generate_ends_recording,
-                             _inputs_keep_padding_mask, _no_continuous_batching, _policy_cache_for_generate,
+                             _inputs_keep_padding_mask, check_cache_fits, _no_continuous_batching, _policy_cache_for_generate,
                              _prompt_for_prefill, _session_cache, position_limit)
 from .registry import Policy
 
@@ -302,6 +302,8 @@ def _make_pre_hook(session: _Session, base):
             )
         if past.get_seq_length() == 0 or past.prompt_open:
             _check_position_limit(limit, past.get_seq_length(), new_tokens)
+        if past.get_seq_length() == 0:  # (before the prompt's first forward, pieces too)
+            check_cache_fits(past, batch, inputs.device)
         if new_tokens > 1:  # (a one-token step is not checked: no host sync per decode step)
             _check_positions(past, kwargs.get("position_ids"), kwargs.get("cache_position"))
         past.begin_forward(mask, batch, new_tokens, device=inputs.device)

@@ -127,3 +127,29 @@ def cache_stats(cache) -> CacheStats:
         bits_per_element=(8.0 * (resident + offloaded) / elements) if elements else 0.0,
         layers=layers,
     )
+
+
+def planned_dense_bytes(cache, batch: int) -> int | None:
+    """The fewest bytes the planned cache of a policy that keeps every token on the device holds
+    once it has stored anything (``full`` and the selection policies, whose metadata comes on top):
+    keys and values of ``batch`` rows at the planned capacity in each layer (a layer the model
+    slides: its window). None when the cache is not planned or a layer keeps fewer tokens (a
+    compressing policy: its bytes are known only once it runs)."""
+    from .layers import DenseLayer
+    from .window_layers import SlidingWindowLayer
+
+    if not cache.capacity:
+        return None
+    adapter = cache.adapter
+    itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
+    per_token = 2 * batch * adapter.num_kv_heads * adapter.head_dim * itemsize
+    total = 0
+    for i, layer in enumerate(cache.layers):
+        window = adapter.sliding_window(i)
+        if isinstance(layer, SlidingWindowLayer) and window is not None:
+            total += per_token * min(cache.capacity, window)
+        elif isinstance(layer, DenseLayer):  # (the selection policies' layers too)
+            total += per_token * cache.capacity
+        else:
+            return None
+    return total
