@@ -20,6 +20,9 @@ Dynamo is not reset between policies (``--reset`` does): a later policy then sta
 integers dynamo saw change as symbols and compiles one graph where a fresh process compiles two, so
 its ``compile_s`` is less than a user's first call pays.
 
+``--result FILE`` also writes the table as a BENCHMARKS result file (``kvpress.evals.benchmarks_md``), with
+the command as run, the machine and the date; ``gpu_suite``'s compiled stages leave one in their archive.
+
 ``--profile-steps N`` runs the last N decode steps of each call under ``torch.profiler`` and reports
 device kernels per step and per layer-step (kernels inside CUDA-graph replays included). The table
 gives eager and compiled ms/token, their ratio, ``full``'s compiled ms over the policy's (when
@@ -293,6 +296,32 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def result_file(rows: list[dict], meta: dict, *, title: str, order: int, command: str, machine: str) -> dict:
+    """A BENCHMARKS result file (``kvpress.evals.benchmarks_md``'s format) of ``rows``: one table row
+    per policy (errors as a note), its ratios as measured in this run."""
+    columns = ["decode", "ms/token", "x `full`", "x eager", "x StaticCache", "compile s", "kernels per layer-step",
+               "KV MiB", "peak MiB", "tokens equal eager"]
+    table, notes = [], []
+    for r in rows:
+        if "error" in r:
+            notes.append(f"`{r['policy']}`: {r['error']}")
+            continue
+        cell = lambda key: "" if r.get(key) is None else str(r[key])  # noqa: E731
+        compiled = r.get("compiled_ms") is not None
+        table.append([f"`{r['policy']}`" + ("" if compiled else " (eager)"), cell("compiled_ms" if compiled else "eager_ms"),
+                      cell("vs_full"), cell("compiled_vs_eager"), cell("compiled_vs_static"), cell("compile_s"),
+                      cell("kernels_per_layer_step"), cell("resident_mib"), cell("peak_mib"), cell("tokens_equal")])
+        if r.get("cudagraph_skips"):
+            notes.append(f"`{r['policy']}`: inductor skipped {r['cudagraph_skips']} CUDA graph(s)")
+    machine = machine or meta.get("gpu") or meta["device"]
+    return {"title": title, "section": "gpu" if meta["device"].startswith("cuda") else "cpu", "order": order,
+            "command": command, "machine": f"{machine}, torch {torch.__version__}",
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "columns": columns, "rows": table,
+            "notes": [f"{meta['model']}, {meta['dtype']}, prompt {meta['length']} x batch {meta['batch']}, "
+                      f"{meta['new_tokens']} new tokens, budget {meta['budget']}; ms/token: the median decode step "
+                      f"after the first {meta['skip_steps']} of one generate call", *notes]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpress.evals.bench_compiled", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="random-tiny")
@@ -317,6 +346,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-static-baseline", dest="static_baseline", action="store_false")
     parser.add_argument("--time-limit", type=float, default=None, help="start no policy after this many seconds")
     parser.add_argument("--out", default=None, help="write the rows as JSON here (after every policy)")
+    parser.add_argument("--result", default=None,
+                        help="also write a BENCHMARKS result file here (benchmarks/results/NAME.json) at the end")
+    parser.add_argument("--title", default="Compiled decode under `apply`", help="the result file's table title")
+    parser.add_argument("--order", type=int, default=9, help="the result file's place in its section")
+    parser.add_argument("--machine", default="", help="the result file's machine (default: the GPU's name)")
     args = parser.parse_args(argv)
     for name in ("length", "batch"):
         if getattr(args, name) < 1:
@@ -366,6 +400,15 @@ def main(argv=None) -> int:
                    time_limit=args.time_limit, on_row=write)
     print(header)
     print(_table(rows))
+    if args.result:
+        given = list(argv if argv is not None else sys.argv[1:])
+        kept = [a for i, a in enumerate(given)  # the command as run, less where its files went
+                if a not in ("--out", "--result") and (i == 0 or given[i - 1] not in ("--out", "--result"))]
+        command = "python -m kvpress.evals.bench_compiled " + " ".join(kept)
+        with open(args.result, "w") as f:
+            json.dump(result_file(rows, meta, title=args.title, order=args.order, command=command,
+                                  machine=args.machine), f, indent=1)
+            f.write("\n")
     return 1 if any("error" in r and not r["error"].startswith("not run") for r in rows) else 0
 
 

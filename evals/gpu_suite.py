@@ -155,8 +155,11 @@ def _commands(stage: str, work: Path, smoke: bool, limit: float = 240.0) -> list
         extra = ["--budget", "96" if smoke else "1024", "--no-static-baseline",
                  "--time-limit", "20" if smoke else f"{max(30, limit - 100):.0f}"] if b8 else \
             ["--no-share-prefill"]  # batch 1: generate as users call it
+        title = (f"Compiled decode under `apply` at 32k, batch {8 if b8 else 1} (random Llama-3-8B-shaped weights, "
+                 "32 layers, bf16)")
         return [py + ["kvpress.evals.bench_compiled", "--model", model, "--device", dev, *sizes, "--policies", policies,
-                      *extra, "--out", str(work / f"{stage}.json")]]
+                      *extra, "--out", str(work / f"{stage}.json"), "--result", str(work / f"result_{stage}.json"),
+                      "--title", title]]
     if stage == "prefill":  # the sliding-window layers' prefill routes (Gemma 3 / hybrid Qwen)
         sizes = ["--lengths", "512", "--windows", "64", "--chunks", "64,256", "--warmup", "0", "--iters", "1"] \
             if smoke else ["--lengths", "8192,32768", "--windows", "1024,4096", "--chunks", "128,512,1024,4096"]

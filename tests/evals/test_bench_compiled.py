@@ -22,6 +22,18 @@ def test_compiled_generate_matches_eager_and_writes_rows(tmp_path, capsys):
     assert "shared dense prefill" in capsys.readouterr().out
 
 
+def test_result_file_is_a_benchmarks_table(tmp_path):
+    from kvpress.evals.benchmarks_md import load
+
+    result = tmp_path / "compiled_tiny.json"
+    assert main(["--length", "24", "--new-tokens", "5", "--backend", "eager", "--no-static-baseline", "--policies",
+                 "full,window", "--result", str(result), "--title", "tiny"]) == 0
+    data = load(result)
+    assert data["title"] == "tiny" and data["section"] == "cpu" and [r[0] for r in data["rows"]] == ["`full`", "`window`"]
+    assert data["command"] == ("python -m kvpress.evals.bench_compiled --length 24 --new-tokens 5 --backend eager "
+                               "--no-static-baseline --policies full,window --title tiny")
+
+
 @pytest.mark.parametrize("args, message", [(["--new-tokens", "4"], "--new-tokens must be >= "),
                                            (["--skip-steps", "0"], "--skip-steps must be >= 1"),
                                            (["--policies", "full,quest:page_size=0"], "allowed: [1, 8, 16")])
