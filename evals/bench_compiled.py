@@ -123,7 +123,8 @@ def _policy(model, spec: str, budget: int | None):
     policy = kvpress.get_policy(spec)
     if budget is not None and "budget" in {f.name for f in dataclasses.fields(policy)} and "budget=" not in spec:
         policy = policy.with_budget(budget)
-    if policy.name == "double_sparsity" and policy.artifact is None and str(getattr(model.config, "_name_or_path", "")).startswith("random-"):
+    random_weights = str(getattr(model.config, "_name_or_path", "")).startswith("random-")
+    if policy.name == "double_sparsity" and policy.artifact is None and random_weights:
         from kvpress.adapters import get_adapter
         from kvpress.policies.double_sparsity import synthetic_artifact
 
@@ -195,8 +196,10 @@ def run(model, input_ids: torch.Tensor, policies: list[str], *, new_tokens: int,
                              **compiled_kw)
             base_ms = base["ms"]
             emit({"policy": "transformers StaticCache", "eager_ms": None, "compiled_ms": round(base_ms, 3),
-                  "compile_s": round(base["compile_s"], 1), "kernels_per_layer_step": per_layer(base["kernels_per_step"]),
-                  "resident_mib": round(base["resident_mib"], 1), "peak_mib": base["peak_mib"] and round(base["peak_mib"])})
+                  "compile_s": round(base["compile_s"], 1),
+                  "kernels_per_layer_step": per_layer(base["kernels_per_step"]),
+                  "resident_mib": round(base["resident_mib"], 1),
+                  "peak_mib": base["peak_mib"] and round(base["peak_mib"])})
         except Exception as exc:  # noqa: BLE001 - reported in the row; the policies still run
             traceback.print_exc()
             emit({"policy": "transformers StaticCache", "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -239,7 +242,8 @@ def run(model, input_ids: torch.Tensor, policies: list[str], *, new_tokens: int,
                 if eager:
                     e = call(skip=1, profile=profile, disable_compile=True)
                     eager_out = e["tokens"]
-                    row.update(eager_ms=round(e["ms"], 3), eager_kernels_per_layer_step=per_layer(e["kernels_per_step"]),
+                    row.update(eager_ms=round(e["ms"], 3),
+                               eager_kernels_per_layer_step=per_layer(e["kernels_per_step"]),
                                resident_mib=round(e["resident_mib"], 1))
                 if compileable:
                     if reset:
@@ -249,7 +253,8 @@ def run(model, input_ids: torch.Tensor, policies: list[str], *, new_tokens: int,
                     graphs1, skips1 = _counters()
                     row.update(compiled_ms=round(c["ms"], 3), compile_s=round(c["compile_s"], 1),
                                kernels_per_layer_step=per_layer(c["kernels_per_step"]),
-                               resident_mib=round(c["resident_mib"], 1), peak_mib=c["peak_mib"] and round(c["peak_mib"]),
+                               resident_mib=round(c["resident_mib"], 1),
+                               peak_mib=c["peak_mib"] and round(c["peak_mib"]),
                                graphs=graphs1 - graphs0, cudagraph_skips=skips1 - skips0)
                     if eager_out is not None:
                         row["compiled_vs_eager"] = round(row["eager_ms"] / c["ms"], 3)
@@ -308,7 +313,8 @@ def result_file(rows: list[dict], meta: dict, *, title: str, order: int, command
             continue
         cell = lambda key: "" if r.get(key) is None else str(r[key])  # noqa: E731
         compiled = r.get("compiled_ms") is not None
-        table.append([f"`{r['policy']}`" + ("" if compiled else " (eager)"), cell("compiled_ms" if compiled else "eager_ms"),
+        table.append([f"`{r['policy']}`" + ("" if compiled else " (eager)"),
+                      cell("compiled_ms" if compiled else "eager_ms"),
                       cell("vs_full"), cell("compiled_vs_eager"), cell("compiled_vs_static"), cell("compile_s"),
                       cell("kernels_per_layer_step"), cell("resident_mib"), cell("peak_mib"), cell("tokens_equal")])
         if r.get("cudagraph_skips"):
@@ -396,7 +402,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         rows = run(model, input_ids, policies, new_tokens=args.new_tokens, skip=args.skip_steps,
                    profile=args.profile_steps, backend=args.backend, mode=args.mode, eager=args.eager,
-                   static_baseline=args.static_baseline, share_prefill=args.share_prefill, budget=args.budget, reset=args.reset,
+                   static_baseline=args.static_baseline, share_prefill=args.share_prefill, budget=args.budget,
+                   reset=args.reset,
                    time_limit=args.time_limit, on_row=write)
     print(header)
     print(_table(rows))

@@ -64,10 +64,10 @@ STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "pr
 LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
           "prefill": 300, "compiled": 200, "compiled8": 330}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
-GPU_MODEL = "random-llama3-8b-32l"
+GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
 # compiled8's policies, most wanted first (it starts none after its --time-limit)
 COMPILED8_POLICIES = ("full,quest,kivi:bits=4,duo:random_heads_seed=0,streaming,tidal,zipcache,double_sparsity,"
-                      "shadowkv,exact_topk,gear,snapkv,window")  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
+                      "shadowkv,exact_topk,gear,snapkv,window")
 
 
 def _calibrate_ds(model: str, artifact: Path, dev: str, smoke: bool) -> list[str]:

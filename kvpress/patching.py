@@ -40,8 +40,8 @@ from .attention import dense_causal_attention, sliding_causal_attention
 from .compat import cache_keyword
 from .cache import PolicyCache, left_padding
 from .generate_hooks import (_check_position_limit, _compiled_call_counts_on_host, _generate_ends_recording,
-                             _inputs_keep_padding_mask, check_cache_fits, _no_continuous_batching, _policy_cache_for_generate,
-                             _prompt_for_prefill, _session_cache, position_limit)
+                             _inputs_keep_padding_mask, _no_continuous_batching, _policy_cache_for_generate,
+                             _prompt_for_prefill, _session_cache, check_cache_fits, position_limit)
 from .registry import Policy
 
 ATTN_NAME = "kvpress"

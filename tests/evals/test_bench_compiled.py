@@ -29,7 +29,8 @@ def test_result_file_is_a_benchmarks_table(tmp_path):
     assert main(["--length", "24", "--new-tokens", "5", "--backend", "eager", "--no-static-baseline", "--policies",
                  "full,window", "--result", str(result), "--title", "tiny"]) == 0
     data = load(result)
-    assert data["title"] == "tiny" and data["section"] == "cpu" and [r[0] for r in data["rows"]] == ["`full`", "`window`"]
+    assert data["title"] == "tiny" and data["section"] == "cpu"
+    assert [r[0] for r in data["rows"]] == ["`full`", "`window`"]
     assert data["command"] == ("python -m kvpress.evals.bench_compiled --length 24 --new-tokens 5 --backend eager "
                                "--no-static-baseline --policies full,window --title tiny")
 
