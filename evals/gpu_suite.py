@@ -5,6 +5,8 @@
     python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,bench           # the second call
     python -m kvpress.evals.gpu_suite --out $OUT --stages shadowkv                     # ~8 minutes
     python -m kvpress.evals.gpu_suite --out $OUT --stages prefill                      # ~5 minutes
+    python -m kvpress.evals.gpu_suite --out $OUT --stages tests,compiled8 --limit tests=100 --budget-s 425
+    python -m kvpress.evals.gpu_suite --out $OUT --stages compiled128,compiled         # ~9 minutes
 
 Stages (each a subprocess with its own time limit; ``--budget-s`` caps the whole call, and a stage
 that would start too late is skipped and says so):
@@ -31,6 +33,7 @@ that would start too late is skipped and says so):
               ``StaticCache`` + ``torch.compile``; kernels per layer-step from a profile
 ``compiled8`` the same at 32k, batch 8 (the KV cache dominates), budget 1024: each policy's compiled
               decode against compiled ``full``, most wanted policies first, until its time limit
+``compiled128`` the same at 128k, batch 1
 ``prefill``   ``bench_prefill``: the sliding-window layers' prefill (SDPA over query chunks against
               the streaming route) at 8k / 32k, windows 1024 / 4096, bf16 -- picks the CUDA chunk;
               then ``bench_chunked_prefill`` at 32k: peak memory of generate with the prompt in one
@@ -59,13 +62,14 @@ import tempfile
 import time
 from pathlib import Path
 
-STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled", "compiled8")
+STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled", "compiled8",
+          "compiled128")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
 LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
-          "prefill": 300, "compiled": 200, "compiled8": 330}
+          "prefill": 300, "compiled": 200, "compiled8": 330, "compiled128": 330}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
-# compiled8's policies, most wanted first (it starts none after its --time-limit)
+# compiled8's and compiled128's policies, most wanted first (they start none after their --time-limit)
 COMPILED8_POLICIES = ("full,quest,kivi:bits=4,duo:random_heads_seed=0,streaming,tidal,zipcache,double_sparsity,"
                       "shadowkv,exact_topk,gear,snapkv,window")
 
@@ -139,23 +143,27 @@ def _commands(stage: str, work: Path, smoke: bool, limit: float = 240.0) -> list
                       "--budget", "96" if smoke else "1024", "--new-tokens", "4" if smoke else "32",
                       "-o", f"double_sparsity.artifact={work / 'sparse' / f'ds-{model}.safetensors'}",
                       "--out", str(work / "bench")]]
-    if stage in ("compiled", "compiled8"):
+    if stage in ("compiled", "compiled8", "compiled128"):
         # generate's compiled decode (transformers' default on CUDA: inductor, CUDA graphs) under apply:
-        # batch 1 against its eager decode and transformers' StaticCache + torch.compile; then batch 8,
-        # where the KV cache dominates, each policy against compiled `full`, in priority order until
-        # --time-limit (one shared dense prefill for the policies whose prefill is plain attention)
-        b8 = stage == "compiled8"
+        # batch 1 against its eager decode and transformers' StaticCache + torch.compile; then where the
+        # KV cache dominates (32k batch 8, 128k batch 1), each policy against compiled `full`, in
+        # priority order until --time-limit (one shared dense prefill for the policies whose prefill
+        # is plain attention)
+        many = stage != "compiled"
+        batch = "8" if stage == "compiled8" else "1"
         if smoke:
-            sizes = ["--length", "256", "--new-tokens", "8", "--backend", "eager", "--batch", "2" if b8 else "1"]
+            sizes = ["--length", "256", "--new-tokens", "8", "--backend", "eager", "--batch", "2" if many else "1"]
         else:
-            sizes = ["--length", length, "--new-tokens", "32" if b8 else "40", "--profile-steps", "2",
-                     "--batch", "8" if b8 else "1"]
-        policies = COMPILED8_POLICIES if b8 else "full"
+            tokens = "130944" if stage == "compiled128" else length  # (128k positions: room for the new tokens)
+            sizes = ["--length", tokens, "--new-tokens", "32" if many else "40", "--profile-steps", "2",
+                     "--batch", batch]
+        policies = COMPILED8_POLICIES if many else "full"
         # (a policy's eager and compiled calls take up to ~100 s: none starts in the stage's last 100)
         extra = ["--budget", "96" if smoke else "1024", "--no-static-baseline",
-                 "--time-limit", "20" if smoke else f"{max(30, limit - 100):.0f}"] if b8 else \
+                 "--time-limit", "20" if smoke else f"{max(30, limit - 100):.0f}"] if many else \
             ["--no-share-prefill"]  # batch 1: generate as users call it
-        title = (f"Compiled decode under `apply` at 32k, batch {8 if b8 else 1} (random Llama-3-8B-shaped weights, "
+        context = "128k" if stage == "compiled128" else "32k"
+        title = (f"Compiled decode under `apply` at {context}, batch {batch} (random Llama-3-8B-shaped weights, "
                  "32 layers, bf16)")
         return [py + ["kvpress.evals.bench_compiled", "--model", model, "--device", dev, *sizes, "--policies", policies,
                       *extra, "--out", str(work / f"{stage}.json"), "--result", str(work / f"result_{stage}.json"),
