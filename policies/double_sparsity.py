@@ -42,8 +42,8 @@ class DoubleSparsityPolicy(Policy):
     ``artifact`` (None: the one shipped for the model; else a ``kvpress calibrate double_sparsity
     --model M --out F.safetensors`` file). ``label_channels`` (None: ``min(16, head_dim // 4)``;
     allowed ``head_dim // 16 .. head_dim // 4``): 16 suit head_dim 64 (SmolLM2) and 128 (the paper's);
-    of Gemma 3 270M's 256 they are too few: at 16k and budget 1024 the default keeps 0 of ``full``'s 24
-    answers, ``label_channels=64`` keeps 20 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"). ``rerank``
+    of Gemma 3 270M's 256 they are too few: at 16k and budget 1024 the default keeps 0 of ``full``'s 32
+    answers, ``label_channels=64`` keeps 26 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"). ``rerank``
     (1: the labels choose, as the paper) shortlists ``M`` times the kept tokens by label score and
     chooses among them by exact ``q . k`` (a shortlist of every candidate is ``exact_topk``'s
     selection). ``tail_chunk`` (0) adds the chunk-mean estimate of the tokens left out (see

@@ -56,7 +56,7 @@ class DuoPolicy(Policy):
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
         deployment knob), ``floor(sparsity * heads)`` of them: at most that fraction streams; default
         0.5. None = use ``threshold``. On a model with few heads the rounding matters: Gemma 3 270M
-        has 3 global KV heads, and streaming 1 of them keeps 24 of ``full``'s 24 answers at 16k where
+        has 3 global KV heads, and streaming 1 of them keeps 32 of ``full``'s 32 answers at 16k where
         streaming 2 keeps 2 (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens": ``duo`` there
         streamed 2, ``duo:sparsity=0.34`` streams 1, as 0.5 now does).
     threshold : float

@@ -38,8 +38,8 @@ class ShadowKVPolicy(Policy):
     it covers the prompt nothing is factored and the policy equals ``full``. Deviations from the
     paper's defaults: ``rank=None`` keeps a quarter of ``num_kv_heads * head_dim`` (the paper's
     fixed 160 suits Llama-3-8B's 1024, not a 192-wide model; Gemma 3 270M's single 256-wide KV
-    head needs more: at 16k tokens and budget 1024 rank 64 keeps 9 of ``full``'s 24 answers and
-    ``rank=256`` (full rank: exact keys) 24 of 24, BENCHMARKS.md "Gemma 3 270M at 16k tokens"), and
+    head needs more: at 16k tokens and budget 1024 rank 64 keeps 11 of ``full``'s 32 answers and
+    ``rank=256`` (full rank: exact keys) 32 of 32, BENCHMARKS.md "Gemma 3 270M at 16k tokens"), and
     ``rerank=8`` re-scores a shortlist on rebuilt keys, since a mean key can hide the one key a query
     matches (``rerank=1`` is the paper's landmark-only selection).
 

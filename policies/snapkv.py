@@ -32,8 +32,8 @@ class SnapKVPolicy(Policy):
     that split numbers into digits (SmolLM2, Llama-3) spread a 7-digit value over 7+ tokens: on 4k
     niah_single (32 samples) 15 keeps 9 / 22 / 75% of ``full``'s needles at budgets 128 / 256 / 1024,
     21 keeps 72 / 84 / 100% (BENCHMARKS.md "Selection and eviction at budgets 128-1024"). A value
-    longer than the pool is cut: on Gemma 3 270M at 16k and budget 1024 it answers 12 of 12 7-digit
-    needles and 0 of 12 UUIDs, keeping each UUID's first characters (BENCHMARKS.md "Gemma 3 270M at 16k
+    longer than the pool is cut: on Gemma 3 270M at 16k and budget 1024 it answers 16 of 16 7-digit
+    needles and 0 of 16 UUIDs, keeping each UUID's first characters (BENCHMARKS.md "Gemma 3 270M at 16k
     tokens").
 
     Decode (our choice; the paper lets the cache grow): the budget is a hard cap. Once a row holds

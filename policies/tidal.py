@@ -61,8 +61,8 @@ class TidalPolicy(Policy):
     decode (8k, budget 256): ~1.6x ``full``'s speed, attention ~3x. On an H100 (random Llama-3-8B
     shape, 32k, budget 1024) the kernel reads the budget 7.8x / 22x faster than SDPA at batch 1 / 8,
     but a step is host-bound (~75 µs a Triton launch): 97.3 vs 79.4 ms/token for ``full``. On Gemma 3
-    270M (its 3 global layers: 5 selects, 11 selects again, 17 reuses) it answers 24 of ``full``'s 24 at
-    16k tokens and budget 1024 (12 samples each of niah_single and its UUID variant), as ``exact_topk``
+    270M (its 3 global layers: 5 selects, 11 selects again, 17 reuses) it answers 32 of ``full``'s 32 at
+    16k tokens and budget 1024 (16 samples each of niah_single and its UUID variant), as ``exact_topk``
     does (BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     """
 
