@@ -5,7 +5,7 @@
     python -m kvpress.evals.gpu_suite --out $OUT --stages quant,sparse,bench           # the second call
     python -m kvpress.evals.gpu_suite --out $OUT --stages shadowkv                     # ~8 minutes
     python -m kvpress.evals.gpu_suite --out $OUT --stages prefill                      # ~5 minutes
-    python -m kvpress.evals.gpu_suite --out $OUT --stages tests,compiled8 --limit tests=100 --budget-s 425
+    python -m kvpress.evals.gpu_suite --out $OUT --stages tests,compiled8 --limit tests=180 --budget-s 480
     python -m kvpress.evals.gpu_suite --out $OUT --stages compiled128,compiled         # ~9 minutes
 
 Stages (each a subprocess with its own time limit; ``--budget-s`` caps the whole call, and a stage
@@ -13,8 +13,9 @@ that would start too late is skipped and says so):
 
 ``env``       versions, the GPU, and the two ceilings measured on it (a device-to-device copy,
               bytes read + written; a bf16 8192^3 matrix product) -- the yardsticks for the rest
-``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies, the registry contract and crop (Triton
-              kernels against torch references; every policy on CUDA against its CPU run)
+``tests``     ``pytest -m gpu`` over tests/kernels, tests/policies, the registry contract, crop and static
+              decode (Triton kernels against torch references; every policy on CUDA against its CPU run;
+              every policy's compiled decode captured in a CUDA graph)
 ``kernels``   ``bench_kernels``: block-sparse decode vs dense SDPA, 8k-128k, budgets 256-4096; then
               ``bench_rows``: `attend_rows` (one launch) against 3 ``sparse_decode`` + 2 merges, host included
 ``quant``     ``bench_quant kernel``: fused 4/2-bit dequantize-attention vs bf16 dense, 8k-128k
@@ -65,7 +66,7 @@ from pathlib import Path
 STAGES = ("env", "tests", "kernels", "quant", "sparse", "shadowkv", "bench", "prefill", "compiled", "compiled8",
           "compiled128")
 # per-stage wall-clock limits in seconds (a stage is also cut to what is left of --budget-s)
-LIMITS = {"env": 90, "tests": 300, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
+LIMITS = {"env": 90, "tests": 360, "kernels": 240, "quant": 150, "sparse": 300, "shadowkv": 540, "bench": 300,
           "prefill": 300, "compiled": 200, "compiled8": 330, "compiled128": 330}
 REPO = Path(__file__).resolve().parent.parent  # the checkout, for an editable install
 GPU_MODEL = "random-llama3-8b-32l"  # Llama-3-8B shapes, 32 layers, random weights (kvpress.evals.models)
@@ -96,7 +97,8 @@ def _commands(stage: str, work: Path, smoke: bool, limit: float = 240.0) -> list
         except ImportError:
             workers = []
         return [py + ["pytest", "-q", "-m", "gpu", *workers, "tests/kernels", "tests/policies",
-                      "tests/test_contract.py", "tests/test_crop.py", "-p", "no:cacheprovider"]]
+                      "tests/test_contract.py", "tests/test_crop.py", "tests/test_static_decode.py",
+                      "-p", "no:cacheprovider"]]
     if stage == "kernels":
         sizes = ["--contexts", "1k", "--budgets", "256", "--warmup", "0", "--iters", "1"] if smoke else \
             ["--contexts", "8k,32k,128k", "--budgets", "256,1024,4096", "--batches", "1,8"]

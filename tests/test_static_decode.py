@@ -234,3 +234,29 @@ def test_compiled_decode_mutates_only_static_inputs(models, name):
         assert bad and all("host" in n for n in bad), bad
     else:
         assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(set(list_policies()) - set(NOT_YET_STATIC)))
+def test_compiled_decode_is_captured_in_a_cuda_graph(name):
+    """On CUDA, ``generate``'s compiled decode of every policy (transformers' default compile: inductor,
+    CUDA graphs) is one graph recorded as a CUDA graph (inductor skips none: no mutated input that is
+    not static, no CPU tensor) and gives eager decoding's tokens (fp32). ShadowKV's step writes its
+    host tier (pinned host memory), which a CUDA graph does not hold: a skip is expected there."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model = tiny_model("llama").cuda()
+    policy = policy_class(name).example(get_adapter(model))
+    ids = random_ids(40, seed=5).cuda()
+    config = CompileConfig(fullgraph=True)  # inductor, mode reduce-overhead
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), kvpress.apply(model, policy):
+        eager = model.generate(ids, max_new_tokens=24, do_sample=False, disable_compile=True)
+        compiled = model.generate(ids, max_new_tokens=24, do_sample=False, compile_config=config)
+    assert torch.equal(compiled, eager)
+    assert counters["stats"]["unique_graphs"] == 1
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert skips >= 1 if name == "shadowkv" else skips == 0, skips
