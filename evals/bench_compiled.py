@@ -152,11 +152,12 @@ def _generate(model, input_ids, new_tokens: int, *, skip: int, profile: int, **k
     try:
         row["resident_mib"] = kvpress.cache_stats(out).resident_bytes / MIB
     except TypeError:  # transformers' own cache (the StaticCache baseline)
-        cache = getattr(out, "past_key_values", None)
-        layers = getattr(cache, "layers", [])
-        row["resident_mib"] = sum(t.numel() * t.element_size() for layer in layers
-                                  for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                                  if isinstance(t, torch.Tensor)) / MIB
+        from kvpress.compat import output_cache
+        from kvpress.stats import tensor_bytes
+
+        layers = getattr(output_cache(out), "layers", [])
+        row["resident_mib"] = tensor_bytes(t for layer in layers for t in (getattr(layer, "keys", None),
+                                                                          getattr(layer, "values", None))) / MIB
     return row
 
 

@@ -102,7 +102,6 @@ def _compiled_call_counts_on_host(get_compiled_call):
                     config.dynamic_sources = user_sources
                 cache.defer_counts = False
                 cache.count_deferred()
-                cache.step_shared.clear()
 
         return call
 

@@ -114,10 +114,7 @@ def cache_stats(cache) -> CacheStats:
     elements = sum(s.cached_elements for s in layers)
     tokens = cache.get_seq_length()
     batch = max((layer.batch_size for layer in cache.layers), default=0)
-    itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
-    windows = (adapter.sliding_window(i) for i in range(adapter.num_layers))
-    kept = sum(tokens if w is None else min(tokens, w) for w in windows)  # tokens the model's own layers hold
-    dense = 2 * kept * batch * adapter.num_kv_heads * adapter.head_dim * itemsize
+    dense = dense_kv_bytes(adapter, tokens, batch)
     return CacheStats(
         policy=cache.policy.name,
         resident_bytes=resident,
@@ -127,6 +124,15 @@ def cache_stats(cache) -> CacheStats:
         bits_per_element=(8.0 * (resident + offloaded) / elements) if elements else 0.0,
         layers=layers,
     )
+
+
+def dense_kv_bytes(adapter, tokens: int, batch: int) -> int:
+    """Bytes of the keys and values the model's own cache holds for ``batch`` rows of ``tokens``
+    tokens (a layer the model slides: its window), in the model's dtype."""
+    itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
+    windows = (adapter.sliding_window(i) for i in range(adapter.num_layers))
+    kept = sum(tokens if w is None else min(tokens, w) for w in windows)  # tokens the model's own layers hold
+    return 2 * kept * batch * adapter.num_kv_heads * adapter.head_dim * itemsize
 
 
 def planned_dense_bytes(cache, batch: int) -> int | None:
@@ -140,16 +146,8 @@ def planned_dense_bytes(cache, batch: int) -> int | None:
 
     if not cache.capacity:
         return None
-    adapter = cache.adapter
-    itemsize = torch.empty((), dtype=adapter.model.dtype).element_size()
-    per_token = 2 * batch * adapter.num_kv_heads * adapter.head_dim * itemsize
-    total = 0
-    for i, layer in enumerate(cache.layers):
-        window = adapter.sliding_window(i)
-        if isinstance(layer, SlidingWindowLayer) and window is not None:
-            total += per_token * min(cache.capacity, window)
-        elif isinstance(layer, DenseLayer):  # (the selection policies' layers too)
-            total += per_token * cache.capacity
-        else:
+    for i, layer in enumerate(cache.layers):  # (DenseLayer: the selection policies' layers too)
+        slides = isinstance(layer, SlidingWindowLayer) and cache.adapter.sliding_window(i) is not None
+        if not (slides or isinstance(layer, DenseLayer)):
             return None
-    return total
+    return dense_kv_bytes(cache.adapter, cache.capacity, batch)
