@@ -97,7 +97,7 @@ def ingest(layer, k: torch.Tensor, v: torch.Tensor, q_sq: torch.Tensor | None = 
         positions = (tok[None, :] - rope_start[:, None])[:, None, :]
         k_pre = adapter.invert_rope(kp, positions, layer.layer_idx)  # (B, H, T_pad, D)
         k_pre = (k_pre.float() * real[:, None, :, None]).permute(0, 2, 1, 3).reshape(B, C * cs, H * D)
-        rank = default_rank(H * D) if p.rank is None else p.rank
+        rank = default_rank(H * D, D) if p.rank is None else p.rank
         layer.factor, layer.basis = low_rank(k_pre, rope_start, min(rank, H * D), H, k.dtype, layer.key_weight)
         layer.v_host = to_host(vp.view(B, H, C, cs, D))
         if p.fetch_keys:

@@ -51,7 +51,7 @@ class StaticStore:
         E = max(E0, p.budget if bool(layer.row_exact.any()) else 0)
         G = max(g0 + 1, lw + fold) if fold else g0 + future
         R = layer.factor.shape[2] if layer.factor is not None else min(
-            default_rank(H * D) if p.rank is None else p.rank, H * D)
+            default_rank(H * D, D) if p.rank is None else p.rank, H * D)
 
         self.pinned = dev.type == "cuda"  # the host tables are pinned memory
 

@@ -106,9 +106,11 @@ def transfer_summary(cache) -> dict:
     return {**total.as_dict(), "max_attended": max((getattr(l, "max_attended", 0) for l in cache.layers), default=0)}
 
 
-def default_rank(key_dim: int) -> int:
-    """Components kept when ``rank`` is None: a quarter of ``num_kv_heads * head_dim`` (at least 1)."""
-    return max(1, key_dim // 4)
+def default_rank(key_dim: int, head_dim: int) -> int:
+    """Components kept when ``rank`` is None: a quarter of ``key_dim = num_kv_heads * head_dim``, and
+    at least half of one head's ``head_dim`` (a model with few KV heads has little redundancy across
+    them to factor away)."""
+    return max(1, key_dim // 4, head_dim // 2)
 
 
 def low_rank(k_pre: torch.Tensor, rope_start: torch.Tensor | None, rank: int, num_kv_heads: int, dtype,

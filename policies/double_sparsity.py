@@ -90,25 +90,22 @@ class DoubleSparsityPolicy(Policy):
         check_choice("backend", self.backend, ("auto", "torch", "triton"))
         check_int("rerank", self.rerank, 1, 1024)
 
-    def channels_for(self, head_dim: int) -> int:
-        """``r``, the label channels per key (default ``min(16, head_dim // 4)``).
-
-        The paper keeps 16 channels of 128 (1/8). With SmolLM2's head_dim 64, 8 channels lost
-        needle digits at 4k tokens (budget 256 and 512) while 16 kept them, so the default keeps
-        the paper's absolute 16 channels, capped at head_dim // 4.
-        """
+    def channels_for(self, adapter) -> int:
+        """``r``, the label channels per key: ``label_channels``, else sized to the model from its
+        artifact (`_double_sparsity_calib.default_channels`: the fewest channels carrying 3/4 of the
+        calibrated importance of the full-attention layers; 16 for SmolLM2, 64 for Gemma 3 270M)."""
         if self.label_channels is not None:
             return self.label_channels
-        return max(1, min(16, head_dim // 4))
+        return calib.default_channels(self.artifact_path(adapter), adapter)
 
     def check_model(self, adapter):
         d = adapter.head_dim
         low, high = max(1, d // 16), max(1, d // 4)
-        r = self.channels_for(d)
+        calib.channel_rank(self.artifact_path(adapter), adapter)
+        r = self.channels_for(adapter)
         if not low <= r <= high:
             raise ValueError(f"label_channels={r} is out of range for head_dim {d}; "
                              f"allowed: {low} <= label_channels <= {high}")
-        calib.channel_rank(self.artifact_path(adapter), adapter)
 
     def artifact_path(self, adapter) -> pathlib.Path:
         """The artifact to read: ``artifact``, else the one shipped for the model (SmolLM2, Gemma 3 270M)."""
@@ -117,7 +114,7 @@ class DoubleSparsityPolicy(Policy):
     def make_layer(self, cache, layer_idx):
         adapter = cache.adapter
         rank = calib.channel_rank(self.artifact_path(adapter), adapter)  # (L, H_kv, D)
-        channels = rank[layer_idx, :, : self.channels_for(adapter.head_dim)].contiguous()  # (H_kv, r)
+        channels = rank[layer_idx, :, : self.channels_for(adapter)].contiguous()  # (H_kv, r)
         return DoubleSparsityLayer(cache, layer_idx, self, channels)
 
     def with_budget(self, budget: int) -> "DoubleSparsityPolicy":

@@ -325,12 +325,37 @@ def test_smollm2_shipped_artifact_smoke():
     res = timed_generate(model, ids, pol, max_new_tokens=3, keep_cache=True)
     assert res.tokens.shape == (1, 3)
     layer = res.cache.layers[0]
-    assert layer.label_cache.channels.shape == (3, 16)  # SmolLM2: 3 KV heads, default r = min(16, 64 // 4)
+    assert layer.label_cache.channels.shape == (3, 16)  # SmolLM2: 3 KV heads, r sized from the artifact: 16
     assert layer._validated  # the sparse decode path ran
     index = layer.select(torch.randn(1, 9, 64), 0.125)
     assert bool((index.num_attended() == 64).all())
     labels = 30 * 3 * layer.buffer.k.shape[2] * 16 * 4  # fp32 labels of every layer (capacity rows)
     assert res.stats.resident_bytes == kvpress.cache_stats(res.cache).resident_bytes >= res.stats.dense_bytes + labels
+
+
+def test_default_label_channels_carry_three_quarters_of_the_importance(model, adapter, tmp_path):
+    """label_channels=None: the fewest channels (steps of head_dim // 16, at most head_dim // 4) whose
+    calibrated importance, averaged over the heads of the full-attention layers, reaches 3/4; the
+    layers keep the artifact's top channels of that count."""
+    L, H, D = adapter.num_layers, adapter.num_kv_heads, adapter.head_dim
+    assert D // 16 <= 1 and D // 4 >= 4  # steps of one channel up to four at this shape
+    gen = torch.Generator().manual_seed(0)
+    importance = torch.full((L, H, D), 0.2 / (D - 3))
+    for layer in range(L):
+        for head in range(H):
+            top = torch.randperm(D, generator=gen)[:3]
+            importance[layer, head, top] = torch.tensor([0.3, 0.3, 0.2])  # top 2: 0.6, top 3: 0.8
+    path = tmp_path / "shares.safetensors"
+    calib.save(path, {"importance": importance, "channel_rank": calib.rank_channels(importance)}, adapter)
+    pol = kvpress.get_policy("double_sparsity", artifact=str(path), budget=20, sink_tokens=2, window_size=4)
+    assert pol.channels_for(adapter) == 3
+    assert calib.default_channels(path, adapter, coverage=0.5) == 2
+    assert calib.default_channels(path, adapter, coverage=0.99) == D // 4  # none reaches it: the most allowed
+    cache = kvpress.make_cache(model, pol)
+    with kvpress.apply(model, pol):
+        model(random_ids(12, seed=3), past_key_values=cache, use_cache=True)
+    for i, layer in enumerate(cache.layers):
+        assert set(layer.label_cache.channels[0].tolist()) == set(calib.rank_channels(importance)[i, 0, :3].tolist())
 
 
 def test_calibrate_command_is_registered():

@@ -9,7 +9,7 @@ import torch
 
 import kvpress
 from kvpress.kernels import attend_rows
-from kvpress.policies._shadowkv_store import TransferCounters, fetch_tables, to_host
+from kvpress.policies._shadowkv_store import TransferCounters, default_rank, fetch_tables, to_host
 from kvpress.policies.shadowkv import transfer_summary
 from kvpress.prefill import cache_from_dense, dense_prefill
 from kvpress.stats import tensor_bytes
@@ -276,8 +276,12 @@ def test_rerank_finds_the_chunk_whose_landmark_hides_a_matching_key(model, reduc
     assert target in picks[32][0, 0].tolist()
 
 
-def test_default_rank_is_a_quarter_of_the_key_dimension(model):
-    """rank=None keeps num_kv_heads * head_dim / 4 components (8 of the tiny model's 32)."""
+def test_default_rank_is_a_quarter_of_the_key_dimension_and_at_least_half_a_head(model):
+    """rank=None keeps num_kv_heads * head_dim / 4 components (8 of the tiny model's 32), and at least
+    head_dim / 2 (a single-KV-head model keeps half its keys' dimension)."""
+    assert default_rank(192, 64) == 48  # SmolLM2: 3 KV heads of 64
+    assert default_rank(1024, 128) == 256  # Llama-3-8B: 8 KV heads of 128
+    assert default_rank(256, 256) == 128  # Gemma 3 270M: one KV head of 256
     _, dense = dense_prefill(model, random_ids(PROMPT, seed=13))
     layer = cache_from_dense(model, policy(rank=None), dense).layers[0]
     assert layer.factor.shape[-1] == 8 and layer.basis.shape[1] == 8
