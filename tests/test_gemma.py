@@ -341,3 +341,17 @@ def test_gemma_calibrated_policies_read_their_shipped_artifacts(gemma):
     assert 1 <= int(mask[[5, 11, 17]].sum()) <= 2  # the default sparsity leaves both kinds of head
     for name in ("duo", "double_sparsity", "tidal"):
         kvpress.get_policy(name).check_model(adapter)
+
+
+@_real
+def test_gemma_model_sized_defaults(gemma):
+    """The defaults sized to the model: double_sparsity labels 64 of 256 channels (from its artifact),
+    shadowkv keeps rank 128, duo streams one of the three global heads (its lowest gate)."""
+    from kvpress.policies._shadowkv_store import default_rank
+
+    adapter = kvpress.get_adapter(gemma[0])
+    assert kvpress.get_policy("double_sparsity").channels_for(adapter) == 64
+    assert default_rank(adapter.num_kv_heads * adapter.head_dim, adapter.head_dim) == 128
+    mask = kvpress.get_policy("duo").retrieval_mask(adapter)
+    assert mask[[5, 11, 17]].tolist() == [[True], [True], [False]]
+    assert kvpress.get_policy("duo", sparsity=0.67).retrieval_mask(adapter)[[5, 11, 17]].tolist() == [[True], [False], [False]]
