@@ -40,10 +40,14 @@ class DoubleSparsityPolicy(Policy):
     paper's per-head top-k; "softmax_max" normalises each head first, "mean" averages). ``label_bits``
     (16: the model dtype; 4: codes with a per-token fp16 scale and zero, the paper's 4-bit labels).
     ``artifact`` (None: the one shipped for the model; else a ``kvpress calibrate double_sparsity
-    --model M --out F.safetensors`` file). ``label_channels`` (None: ``min(16, head_dim // 4)``;
-    allowed ``head_dim // 16 .. head_dim // 4``): 16 suit head_dim 64 (SmolLM2) and 128 (the paper's);
-    of Gemma 3 270M's 256 they are too few: at 16k and budget 1024 the default keeps 0 of ``full``'s 32
-    answers, ``label_channels=64`` keeps 26 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"). ``rerank``
+    --model M --out F.safetensors`` file). ``label_channels`` (None: sized to the model from its artifact,
+    the fewest channels carrying 3/4 of the calibrated importance of the full-attention layers,
+    `_double_sparsity_calib.default_channels`: 16 of SmolLM2's head_dim 64, 64 of Gemma 3 270M's 256,
+    whose few global layers spread their score variance wider; allowed ``head_dim // 16 .. head_dim //
+    4``). On Gemma at 16k and budget 1024, 16 channels keep 0 of ``full``'s 32 answers and 64 keep 26
+    (20 / 30 at budgets 512 / 2048); the misses are UUIDs the label-only top tokens leave out, and
+    ``rerank=8`` keeps all 32 (30 at 512; BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the
+    selecting policies at budgets 512, 1024 and 2048"). ``rerank``
     (1: the labels choose, as the paper) shortlists ``M`` times the kept tokens by label score and
     chooses among them by exact ``q . k`` (a shortlist of every candidate is ``exact_topk``'s
     selection). ``tail_chunk`` (0) adds the chunk-mean estimate of the tokens left out (see

@@ -57,8 +57,8 @@ class DuoPolicy(Policy):
         deployment knob), ``floor(sparsity * heads)`` of them: at most that fraction streams; default
         0.5. None = use ``threshold``. On a model with few heads the rounding matters: Gemma 3 270M
         has 3 global KV heads, and streaming 1 of them keeps 32 of ``full``'s 32 answers at 16k where
-        streaming 2 keeps 2 (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k tokens": ``duo`` there
-        streamed 2, ``duo:sparsity=0.34`` streams 1, as 0.5 now does).
+        streaming 2 (``sparsity=0.67``) keeps 2 (budget 1024; BENCHMARKS.md "Gemma 3 270M at 16k
+        tokens").
     threshold : float
         With ``sparsity=None``: heads with gate < threshold (0.5) stream.
     sink_tokens, window_size : int

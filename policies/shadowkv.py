@@ -36,12 +36,17 @@ class ShadowKVPolicy(Policy):
 
     ``budget`` counts every token a KV head attends per step, the always-exact ones included; when
     it covers the prompt nothing is factored and the policy equals ``full``. Deviations from the
-    paper's defaults: ``rank=None`` keeps a quarter of ``num_kv_heads * head_dim`` (the paper's
-    fixed 160 suits Llama-3-8B's 1024, not a 192-wide model; Gemma 3 270M's single 256-wide KV
-    head needs more: at 16k tokens and budget 1024 rank 64 keeps 11 of ``full``'s 32 answers and
-    ``rank=256`` (full rank: exact keys) 32 of 32, BENCHMARKS.md "Gemma 3 270M at 16k tokens"), and
+    paper's defaults: ``rank=None`` keeps a quarter of ``num_kv_heads * head_dim`` and at least half
+    of ``head_dim`` (`_shadowkv_store.default_rank`; the paper's fixed 160 suits Llama-3-8B's 1024,
+    not SmolLM2's 192, which gets 48; Gemma 3 270M's single 256-wide KV head gets 128), and
     ``rerank=8`` re-scores a shortlist on rebuilt keys, since a mean key can hide the one key a query
     matches (``rerank=1`` is the paper's landmark-only selection).
+
+    On Gemma 3 270M at 16k tokens and budget 1024 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"), rank
+    64 keeps 11 of ``full``'s 32 answers and the default rank 128 all 32 (at budgets 512 and 2048 too),
+    with 0.43x ``full``'s device bytes. The misses at rank 64 come from attending rebuilt keys, not from
+    choosing tokens with them: with the same selection, ``rank=64:residual_bits=2`` (the attended
+    tokens' keys corrected by 2-bit residuals from the host) keeps all 32 at 0.32x.
 
     Options (all off by default, so the default is the paper's method):
 
