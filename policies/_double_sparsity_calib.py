@@ -216,11 +216,13 @@ def default_channels(path: pathlib.Path, adapter, coverage: float = COVERAGE) ->
     Artifacts without ``importance`` (made elsewhere) get ``min(16, head_dim // 4)``."""
     d = adapter.head_dim
     step, high = max(1, d // 16), max(1, d // 4)
-    key = (str(pathlib.Path(path).resolve()), adapter.model_id, adapter.num_layers, adapter.num_kv_heads, d,
-           tuple(adapter.sliding_windows), coverage)
+    path = pathlib.Path(path)
+    stat = path.stat() if path.is_file() else None
+    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
+           adapter.num_layers, adapter.num_kv_heads, d, tuple(adapter.sliding_windows), coverage)
     if key in _COUNTS:
         return _COUNTS[key]
-    channel_rank(pathlib.Path(path), adapter)  # validates the file against the model
+    channel_rank(path, adapter)  # validates the file against the model
     tensors, _ = load_artifact(path, policy=POLICY, version=VERSION, adapter=adapter, check=_CHECKED)
     importance = tensors.get("importance")
     if importance is None or tuple(importance.shape) != (adapter.num_layers, adapter.num_kv_heads, d):

@@ -209,6 +209,27 @@ def test_gemma3_sliding_layers_keep_their_window_under_every_policy(name):
         assert torch.equal(out.sequences, ref.sequences)
 
 
+def test_double_sparsity_sizes_its_labels_on_the_global_layers(tmp_path):
+    """label_channels=None reads the importance of the layers that select (the global one here): the
+    sliding layers' concentrated channels do not shrink the count."""
+    from kvpress.policies import _double_sparsity_calib as calib
+
+    model = tiny_model("gemma3_text", layers=6, heads=4, kv_heads=1, sliding_window=WINDOW, layer_types=GEMMA_TYPES,
+                       seed=4)
+    adapter = kvpress.get_adapter(model)
+    D = adapter.head_dim
+    importance = torch.zeros(6, 1, D)
+    importance[:, :, 0] = 1.0  # sliding layers: one channel carries everything
+    importance[5] = 1.0 / D  # the global layer: spread evenly, so no count below head_dim // 4 reaches 3/4
+    path = tmp_path / "gemma-like.safetensors"
+    calib.save(path, {"importance": importance, "channel_rank": calib.rank_channels(importance)}, adapter)
+    assert calib.default_channels(path, adapter) == max(1, D // 4)
+    importance[5, :, :3] = 1.0  # now three channels of the global layer carry nearly all of it
+    calib.save(path, {"importance": importance, "channel_rank": calib.rank_channels(importance)}, adapter)
+    calib._COUNTS.clear()
+    assert calib.default_channels(path, adapter) == max(1, D // 16) * -(-3 // max(1, D // 16))
+
+
 # --------------------------------------------------------------------------- #
 # The real model
 # --------------------------------------------------------------------------- #
