@@ -275,7 +275,11 @@ def test_gemma_cache_round_trips_the_gguf_tokenizer_and_generation(gemma):
     assert model_cache.fingerprint_mismatch(meta["tokenizer"], fingerprint, chat=False) is None
     for string, ids, decoded in meta["tokenizer"]["strings"]:
         assert tok(string)["input_ids"] == ids and decoded == string
-    assert not (folder.parent / "gemma-3-270m-q4_k_m.gguf").exists(), "the assembled GGUF is removed after conversion"
+    # the assembled GGUF is removed after conversion, unless another transformers version's cache folder
+    # reads its tokenizer from it (one whose saved tokenizer did not round-trip)
+    others = [model_cache.read_meta(f) for f in folder.parent.iterdir() if f.is_dir() and f != folder]
+    if not any(m and m.get("tokenizer_source") != "cache" for m in others):
+        assert not (folder.parent / "gemma-3-270m-q4_k_m.gguf").exists(), "the assembled GGUF is removed after conversion"
     ref = meta["reference_generation"]
     inputs = model_cache.reference_inputs(models.GEMMA3, tok)
     with torch.no_grad():
