@@ -156,7 +156,14 @@ def save(path, tensors: dict[str, torch.Tensor], adapter, extra: dict | None = N
 
 
 def load(path, adapter) -> torch.Tensor:
-    """Read an artifact, check it against ``adapter``'s model; returns ``channel_rank`` [L, H_kv, D].
+    """Read an artifact, check it against ``adapter``'s model; returns ``channel_rank`` [L, H_kv, D]
+    (:func:`_read`, which raises on a bad file)."""
+    return _read(path, adapter)[0]
+
+
+def _read(path, adapter) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read an artifact, check it against ``adapter``'s model; returns ``channel_rank`` [L, H_kv, D]
+    and ``importance`` (None when the file has none of that shape).
 
     Raises
     ------
@@ -181,21 +188,32 @@ def load(path, adapter) -> torch.Tensor:
     rank = rank.long()
     if not torch.equal(rank.sort(dim=-1).values, torch.arange(adapter.head_dim).expand_as(rank)):
         raise ValueError(f"{path}: channel_rank rows must be permutations of 0..{adapter.head_dim - 1}")
-    return rank
+    importance = tensors.get("importance")
+    return rank, importance.float() if importance is not None and importance.shape == rank.shape else None
 
 
-_RANKS: dict[tuple, torch.Tensor] = {}
+_READS: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}  # _file_key -> (channel_rank, importance)
+_COUNTS: dict[tuple, int] = {}  # (the file key, coverage) -> default_channels
+
+
+def _file_key(path: pathlib.Path, adapter) -> tuple:
+    """The file (path, mtime, size) and the model's fields: what a cached read depends on."""
+    stat = path.stat() if path.is_file() else None
+    return (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
+            adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
+
+
+def _cached_read(path: pathlib.Path, adapter) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_read`, cached by :func:`_file_key`: every layer of every generation reads the artifact once."""
+    key = _file_key(path, adapter)
+    if key not in _READS:
+        _READS[key] = _read(path, adapter)
+    return _READS[key]
 
 
 def channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
-    """:func:`load`, cached by the file (path, mtime, size) and the model's fields: every layer of
-    every generation reads the artifact once."""
-    stat = path.stat() if path.is_file() else None
-    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
-           adapter.family, adapter.num_layers, adapter.num_heads, adapter.num_kv_heads, adapter.head_dim)
-    if key not in _RANKS:
-        _RANKS[key] = load(path, adapter)
-    return _RANKS[key]
+    """:func:`load`, cached (:func:`_cached_read`)."""
+    return _cached_read(path, adapter)[0]
 
 
 # The label channels kept by default must carry this share of a head's calibrated importance, on
@@ -204,9 +222,6 @@ def channel_rank(path: pathlib.Path, adapter) -> torch.Tensor:
 # importance) and kept them with 16 (0.78); Gemma 3 270M (head_dim 256) lost every uuid needle with
 # 32 (0.63) and kept them with 64 (0.79).
 COVERAGE = 0.75
-
-_COUNTS: dict[tuple, int] = {}
-
 
 def default_channels(path: pathlib.Path, adapter, coverage: float = COVERAGE) -> int:
     """Label channels for ``label_channels=None``: the fewest, in steps of ``head_dim // 16`` from
@@ -217,25 +232,19 @@ def default_channels(path: pathlib.Path, adapter, coverage: float = COVERAGE) ->
     d = adapter.head_dim
     step, high = max(1, d // 16), max(1, d // 4)
     path = pathlib.Path(path)
-    stat = path.stat() if path.is_file() else None
-    key = (str(path.resolve()), stat and stat.st_mtime_ns, stat and stat.st_size, adapter.model_id,
-           adapter.num_layers, adapter.num_kv_heads, d, tuple(adapter.sliding_windows), coverage)
-    if key in _COUNTS:
-        return _COUNTS[key]
-    channel_rank(path, adapter)  # validates the file against the model
-    tensors, _ = load_artifact(path, policy=POLICY, version=VERSION, adapter=adapter, check=_CHECKED)
-    importance = tensors.get("importance")
-    if importance is None or tuple(importance.shape) != (adapter.num_layers, adapter.num_kv_heads, d):
-        count = max(1, min(16, high))
-    else:
-        layers = [i for i in range(adapter.num_layers) if adapter.sliding_window(i) is None] or \
-            list(range(adapter.num_layers))
-        imp = importance[layers].double().clamp_min(0)
-        share = imp.sort(dim=-1, descending=True).values.cumsum(-1) / imp.sum(-1, keepdim=True).clamp_min(1e-30)
-        mean_share = share.mean(dim=(0, 1))  # (D,): share carried by the top c+1 channels
-        count = next((c for c in range(step, high + 1, step) if mean_share[c - 1] >= coverage), high)
-    _COUNTS[key] = count
-    return count
+    key = (_file_key(path, adapter), coverage)
+    if key not in _COUNTS:
+        importance = _cached_read(path, adapter)[1]  # (validates the file against the model)
+        if importance is None:
+            _COUNTS[key] = max(1, min(16, high))
+        else:
+            layers = [i for i in range(adapter.num_layers) if adapter.sliding_window(i) is None] or \
+                list(range(adapter.num_layers))
+            imp = importance[layers].double().clamp_min(0)
+            share = imp.sort(dim=-1, descending=True).values.cumsum(-1) / imp.sum(-1, keepdim=True).clamp_min(1e-30)
+            mean_share = share.mean(dim=(0, 1))  # (D,): share carried by the top c+1 channels
+            _COUNTS[key] = next((c for c in range(step, high + 1, step) if mean_share[c - 1] >= coverage), high)
+    return _COUNTS[key]
 
 
 def artifact_for(artifact: str | None, adapter) -> pathlib.Path:
