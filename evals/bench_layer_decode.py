@@ -2,7 +2,7 @@
 
     python -m kvpress.evals.bench_layer_decode --contexts 1024,4096,8192 --policies full,window@256,streaming@1024
     python -m kvpress.evals.bench_layer_decode --model smollm2 --contexts 8192 \\
-        --policies double_sparsity@256,double_sparsity:rerank=8:tail_chunk=64@256 --profile 8
+        --policies double_sparsity:rerank=1:tail_chunk=0@256,double_sparsity@256 --profile 8
 
 Drives one cache layer directly with random q/k/v of the model's attention shape (by default a
 one-layer random model of SmolLM2's: 9 query heads, 3 KV heads, head_dim 64; fp32, batch 1): a

@@ -44,25 +44,27 @@ class DoubleSparsityPolicy(Policy):
     the fewest channels carrying 3/4 of the calibrated importance of the full-attention layers,
     `_double_sparsity_calib.default_channels`: 16 of SmolLM2's head_dim 64, 64 of Gemma 3 270M's 256,
     whose few global layers spread their score variance wider; allowed ``head_dim // 16 .. head_dim //
-    4``). ``rerank`` (8) shortlists ``rerank`` times the kept tokens by label score and chooses among them by
-    exact ``q . k`` (the shortlist's keys are read from the resident cache; a shortlist of every
+    4``). ``rerank`` (8) shortlists ``rerank`` times the kept tokens by label score and chooses among
+    them by exact ``q . k`` (the shortlist's keys are read from the resident cache; a shortlist of every
     candidate is ``exact_topk``'s selection); ``rerank=1`` lets the labels choose, as the paper does.
-    On Gemma at 16k and budget 1024 the default keeps all 32 of ``full``'s answers (30 / 32 at budgets
-    512 / 2048); ``rerank=1`` keeps 26 (20 / 30): its misses are UUIDs the label-only top tokens leave
-    out; ``label_channels=16:rerank=1`` keeps 0 (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the
-    selecting policies at budgets 512, 1024 and 2048"). ``tail_chunk`` (0) adds the chunk-mean estimate
-    of the tokens left out (see ``exact_topk``): with label-chosen tokens alone it hurts as often as it
-    helps, with a re-ranked shortlist it keeps the needles. ``backend`` ("auto": on fp32 CPU without
-    padding, selection and attention as two compiled calls per layer, `kvpress.kernels.native`;
-    "torch": the reference).
+    ``tail_chunk`` (64) adds the chunk-mean estimate of the tokens left out (see ``exact_topk``; 0:
+    none, as the paper): with label-chosen tokens alone it hurts as often as it helps, with a
+    re-ranked shortlist it keeps the needles. On Gemma at 16k and budget 1024 the default keeps all 32
+    of ``full``'s answers (30 / 32 at budgets 512 / 2048, the same without the tail estimate);
+    ``rerank=1:tail_chunk=0`` keeps 26 (20 / 30): its misses are UUIDs the label-only top tokens leave
+    out (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the selecting policies at budgets 512,
+    1024 and 2048"). On SmolLM2 at 8k and budget 256 the tail estimate is what keeps the needles:
+    ``tail_chunk=0`` keeps 24 of ``full``'s 29 ("`double_sparsity` at budget 256 without its tail
+    estimate"). ``backend`` ("auto": on fp32 CPU without padding, selection and attention as two
+    compiled calls per layer, `kvpress.kernels.native`; "torch": the reference).
 
     Measured on SmolLM2-135M at budget 256 (BENCHMARKS.md "`double_sparsity` at budget 256 with its
-    shortlist re-ranked on exact keys" and "Query-aware decode on CPU"): ``rerank=8:tail_chunk=64``
-    (the ``double-sparsity-256`` preset) keeps all 29 of ``full``'s 8k niah_single needles, 100% of its
-    4k niah_single and 97.5% of its 4k niah_multivalue score, at 1.60x ``full``'s decode speed on one CPU
-    thread; ``rerank=1`` (1.88x) loses needles at 8k. On an H100 (random Llama-3-8B shape, 32k, budget
-    1024) the kernel reads the budget 7.8x / 22x faster than dense SDPA at batch 1 / 8, but a step is
-    host-bound (scoring, top-k, launches), slower than ``full`` end to end.
+    shortlist re-ranked on exact keys" and "Query-aware decode on CPU"): the defaults (the
+    ``double-sparsity-256`` preset names them) keep all 29 of ``full``'s 8k niah_single needles, 100% of
+    its 4k niah_single and 97.5% of its 4k niah_multivalue score, at 1.60x ``full``'s decode speed on
+    one CPU thread; ``rerank=1:tail_chunk=0`` (1.88x) loses needles at 8k. On an H100 (random
+    Llama-3-8B shape, 32k, budget 1024) the kernel reads the budget 7.8x / 22x faster than dense SDPA at
+    batch 1 / 8, but a step is host-bound (scoring, top-k, launches), slower than ``full`` end to end.
     """
 
     budget: int = 256
@@ -73,7 +75,7 @@ class DoubleSparsityPolicy(Policy):
     group_reduction: str = "max"
     artifact: str | None = None
     backend: str = "auto"
-    tail_chunk: int = 0
+    tail_chunk: int = 64
     rerank: int = 8
 
     name = "double_sparsity"
