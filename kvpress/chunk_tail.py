@@ -35,7 +35,8 @@ class ChunkTail:
         self.tail_k_sum: torch.Tensor | None = None  # (B, H_kv, N_cap, D) fp32
         self.tail_v_sum: torch.Tensor | None = None
         self.tail_count: torch.Tensor | None = None  # (B, N_cap) fp32
-        self.chunks = 0  # chunks holding at least one stored token
+        self._chunks = 0  # chunks summed by `append` / `truncate`
+        self._counted = 0  # the store's length as the last static step counted it (`count_stored`)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, start: int, row_start: torch.Tensor | None,
                from_chunk: int = 0) -> None:
@@ -73,10 +74,20 @@ class ChunkTail:
         self.tail_v_sum.scatter_add_(2, at, v.float() * w[:, None, :, None])
         self.tail_count.scatter_add_(1, chunk, w)
 
+    @property
+    def chunks(self) -> int:
+        """Chunks holding at least one stored token."""
+        return max(self._chunks, -(-self._counted // self.chunk_size))
+
+    @chunks.setter
+    def chunks(self, n: int) -> None:
+        self._chunks, self._counted = n, 0
+
     def count_stored(self, length: int) -> None:
         """The store holds ``length`` tokens (a static step's token, counted on the host afterwards):
-        chunks up to it are in use."""
-        self.chunks = max(self.chunks, -(-length // self.chunk_size))
+        chunks up to it are in use. Only written here: a compiled step that read the chunk count
+        would guard on it and compile again whenever a new chunk starts."""
+        self._counted = length
 
     def reserve(self, capacity: int, like: torch.Tensor) -> None:
         """Hold the sums of every chunk of a ``capacity``-token store ``like`` [B, H_kv, capacity, D],

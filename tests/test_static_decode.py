@@ -10,6 +10,8 @@ Python integers, then traces them as symbols once they change).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -260,3 +262,16 @@ def test_compiled_decode_is_captured_in_a_cuda_graph(name):
     assert counters["stats"]["unique_graphs"] == 1
     skips = counters["inductor"]["cudagraph_skips"]
     assert skips >= 1 if name == "shadowkv" else skips == 0, skips
+
+
+@pytest.mark.parametrize("name", ["exact_topk", "quest", "tidal", "double_sparsity"])
+def test_tail_estimate_keeps_one_graph_as_chunks_start(models, name):
+    """The tail estimate's chunk count grows every ``tail_chunk`` tokens; the compiled step must not
+    guard on it (16-token chunks start at other steps than the first one, from a 40-token prompt)."""
+    model = models["llama"]
+    policy = replace(policy_class(name).example(get_adapter(model)), tail_chunk=16)
+    prompt = random_ids(PROMPT, seed=1)
+    eager, _ = _decode(model, policy, prompt, 100, compiled=False)
+    compiled, graphs = _decode(model, policy, prompt, 100, compiled=True)
+    assert compiled == eager
+    assert 1 <= graphs <= 2, f"{graphs} graphs for one capacity bucket"
