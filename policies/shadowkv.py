@@ -43,7 +43,8 @@ class ShadowKVPolicy(Policy):
     matches (``rerank=1`` is the paper's landmark-only selection).
 
     On Gemma 3 270M at 16k tokens and budget 1024 (BENCHMARKS.md "Gemma 3 270M at 16k tokens"), rank
-    64 keeps 11 of ``full``'s 32 answers and the default rank 128 all 32 (at budgets 512 and 2048 too),
+    64 keeps 11 of ``full``'s 32 answers on 16 samples per task and the default rank 128 all 32 (at
+    budgets 512 and 2048 too; all 57 at 1024 on 29 samples per task),
     with 0.43x ``full``'s device bytes. The misses at rank 64 come from attending rebuilt keys, not from
     choosing tokens with them: with the same selection, ``rank=64:residual_bits=2`` (the attended
     tokens' keys corrected by 2-bit residuals from the host) keeps all 32 at 0.32x. At 32k tokens
