@@ -5,7 +5,7 @@ import torch
 
 import kvpress
 from kvpress.compat import cache_kwargs
-from kvpress.policies import _quant
+from kvpress.policies import _quant_window
 from kvpress.policies._quant_storage import WINDOW_STEP, window_slots
 
 from conftest import random_ids
@@ -62,12 +62,12 @@ def test_growth_changes_no_output(llama, spec, monkeypatch):
     tokens and logits as a window allocated at its configured size up front."""
     ids = random_ids(300, seed=5)
     sizes = []
-    monkeypatch.setattr(_quant, "window_slots", lambda tokens, limit: sizes.append((tokens, limit)) or
+    monkeypatch.setattr(_quant_window, "window_slots", lambda tokens, limit: sizes.append((tokens, limit)) or
                         window_slots(tokens, limit))
     grown = generate(llama, ids, spec, 50)
     assert grown.past_key_values.layers[0].n_quant > 0
     assert any(window_slots(t, limit) < limit for t, limit in sizes)  # the window was smaller at times
-    monkeypatch.setattr(_quant, "window_slots", lambda tokens, limit: max(tokens, limit))
+    monkeypatch.setattr(_quant_window, "window_slots", lambda tokens, limit: max(tokens, limit))
     whole = generate(llama, ids, spec, 50)
     assert torch.equal(grown.sequences, whole.sequences)
     for a, b in zip(grown.scores, whole.scores):
