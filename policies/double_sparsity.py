@@ -49,15 +49,14 @@ class DoubleSparsityPolicy(Policy):
     candidate is ``exact_topk``'s selection); ``rerank=1`` lets the labels choose, as the paper does.
     ``tail_chunk`` (64) adds the chunk-mean estimate of the tokens left out (see ``exact_topk``; 0:
     none, as the paper): with label-chosen tokens alone it hurts as often as it helps, with a
-    re-ranked shortlist it keeps the needles. On Gemma at 16k and budget 1024 the default keeps all 57
-    of ``full``'s answers on 29 samples per task, ``rerank=1:tail_chunk=0`` 45; on samples 0-15 at
-    budgets 512 / 2048 the default keeps 30 / 32 of 32 (the same without the tail estimate) and
-    ``rerank=1:tail_chunk=0`` 20 / 30. Its misses are UUIDs the label-only top tokens leave out
-    (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the selecting policies at budgets 512, 1024
-    and 2048"). On SmolLM2 at 8k and budget 256 the tail estimate is what keeps the needles:
-    ``tail_chunk=0`` keeps 24 of ``full``'s 29 ("`double_sparsity` at budget 256 without its tail
-    estimate"). ``backend`` ("auto": on fp32 CPU without padding, selection and attention as two
-    compiled calls per layer, `kvpress.kernels.native`; "torch": the reference).
+    re-ranked shortlist it keeps the needles. On Gemma at 16k (32 samples per task) the default
+    keeps 61 / 63 / 63 of ``full``'s 63 answers at budgets 512 / 1024 / 2048 (the same without the
+    tail estimate) and ``rerank=1:tail_chunk=0`` 42 / 51 / 59. Its misses are UUIDs the label-only
+    top tokens leave out (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the selecting policies
+    at budgets 512, 1024 and 2048"). On SmolLM2 at 8k and budget 256 the tail estimate is what keeps
+    the needles: ``tail_chunk=0`` keeps 24 of ``full``'s 29 ("`double_sparsity` at budget 256
+    without its tail estimate"). ``backend`` ("auto": on fp32 CPU without padding, selection and
+    attention as two compiled calls per layer, `kvpress.kernels.native`; "torch": the reference).
 
     Measured on SmolLM2-135M at budget 256 (BENCHMARKS.md "`double_sparsity` at budget 256 with its
     shortlist re-ranked on exact keys" and "Query-aware decode on CPU"): the defaults (the

@@ -56,8 +56,8 @@ class DuoPolicy(Policy):
         Fraction of KV heads (over all layers) made streaming, lowest gates first (the paper's
         deployment knob), ``floor(sparsity * heads)`` of them: at most that fraction streams; default
         0.5. None = use ``threshold``. On a model with few heads the rounding matters: Gemma 3 270M
-        has 3 global KV heads, and streaming 1 of them keeps 57 of ``full``'s 57 answers at 16k where
-        streaming 2 (``sparsity=0.67``) keeps 2 of 32 on the first 16 samples (budget 1024;
+        has 3 global KV heads, and streaming 1 of them keeps 63 of ``full``'s 63 answers at 16k
+        where streaming 2 (``sparsity=0.67``) keeps 2 of 32 on the first 16 samples (budget 1024;
         BENCHMARKS.md "Gemma 3 270M at 16k tokens").
     threshold : float
         With ``sparsity=None``: heads with gate < threshold (0.5) stream.

@@ -45,12 +45,12 @@ class QuestPolicy(Policy):
     keeps 97 / 100 / 100 / 100%. With 8-token pages (``page_size=8``, a tighter bound) 13 of 32
     at budget 256 (41%; BENCHMARKS.md "Selection and eviction at budgets 128-1024").
     At 8192 tokens (24 niah_single samples) it answers 1 needle to full's 13. On Gemma 3 270M (16k,
-    its global layers 5, 11, 17) it answers 13 / 20 / 26 of ``full``'s 32 needles at budget 512 / 1024
-    / 2048 on 16 samples per task, ``exact_topk`` 32 at each, and 35 of 57 at 1024 on 29 samples
-    per task (``exact_topk`` 57): again the bound. At the answer's first token the needle's page
-    ranks 3rd-4th by exact ``max q . k`` in the retrieving layer 11 but 124th and 201st of ~1020 by the
-    bound (63 pages fit), and 8-token pages do not fix it (``benchmarks/quest_page_bounds.py``;
-    BENCHMARKS.md "Why `quest` loses needles on Gemma 3 270M at 16k").
+    its global layers 5, 11, 17) it answers 27 / 40 / 53 of ``full``'s 63 needles at budget 512 /
+    1024 / 2048 on 32 samples per task, where ``exact_topk`` answers all 63 at each: again the
+    bound. At the answer's first token the needle's page ranks 3rd-4th by exact ``max q . k`` in the
+    retrieving layer 11 but 124th and 201st of ~1020 by the bound (63 pages fit), and 8-token pages
+    do not fix it (``benchmarks/quest_page_bounds.py``; BENCHMARKS.md "Why `quest` loses needles on
+    Gemma 3 270M at 16k").
 
     Decode speed (SmolLM2, 8k, budget 256, CPU): ~1.6x ``full`` end to end, the attention part
     ~3x (``kvpress bench --interleave``; BENCHMARKS.md "Query-aware decode on CPU" has the current run).

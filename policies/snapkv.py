@@ -32,10 +32,10 @@ class SnapKVPolicy(Policy):
     that split numbers into digits (SmolLM2, Llama-3) spread a 7-digit value over 7+ tokens: on 4k
     niah_single (32 samples) 15 keeps 9 / 22 / 75% of ``full``'s needles at budgets 128 / 256 / 1024,
     21 keeps 72 / 84 / 100% (BENCHMARKS.md "Selection and eviction at budgets 128-1024"). A value
-    longer than the pool is cut: on Gemma 3 270M at 16k it answers 16 of 16 7-digit needles and 0 of
-    16 UUIDs at budgets 512, 1024 and 2048 (29 of 29 and 0 of 28 at 1024 on 29 samples per task),
-    keeping each UUID's first characters (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the
-    selecting policies at budgets 512, 1024 and 2048").
+    longer than the pool is cut: on Gemma 3 270M at 16k (32 samples per task) it answers 29 / 32 /
+    32 of 32 7-digit needles and none of 31 UUIDs at budgets 512 / 1024 / 2048, keeping each UUID's
+    first characters (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and "... the selecting policies at
+    budgets 512, 1024 and 2048").
 
     Decode (our choice; the paper lets the cache grow): the budget is a hard cap. Once a row holds
     ``budget`` tokens, each new token replaces, per KV head, the lowest-scored kept prompt token until

@@ -60,11 +60,11 @@ class TidalPolicy(Policy):
     or not, with or without ``tail_chunk`` (the first digits right, then the number breaks off). CPU
     decode (8k, budget 256): ~1.6x ``full``'s speed, attention ~3x. On an H100 (random Llama-3-8B
     shape, 32k, budget 1024) the kernel reads the budget 7.8x / 22x faster than SDPA at batch 1 / 8,
-    but a step is host-bound (~75 µs a Triton launch): 97.3 vs 79.4 ms/token for ``full``. On Gemma 3
-    270M (its 3 global layers: 5 selects, 11 selects again, 17 reuses) it answers 32 of ``full``'s 32 at
-    16k tokens at budgets 512, 1024 and 2048 (16 samples each of niah_single and its UUID variant; 57 of
-    57 at 1024 on 29 samples each), as ``exact_topk`` does (BENCHMARKS.md "Gemma 3 270M at 16k tokens"
-    and "... the selecting policies at budgets 512, 1024 and 2048").
+    but a step is host-bound (~75 µs a Triton launch): 97.3 vs 79.4 ms/token for ``full``. On Gemma
+    3 270M (its 3 global layers: 5 selects, 11 selects again, 17 reuses) it answers all 63 of
+    ``full``'s answers at 16k tokens at budgets 512, 1024 and 2048 (32 samples each of niah_single
+    and its UUID variant), as ``exact_topk`` does (BENCHMARKS.md "Gemma 3 270M at 16k tokens" and
+    "... the selecting policies at budgets 512, 1024 and 2048").
     """
 
     budget: int = 256
