@@ -1,6 +1,7 @@
 """Plots of ``kvpress eval`` results (matplotlib's ``Figure`` API: no display, no global backend).
 
 * ``score_vs_budget.png`` — mean score against budget, one line per policy, one panel per task
+  configuration (`niah_single` and `niah_single:value_type=uuids` are two panels)
   (policies without a budget, like ``full``, are horizontal reference lines with a shaded band);
 * ``memory_vs_length.png`` — resident KV MiB against input length per policy config;
 * ``latency_vs_length.png`` — decode ms/token against input length per policy config.
@@ -16,6 +17,8 @@ import math
 import random
 from collections import defaultdict
 from pathlib import Path
+
+from .results import task_label
 
 PLOT_FILES = ("score_vs_budget.png", "memory_vs_length.png", "latency_vs_length.png")
 INTERVAL_RESAMPLES = 1000
@@ -64,7 +67,7 @@ def _label(record: dict) -> str:
 
 def plot_score_vs_budget(records: list[dict], path) -> Path:
     """One panel per task: score (mean over samples and lengths) against budget, per policy."""
-    tasks = list(dict.fromkeys(r["task"] for r in records))
+    tasks = list(dict.fromkeys(task_label(r) for r in records))
     fig = _figure(4.4 * len(tasks), 3.6)
     axes = fig.subplots(1, len(tasks), squeeze=False)[0]
     budgets = sorted({r["budget"] for r in records if r.get("budget") is not None})
@@ -72,7 +75,7 @@ def plot_score_vs_budget(records: list[dict], path) -> Path:
     for ax, task in zip(axes, tasks):
         by_policy: dict[str, dict] = defaultdict(lambda: defaultdict(list))
         for r in records:
-            if r["task"] == task and _finite(r.get("score")):
+            if task_label(r) == task and _finite(r.get("score")):
                 by_policy[_label(r)][r.get("budget")].append(float(r["score"]))
         for name, points in by_policy.items():
             if set(points) == {None}:  # no budget: a reference line (and its interval) across the sweep
@@ -90,7 +93,7 @@ def plot_score_vs_budget(records: list[dict], path) -> Path:
         if budgets:
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
-        metric = next((r.get("metric") for r in records if r["task"] == task), "score")
+        metric = next((r.get("metric") for r in records if task_label(r) == task), "score")
         ax.set_title(f"{task} ({', '.join(map(str, lengths))} tokens)", fontsize=9)
         ax.set_xlabel("budget (tokens per KV head)")
         ax.set_ylabel("perplexity (lower is better)" if metric == "perplexity" else "score (mean, 95% interval)")

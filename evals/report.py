@@ -33,7 +33,7 @@ from operator import itemgetter
 from pathlib import Path
 
 from . import results as res
-from .tasks import get_task, parse_task_spec
+from .results import task_label  # noqa: F401  (re-exported: compare and older callers import it here)
 
 REFERENCE = "full"
 REPORT_FILE = "report.md"
@@ -59,26 +59,6 @@ def _spec(record: dict) -> str:
 def _mean(values) -> float:
     values = [float(v) for v in values]
     return sum(values) / len(values) if values else float("nan")
-
-
-@functools.lru_cache(maxsize=64)
-def _label_of_spec(spec: str) -> str:
-    name, options = parse_task_spec(spec)
-    defaults = parse_task_spec(get_task(name).spec)[1]
-    changed = [f"{k}={v}" for k, v in options.items() if defaults.get(k) != v]
-    return name + (":" + ",".join(changed) if changed else "")
-
-
-def task_label(record: dict) -> str:
-    """The record's task name, with the options it sets away from their defaults
-    (``niah_single:value_type=uuids``), so two configurations of one task stay apart."""
-    spec = record.get("task_spec")
-    if not spec:
-        return record["task"]
-    try:
-        return _label_of_spec(spec)
-    except (KeyError, ValueError):  # a task this version does not know: its full spec
-        return spec
 
 
 def score_table(records: list[dict], length: int) -> dict:

@@ -9,6 +9,7 @@ that counts them. One run writes an output folder at a time (`lock_out_dir`).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import os
@@ -18,6 +19,8 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+
+from .tasks import get_task, parse_task_spec
 
 RESULTS_FILE = "results.jsonl"
 LOCK_FILE = ".kvpress-eval.lock"
@@ -184,11 +187,32 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+@functools.lru_cache(maxsize=64)
+def _label_of_spec(spec: str) -> str:
+    name, options = parse_task_spec(spec)
+    defaults = parse_task_spec(get_task(name).spec)[1]
+    changed = [f"{k}={v}" for k, v in options.items() if defaults.get(k) != v]
+    return name + (":" + ",".join(changed) if changed else "")
+
+
+def task_label(record: dict) -> str:
+    """The record's task name, with the options it sets away from their defaults
+    (``niah_single:value_type=uuids``), so two configurations of one task stay apart."""
+    spec = record.get("task_spec")
+    if not spec:
+        return record["task"]
+    try:
+        return _label_of_spec(spec)
+    except (KeyError, ValueError):  # a task this version does not know: its full spec
+        return spec
+
+
 def summarize(records: list[dict]) -> list[dict]:
-    """Mean score, memory and timings per (policy config, task, length), in first-seen order."""
+    """Mean score, memory and timings per (policy config, task, length), in first-seen order; two
+    configurations of one task (``niah_single`` and ``niah_single:value_type=uuids``) are two tasks."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
-        groups[(r["policy_label"], r["task"], r["length"])].append(r)
+        groups[(r["policy_label"], task_label(r), r["length"])].append(r)
     rows = []
     for (label, task, length), cells in groups.items():
         first = cells[0]
@@ -234,14 +258,15 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """Fixed-width table: policy, budget/bits, task, length, n, score, resident KV MiB, decode ms/token, prefill s."""
-    header = (f"{'policy':<24} {'budget':>6} {'task':<16} {'length':>6} {'n':>3} {'score':>8} "
+    width = max([16] + [len(r["task"]) for r in rows])
+    header = (f"{'policy':<24} {'budget':>6} {'task':<{width}} {'length':>6} {'n':>3} {'score':>8} "
               f"{'KV MiB':>8} {'decode ms/tok':>13} {'prefill s':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         knob = r["budget"] if r.get("budget") is not None else (f"b{r['bits']}" if r.get("bits") is not None else "-")
         score = _fmt(r["score"], ".3f") + ("*" if r.get("metric") == "perplexity" else "")
         lines.append(
-            f"{r['policy_label']:<24} {str(knob):>6} {r['task']:<16} {r['length']:>6} {r['n']:>3} {score:>8} "
+            f"{r['policy_label']:<24} {str(knob):>6} {r['task']:<{width}} {r['length']:>6} {r['n']:>3} {score:>8} "
             f"{_fmt(r['resident_mib'], '.2f'):>8} {_fmt(r['decode_ms_per_token'], '.1f'):>13} "
             f"{_fmt(r['prefill_s'], '.2f'):>9}"
         )

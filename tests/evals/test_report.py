@@ -273,6 +273,13 @@ def test_two_configurations_of_one_task_stay_apart():
     table = score_table(cells, 1024)[("full", None)]
     assert table["niah_single"][0][0] == 1.0 and table["niah_single:value_type=uuids"][0][0] == 0.0
     assert task_label({"task": "old"}) == "old"  # records without a spec keep their task name
+    # so do the run's own summary (the printed table and summary.csv) and the score plot's panels
+    from kvpress.evals import results as res
+
+    rows = res.summarize(cells)
+    assert [(r["task"], r["n"], r["score"]) for r in rows] == [("niah_single", 1, 1.0),
+                                                                ("niah_single:value_type=uuids", 1, 0.0)]
+    assert "niah_single:value_type=uuids  " in res.format_table(rows)
 
 
 def test_result_table_file_from_eval_logs(tmp_path):
