@@ -4,7 +4,9 @@ Each result file is one table, as JSON::
 
     {"title": str, "section": one of SECTIONS, "order": int,
      "command": str or [str, ...], "machine": str, "date": str, "commit": str (optional),
-     "columns": [str, ...], "rows": [[str, ...], ...], "notes": [str, ...]}
+     "columns": [str, ...], "rows": [[str, ...], ...], "notes": [str, ...],
+     "logs": {"folders": [str, ...], ...} (optional: the committed per-cell logs the table was
+             built from, see :mod:`kvpress.evals.result_table`)}
 
 BENCHMARKS.md is this script's output and nothing else (``tests/test_docs.py`` checks it), so a
 new measurement is a new or changed result file, and the page follows. Superseded results are
@@ -102,6 +104,10 @@ def render_table(data: dict) -> str:
         lines.append("")
         for note in data["notes"]:
             lines.extend(_prose(note, "- ", "  "))
+    if data.get("logs"):
+        folders = ", ".join(f"`{folder}/`" for folder in data["logs"]["folders"])
+        lines += ["", *_prose(f"Per-cell logs (each answer with its score, KV bytes and timings): {folders}; "
+                              "`python -m kvpress.evals.result_table` rebuilds this table from them.")]
     return "\n".join(lines)
 
 

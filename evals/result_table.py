@@ -15,6 +15,12 @@ for one input length in the format :mod:`kvpress.evals.benchmarks_md` renders:
 
 The numbers come from the logs alone, so rerunning the command over the same folders rewrites the
 same file; the date is the newest cell's.
+
+**Committed logs.** When every folder lies under ``benchmarks/results/logs/`` (a folder per table
+holding the runs' ``results.jsonl``), the result file records them and the arguments of the build
+under ``"logs"``; BENCHMARKS.md names the folders under the table, and ``tests/test_docs.py``
+rebuilds the table from them and checks it equals the committed one. Such folders also serve as
+``kvpress eval --reuse`` sources when the table grows (e.g. ``full``'s cells for a new policy).
 """
 
 from __future__ import annotations
@@ -98,17 +104,46 @@ def perplexity_rows(records: list[dict], length: int) -> tuple[list[str], list[l
     return ["policy", "perplexity", "`full` / policy", "resident KV MiB"], rows
 
 
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "benchmarks" / "results" / "logs"
+
+
+def committed_logs(folders) -> list[str] | None:
+    """The folders as paths relative to the repository when all lie under ``benchmarks/results/logs``,
+    else None."""
+    relative = []
+    for folder in folders:
+        path = Path(folder).resolve()
+        if not path.is_relative_to(LOGS):
+            return None
+        relative.append(path.relative_to(ROOT).as_posix())
+    return relative
+
+
 def build(folders, *, length: int, title: str, section: str, order: int, command, machine: str,
           tasks: list[str] | None = None, perplexity: bool = False, notes=()) -> dict:
-    """The result-file dict (``benchmarks_md``'s format) for ``length`` from the folders' logs."""
+    """The result-file dict (``benchmarks_md``'s format) for ``length`` from the folders' logs
+    (with ``"logs"`` when they are committed ones, see the module docstring)."""
     records = load(folders)
     at_length = [r for r in records if r["length"] == length]
     if not at_length:
         raise ValueError(f"no cells at {length} tokens in {', '.join(map(str, folders))}")
     columns, rows = perplexity_rows(records, length) if perplexity else score_rows(records, length, tasks)
     dates = sorted(r.get("time") or "" for r in at_length)  # ISO 8601 UTC, as kvpress eval writes it
-    return {"title": title, "section": section, "order": order, "command": command, "machine": machine,
+    data = {"title": title, "section": section, "order": order, "command": command, "machine": machine,
             "date": (dates[-1] or "")[:10], "columns": columns, "rows": rows, "notes": list(notes)}
+    logs = committed_logs(folders)
+    if logs:
+        data["logs"] = {"folders": logs, "length": length, "tasks": tasks, "perplexity": perplexity}
+    return data
+
+
+def rebuild(data: dict) -> dict:
+    """``data`` (a result file with ``"logs"``) built again from its committed logs."""
+    logs = data["logs"]
+    return build([ROOT / folder for folder in logs["folders"]], length=logs["length"], title=data["title"],
+                 section=data["section"], order=data["order"], command=data["command"], machine=data["machine"],
+                 tasks=logs["tasks"], perplexity=logs["perplexity"], notes=data.get("notes", ()))
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
 """The README stays true: its policy table matches the registry, and CI runs its test command."""
 
+import json
 import pathlib
 import re
 
@@ -40,6 +41,18 @@ def test_benchmarks_md_is_generated_from_the_result_files():
     assert benchmarks_md.render(ROOT / "benchmarks" / "results") == text, (
         "BENCHMARKS.md is generated: edit benchmarks/results/*.json and run `python -m kvpress.evals.benchmarks_md`"
     )
+
+
+def test_tables_with_committed_logs_rebuild_from_them():
+    """A result file that names its per-cell logs (benchmarks/results/logs/) is what
+    `python -m kvpress.evals.result_table` makes of them today."""
+    from kvpress.evals import result_table
+
+    files = [p for p in sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+             if "logs" in json.loads(p.read_text(encoding="utf-8"))]
+    for path in files:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        assert result_table.rebuild(data) == data, f"{path.name} differs from a rebuild from {data['logs']['folders']}"
 
 
 def test_a_bad_result_file_is_a_clear_error(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvpress.cli import main
@@ -285,8 +287,6 @@ def test_two_configurations_of_one_task_stay_apart():
 def test_result_table_file_from_eval_logs(tmp_path):
     """`python -m kvpress.evals.result_table` writes a BENCHMARKS result file: scores with counts,
     ratios to full on the same samples, full's answers kept, and resident bytes."""
-    import json
-
     from kvpress.evals import benchmarks_md
     from kvpress.evals.result_table import main as table_main
 
@@ -306,9 +306,31 @@ def test_result_table_file_from_eval_logs(tmp_path):
     assert quest[4] == "0.500 (2)" and quest[5].startswith("50% [") and quest[6] == "1 of 2"
     assert quest[-2:] == ["1.0", "0.12x"]
     benchmarks_md.load(out)  # a valid result file
+    assert "logs" not in data  # folders outside benchmarks/results/logs are not recorded
     with pytest.raises(SystemExit):
         table_main([str(tmp_path / "runs"), "--length", "99", "--title", "T", "--section", "quality",
                     "--command", "c", "--machine", "m", "--out", str(out)])
+
+
+def test_result_table_records_committed_logs_and_rebuilds_from_them(tmp_path, monkeypatch):
+    """Folders under benchmarks/results/logs are named in the result file, which BENCHMARKS.md
+    shows and `rebuild` reproduces; a changed log changes the rebuild."""
+    from kvpress.evals import benchmarks_md, result_table
+
+    monkeypatch.setattr(result_table, "ROOT", tmp_path)
+    monkeypatch.setattr(result_table, "LOGS", tmp_path / "benchmarks" / "results" / "logs")
+    folder = result_table.LOGS / "t"
+    folder.mkdir(parents=True)
+    for record in _records():
+        res.append_record(folder, {**record, "time": "2026-11-28T10:00:00Z"})
+    data = result_table.build([folder], length=1024, title="T", section="quality", order=0,
+                              command="kvpress eval ...", machine="m", tasks=["easy", "mixed"])
+    assert data["logs"] == {"folders": ["benchmarks/results/logs/t"], "length": 1024, "tasks": ["easy", "mixed"],
+                            "perplexity": False}
+    assert result_table.rebuild(json.loads(json.dumps(data))) == data
+    assert "`benchmarks/results/logs/t/`" in benchmarks_md.render_table(data)
+    res.append_record(folder, {**_cell("quest", "easy", 4, 0.0, budget=256), "time": "2026-11-29T10:00:00Z"})
+    assert result_table.rebuild(data)["date"] == "2026-11-29"
 
 
 def test_policy_summary_pairs_each_cell_with_full_on_its_sample():
