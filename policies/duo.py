@@ -58,7 +58,8 @@ class DuoPolicy(Policy):
         0.5. None = use ``threshold``. On a model with few heads the rounding matters: Gemma 3 270M
         has 3 global KV heads, and streaming 1 of them keeps 63 of ``full``'s 63 answers at 16k
         where streaming 2 (``sparsity=0.67``) keeps 2 of 32 on the first 16 samples (budget 1024;
-        BENCHMARKS.md "Gemma 3 270M at 16k tokens").
+        BENCHMARKS.md "Gemma 3 270M at 16k tokens"); streaming 1 keeps 62 at budget 512 and 63 at
+        2048 ("... the policies with their own prefill at budgets 512 and 2048").
     threshold : float
         With ``sparsity=None``: heads with gate < threshold (0.5) stream.
     sink_tokens, window_size : int
