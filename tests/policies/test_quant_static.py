@@ -43,7 +43,10 @@ def test_static_steps_equal_eager_ones(llama, config, prompt_len):
     static, static_logits, static_cache, graphs = _run(llama, policy, prompt, compiled=True)
     assert static == eager
     assert 1 <= graphs <= 2
-    torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    # Inductor's fused CPU kernels round differently from eager ops, and by how much depends on the
+    # CPU's vector width (2e-4 on one Xeon, below 1e-4 on an EPYC): the tokens must match exactly,
+    # the next turn's logits to float noise.
+    torch.testing.assert_close(static_logits, eager_logits, atol=1e-3, rtol=1e-3)
     for a, b in zip(static_cache.layers, eager_cache.layers):
         assert (a.seen, a.n_quant, a.win_len) == (b.seen, b.n_quant, b.win_len)
         assert a.n_quant > 0  # flushes happened, the first ones inside the compiled steps for the short prompt
