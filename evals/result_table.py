@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from . import results as res
+from .benchmarks_md import RESULTS, ROOT
 from .report import (REFERENCE, bootstrap_ratio, budget_sort_key, load, paired_scores, percent, perplexity_table,
                      score_table, task_mean)
 
@@ -104,8 +105,7 @@ def perplexity_rows(records: list[dict], length: int) -> tuple[list[str], list[l
     return ["policy", "perplexity", "`full` / policy", "resident KV MiB"], rows
 
 
-ROOT = Path(__file__).resolve().parents[1]
-LOGS = ROOT / "benchmarks" / "results" / "logs"
+LOGS = RESULTS / "logs"
 
 
 def committed_logs(folders) -> list[str] | None:
