@@ -72,7 +72,8 @@ def checkout_commit(package_init: Path) -> tuple[str | None, bool | None]:
 
     The checkout must be the package's own: its top level is the folder above the package and it
     tracks ``package_init``; otherwise, or without git, ``(None, None)``. ``dirty``: tracked files
-    differ from the commit.
+    differ from the commit. Committed per-cell logs (``benchmarks/results/logs/``) do not count: a
+    run that resumes into them appends to a tracked file, and the code is still the commit's.
     """
     root = package_init.parent.parent
     try:
@@ -81,7 +82,8 @@ def checkout_commit(package_init: Path) -> tuple[str | None, bool | None]:
             return None, None
         _git(root, "ls-files", "--error-unmatch", str(package_init.relative_to(root)))  # fails if untracked
         sha = _git(root, "rev-parse", "HEAD").strip() or None
-        dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no").strip())
+        dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".",
+                           ":(exclude)benchmarks/results/logs").strip())
     except (OSError, ValueError, subprocess.SubprocessError):
         return None, None
     return sha, dirty

@@ -253,10 +253,16 @@ def test_results_record_the_commit_of_kvpress_own_checkout_only(tmp_path):
     (own / "kvpress").mkdir(parents=True)
     (own / "kvpress" / "__init__.py").write_text("")
     git(own, "init", "-q")
-    git(own, "add", "kvpress/__init__.py")
+    logs = own / "benchmarks" / "results" / "logs" / "run"
+    logs.mkdir(parents=True)
+    (logs / "results.jsonl").write_text("{}\n")
+    git(own, "add", "kvpress/__init__.py", "benchmarks")
     git(own, "commit", "-qm", "kvpress")
     sha, dirty = checkout_commit(own / "kvpress" / "__init__.py")
     assert len(sha) == 40 and dirty is False
+    # a run resuming into committed per-cell logs appends to a tracked file: the code is still clean
+    (logs / "results.jsonl").write_text("{}\n{}\n")
+    assert checkout_commit(own / "kvpress" / "__init__.py")[1] is False
     (own / "kvpress" / "__init__.py").write_text("changed = 1\n")
     assert checkout_commit(own / "kvpress" / "__init__.py")[1] is True
     assert checkout_commit(tmp_path / "nowhere" / "kvpress" / "__init__.py") == (None, None)
